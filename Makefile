@@ -1,0 +1,28 @@
+# The two commands a newcomer runs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/xla-strategies demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.compile_overhead
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info
