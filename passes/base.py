@@ -1,0 +1,66 @@
+"""What every pass is: a frozen dataclass with a kebab-case `name` and a `run` method."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from xla_strategies.passes.ir import Graph
+
+
+@dataclass
+class PassContext:
+    """What passes may read besides the graph.
+
+    Attributes:
+        mesh_axes: mesh axis name -> size, in mesh order.
+        topology: the strategy's topology, when it has one (used by the cost model).
+        stats: counters and timings passes and instruments record, keyed by pass name.
+        remarks: human-readable notes passes leave for the dump (why a rewrite did not fire).
+    """
+
+    mesh_axes: Mapping[str, int]
+    topology: Any = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    remarks: list[str] = field(default_factory=list)
+
+    @property
+    def num_replicas(self) -> int:
+        total = 1
+        for size in self.mesh_axes.values():
+            total *= size
+        return total
+
+
+class Pass:
+    """Base of all passes. Subclasses are `@dataclass(frozen=True)`; fields are options.
+
+    `run(graph, ctx)` rewrites `graph` in place and returns whether it changed anything.
+    """
+
+    name: ClassVar[str] = ""
+
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def option_names(cls) -> dict[str, str]:
+        """Spec-string option name (kebab-case) -> dataclass field name."""
+        return {f.name.replace("_", "-"): f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+    def spec(self) -> str:
+        """This pass as it is written in a pipeline spec, options included."""
+        options = [
+            f"{f.name.replace('_', '-')}={_format_option(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != f.default
+        ]
+        return f"{self.name}{{{' '.join(options)}}}" if options else self.name
+
+
+def _format_option(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,150 @@
+"""The pass pipeline: an ordered list of passes, itself a pass, with instruments around each.
+
+Built from pass objects or from an MLIR-style spec string:
+
+    insert-reductions,combine-all-reduces{threshold-bytes=4194304 first-bucket-bytes=1048576}
+
+The verifier runs after every pass. Other instruments (timer, dumper, IR printer) see each
+pass before and after it runs. A failing pass re-raises its own exception with a note that
+names the passes that ran before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.verifier import verify
+
+
+class PipelineSpecError(ValueError):
+    """A pipeline spec string names an unknown pass or option, or is malformed."""
+
+
+class Instrument:
+    """Hooks around each pass of a pipeline. All methods are optional."""
+
+    def before_pipeline(self, graph: Graph, ctx: PassContext) -> None: ...
+
+    def after_pass(
+        self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class PassPipeline(Pass):
+    """Runs `passes` in order. A pass whose name is in `disabled` is skipped."""
+
+    name: ClassVar[str] = "pipeline"
+    passes: tuple[Pass, ...] = ()
+    instruments: tuple[Instrument, ...] = ()
+    disabled: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_spec(cls, spec: str, **kwargs: Any) -> PassPipeline:
+        return cls(passes=tuple(parse_spec(spec)), **kwargs)
+
+    def spec(self) -> str:
+        return ",".join(p.spec() for p in self.passes)
+
+    def with_instruments(self, *instruments: Instrument) -> PassPipeline:
+        return dataclasses.replace(self, instruments=self.instruments + instruments)
+
+    def run(self, graph: Graph, ctx: PassContext, stop_after: str | None = None) -> bool:
+        """Run the passes; with `stop_after`, stop once the pass of that name has run."""
+        known = [p.name for p in self.passes]
+        if stop_after is not None and stop_after not in known:
+            raise PipelineSpecError(f"no pass named {stop_after!r} in this pipeline ({', '.join(known)})")
+        for instrument in self.instruments:
+            instrument.before_pipeline(graph, ctx)
+        history = ["capture"]
+        changed_any = False
+        for pass_ in self.passes:
+            if pass_.name in self.disabled:
+                continue
+            start = time.perf_counter()
+            try:
+                changed = pass_.run(graph, ctx)
+                verify(graph, ctx.mesh_axes)
+            except Exception as exc:
+                exc.add_note(f"while running pass '{pass_.name}'; passes run before it: {', '.join(history)}")
+                raise
+            seconds = time.perf_counter() - start
+            for instrument in self.instruments:
+                instrument.after_pass(pass_, graph, ctx, changed, seconds)
+            history.append(pass_.name)
+            changed_any |= changed
+            if pass_.name == stop_after:
+                break
+        return changed_any
+
+
+@dataclass
+class PassTimer(Instrument):
+    """Records each pass's wall time (seconds) under `ctx.stats["pass_seconds"]`."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def after_pass(self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float) -> None:
+        self.seconds[pass_.name] = self.seconds.get(pass_.name, 0.0) + seconds
+        ctx.stats.setdefault("pass_seconds", {})[pass_.name] = self.seconds[pass_.name]
+
+
+# spec strings
+
+_PASS = re.compile(r"\s*([a-z][a-z0-9\-]*)\s*(\{[^{}]*\})?\s*(,|$)")
+
+
+def parse_spec(spec: str) -> list[Pass]:
+    """`"a,b{opt=1 other=x}"` -> `[A(), B(opt=1, other="x")]`, from the registry."""
+    from xla_strategies.passes import PASS_REGISTRY
+
+    passes: list[Pass] = []
+    pos = 0
+    spec = spec.strip()
+    while pos < len(spec):
+        found = _PASS.match(spec, pos)
+        if not found:
+            raise PipelineSpecError(f"malformed pipeline spec at column {pos + 1}: {spec[pos:]!r}")
+        name, options = found.group(1), found.group(2)
+        if name not in PASS_REGISTRY:
+            raise PipelineSpecError(
+                f"unknown pass {name!r}; known passes: {', '.join(sorted(PASS_REGISTRY))}"
+            )
+        passes.append(_instantiate(PASS_REGISTRY[name], options[1:-1] if options else ""))
+        pos = found.end()
+    return passes
+
+
+def _instantiate(cls: type[Pass], options: str) -> Pass:
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for item in options.replace(",", " ").split():
+        key, sep, raw = item.partition("=")
+        attr = cls.option_names().get(key)
+        if not sep or attr is None:
+            known = ", ".join(cls.option_names()) or "none"
+            raise PipelineSpecError(f"pass {cls.name!r} has no option {key!r} (options: {known})")
+        kwargs[attr] = _convert(raw, fields[attr].type, f"{cls.name}{{{key}}}")
+    return cls(**kwargs)
+
+
+def _convert(raw: str, annotation: Any, where: str) -> Any:
+    kind = str(annotation)
+    try:
+        if "bool" in kind:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if "int" in kind:
+            return int(raw)
+        if "float" in kind:
+            return float(raw)
+    except ValueError:
+        raise PipelineSpecError(f"option {where}: cannot read {raw!r} as {kind}") from None
+    return raw
