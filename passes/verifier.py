@@ -75,7 +75,7 @@ def _check_node(node: Node, mesh_axes: Mapping[str, int] | None) -> list[str]:
         message = _check_regions(node)
         if message:
             problems.append(message)
-    check = _SHAPE_RULES.get(node.primitive if node.is_foreign else node.op)
+    check = None if node.is_foreign else _SHAPE_RULES.get(node.op)
     if check is not None:
         message = check(node, mesh_axes or {})
         if message:

@@ -1,0 +1,39 @@
+"""xla_strategies: tf.distribute's Strategy API for JAX, built as a compiler.
+
+    strategy = xs.MirroredStrategy()
+
+    @strategy.compile
+    def train_step(params, opt_state, batch): ...   # per-replica view
+"""
+
+from xla_strategies.compiled_step import CompiledStep
+from xla_strategies.context import (
+    ReplicaContext,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from xla_strategies.mirrored import MirroredStrategy
+from xla_strategies.one_device import OneDeviceStrategy
+from xla_strategies.passes.insert_reductions import MirroredOutputError
+from xla_strategies.passes.jax_capture import UnknownAxisError
+from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.strategy import Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompiledStep",
+    "MirroredOutputError",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "UnknownAxisError",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

@@ -1,0 +1,273 @@
+"""Capture: trace a per-replica step into the IR.
+
+The step is traced with `jax.make_jaxpr` inside `jax.shard_map(check_vma=True)` on the
+concrete mesh's abstract mesh. JAX's varying-axes types then place a reduction exactly where
+a mirrored value's gradient is complete: the transpose of `pvary` is `psum_invariant`. A
+`jax.named_scope` around that transpose rule marks those reductions, so the importer can tell
+autodiff's reductions from the ones the user wrote, also inside loop bodies.
+
+Importing: collectives become first-class nodes, `pvary` a varying-type change, `jit` and
+custom_jvp/vjp calls are inlined (autodiff has already happened), `scan`, `while`, `cond`
+and `remat2` keep their bodies as regions, and everything else becomes a foreign node that
+carries its equation for the lowering. Only this module and `jax_lowering` read jaxprs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from xla_strategies.passes.ir import Graph, Node, Value
+
+AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
+_INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
+_REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
+_SMALL_CONSTANT = 8  # constants up to this many elements print their value in the IR
+
+
+class UnknownAxisError(ValueError):
+    """The step uses a collective over an axis the strategy's mesh does not have."""
+
+
+@dataclass
+class CapturedStep:
+    graph: Graph
+    out_tree: Any
+
+
+def capture(
+    fn: Callable[..., Any],
+    flat_args: Sequence[jax.ShapeDtypeStruct],
+    in_tree: Any,
+    mesh: Mesh,
+    per_replica: Sequence[bool],
+    *,
+    input_names: Sequence[str] = (),
+    output_prefix: str = "out",
+    name: str = "step",
+) -> CapturedStep:
+    """Trace `fn(*tree_unflatten(in_tree, flat_args))` per replica and import it.
+
+    Args:
+        fn: the user's per-replica step.
+        flat_args: global shapes and dtypes of the flattened arguments.
+        in_tree: the treedef of the arguments.
+        mesh: the concrete mesh; all of its axes together form the replica axis.
+        per_replica: per flat argument, whether it is split across replicas on dim 0.
+        input_names: pytree paths of the flat arguments, for the IR and errors.
+        output_prefix: prefix for output pytree paths.
+        name: the graph's name.
+    """
+    _tag_autodiff_reductions()
+    axes = tuple(mesh.axis_names)
+    replica_spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
+    specs = tuple(replica_spec if split else PartitionSpec() for split in per_replica)
+    box: dict[str, Any] = {}
+
+    def flat_step(*flat):
+        return fn(*jax.tree.unflatten(in_tree, flat))
+
+    def body(*flat):
+        box["jaxpr"], box["out_shape"] = jax.make_jaxpr(flat_step, return_shape=True)(*flat)
+        return ()
+
+    traced = jax.shard_map(
+        body, mesh=mesh.abstract_mesh, in_specs=specs, out_specs=(), check_vma=True
+    )
+    try:
+        jax.make_jaxpr(traced)(*flat_args)
+    except (AssertionError, NameError, ValueError) as exc:
+        _raise_if_unknown_axis(exc, axes)
+        raise
+    closed = box["jaxpr"]
+    leaves_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(box["out_shape"])
+    graph = _Importer().graph(closed.jaxpr, closed.consts, name)
+    for value, label in zip(graph.inputs, input_names, strict=False):
+        value.name = label
+    graph.output_names = [output_prefix + jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
+    return CapturedStep(graph, out_tree)
+
+
+@functools.cache
+def _tag_autodiff_reductions() -> None:
+    """Wrap pvary's transpose rule in a named scope, once per process. It only adds op
+    metadata; the reductions themselves are JAX's own."""
+    from jax._src import core
+    from jax._src.interpreters import ad
+
+    rule = ad.primitive_transposes[core.pvary_p]
+
+    def tagged(*args, **kwargs):
+        with jax.named_scope(AUTODIFF_SCOPE):
+            return rule(*args, **kwargs)
+
+    ad.primitive_transposes[core.pvary_p] = tagged
+
+
+def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...]) -> None:
+    """JAX reports an unbound collective axis as a bare assertion; name the axis instead."""
+    tb = exc.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        for key in ("axis_name", "axes", "names"):
+            names = local.get(key)
+            names = (names,) if isinstance(names, str) else names
+            if isinstance(names, tuple) and all(isinstance(n, str) for n in names):
+                unknown = [n for n in names if n not in axes]
+                if unknown:
+                    raise UnknownAxisError(
+                        f"the step uses a collective over axis {unknown[0]!r}, but the strategy's "
+                        f"mesh has only the axes {list(axes)}; use xs.get_replica_context()"
+                        ".all_reduce(...) or the strategy's axis names"
+                    ) from exc
+        tb = tb.tb_next
+
+
+def _value(aval: Any) -> Value:
+    varying = getattr(getattr(aval, "mat", None), "varying", None)
+    if varying is None:
+        varying = getattr(aval, "vma", frozenset())
+    dtype = str(getattr(aval, "dtype", "token"))
+    return Value(tuple(getattr(aval, "shape", ())), dtype, frozenset(varying))
+
+
+def _jsonable(value: Any) -> Any:
+    """Params that print well in the IR (ints, strings, nested tuples); None otherwise."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        items = [_jsonable(v) for v in value]
+        return (
+            None
+            if any(i is None and v is not None for i, v in zip(items, value, strict=True))
+            else items
+        )
+    if isinstance(value, np.dtype):
+        return str(value)
+    return None
+
+
+def _axes(params: dict[str, Any]) -> list[str]:
+    names = params.get("axes", params.get("axis_name"))
+    return [names] if isinstance(names, str) else list(names)
+
+
+class _Importer:
+    """Turns a jaxpr into IR, one region per nested loop or branch body."""
+
+    def graph(self, jaxpr: jex.Jaxpr, consts: Sequence[Any], name: str) -> Graph:
+        graph = Graph(
+            inputs=[_value(v.aval) for v in jaxpr.invars], nodes=[], outputs=[], name=name
+        )
+        graph.outputs = self.emit(graph, jaxpr, consts, graph.inputs)
+        return graph
+
+    def emit(
+        self, graph: Graph, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Value]
+    ) -> list[Value]:
+        """Append `jaxpr`'s equations to `graph`, reading `args`; return its output values."""
+        env: dict[Any, Value] = dict(zip(jaxpr.invars, args, strict=True))
+        for var, const in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = self.constant(graph, const, var.aval)
+
+        def read(atom: Any) -> Value:
+            if isinstance(atom, jex.Literal):
+                return self.constant(graph, atom.val, atom.aval)
+            return env[atom]
+
+        for eqn in jaxpr.eqns:
+            inputs = [read(v) for v in eqn.invars]
+            outputs = self.equation(graph, eqn, inputs)
+            env.update(zip(eqn.outvars, outputs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    def constant(self, graph: Graph, value: Any, aval: Any) -> Value:
+        out = _value(aval)
+        array = np.asarray(value)
+        shown = (
+            array.tolist()
+            if array.size <= _SMALL_CONSTANT and array.dtype.kind in "biuf"
+            else "elided"
+        )
+        graph.nodes.append(Node("constant", [], [out], {"value": shown}, payload=value))
+        return out
+
+    def equation(self, graph: Graph, eqn: jex.JaxprEqn, inputs: list[Value]) -> list[Value]:
+        prim, params = eqn.primitive.name, eqn.params
+        if prim in _INLINE:
+            sub = params.get("jaxpr", params.get("call_jaxpr", params.get("fun_jaxpr")))
+            return self.emit(graph, sub.jaxpr, sub.consts, inputs)
+        outputs = [_value(v.aval) for v in eqn.outvars]
+        node = self.known_node(eqn, inputs, outputs) or self.region_node(eqn, inputs, outputs)
+        if node is None:
+            attrs = {k: j for k, v in params.items() if (j := _jsonable(v)) is not None}
+            node = Node("jax." + prim, inputs, outputs, attrs, payload=eqn)
+        graph.nodes.append(node)
+        return outputs
+
+    def known_node(
+        self, eqn: jex.JaxprEqn, inputs: list[Value], outputs: list[Value]
+    ) -> Node | None:
+        prim, params = eqn.primitive.name, eqn.params
+        if params.get("axis_index_groups") is not None:
+            return None  # grouped collectives stay opaque
+        if prim in _REDUCE:
+            origin = "autodiff" if AUTODIFF_SCOPE in str(eqn.source_info.name_stack) else "user"
+            attrs = {"axes": _axes(params), "reduce_op": _REDUCE[prim], "origin": origin}
+            return Node("all_reduce", inputs, outputs, attrs)
+        if prim == "pvary":
+            return Node("pvary", inputs, outputs, {"axes": _axes(params)})
+        if prim == "all_gather" and params.get("tiled"):
+            attrs = {"axes": _axes(params), "dimension": params["all_gather_dimension"]}
+            return Node("all_gather", inputs, outputs, attrs)
+        if prim == "reduce_scatter" and params.get("tiled"):
+            attrs = {
+                "axes": _axes(params),
+                "dimension": params["scatter_dimension"],
+                "reduce_op": "sum",
+            }
+            return Node("reduce_scatter", inputs, outputs, attrs)
+        if prim == "ppermute":
+            attrs = {"axes": _axes(params), "perm": _jsonable(params["perm"])}
+            return Node("collective_permute", inputs, outputs, attrs)
+        if prim == "all_to_all" and params.get("tiled"):
+            attrs = {
+                "axes": _axes(params),
+                "split_axis": params["split_axis"],
+                "concat_axis": params["concat_axis"],
+            }
+            return Node("all_to_all", inputs, outputs, attrs)
+        return None
+
+    def region_node(
+        self, eqn: jex.JaxprEqn, inputs: list[Value], outputs: list[Value]
+    ) -> Node | None:
+        prim, params = eqn.primitive.name, eqn.params
+        if prim == "scan":
+            keys = ("num_consts", "num_carry", "length", "reverse", "unroll")
+            bodies = [params["jaxpr"]]
+        elif prim == "while":
+            keys = ("cond_nconsts", "body_nconsts")
+            bodies = [params["cond_jaxpr"], params["body_jaxpr"]]
+        elif prim == "cond":
+            keys, bodies = (), list(params["branches"])
+        elif prim == "remat2":
+            keys = ("prevent_cse", "differentiated")
+            bodies = [jex.ClosedJaxpr(params["jaxpr"], ())]
+        else:
+            return None
+        attrs = {k: _jsonable(params[k]) for k in keys}
+        regions = [
+            self.graph(body.jaxpr, body.consts, f"{prim}.region{i}")
+            for i, body in enumerate(bodies)
+        ]
+        return Node("jax." + prim, inputs, outputs, attrs, regions=regions, payload=eqn)

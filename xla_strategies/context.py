@@ -1,0 +1,116 @@
+"""Which strategy is in scope, and the replica context inside a step.
+
+As in tf.distribute: inside `strategy.scope()`, `get_strategy()` returns that strategy and
+`get_replica_context()` returns None (cross-replica context); inside a compiled step it
+returns the step's `ReplicaContext`; outside both there is a default one-replica context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax import lax
+
+from xla_strategies.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from xla_strategies.strategy import Strategy
+
+_local = threading.local()
+
+
+def _stack(name: str) -> list[Any]:
+    if not hasattr(_local, name):
+        setattr(_local, name, [])
+    return getattr(_local, name)
+
+
+class ReplicaContext:
+    """What a step sees of its replica group. Collectives act on every replica of the step.
+
+    Attributes:
+        num_replicas_in_sync: the number of replicas running the step together.
+    """
+
+    def __init__(self, axes: tuple[str, ...], num_replicas: int) -> None:
+        self._axes = axes
+        self.num_replicas_in_sync = num_replicas
+
+    @property
+    def replica_id_in_sync_group(self) -> Any:
+        """This replica's index, 0 .. num_replicas_in_sync - 1 (a traced int32)."""
+        return lax.axis_index(self._axes) if self._axes else 0
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """Reduce every leaf of `value` across replicas; every replica gets the result."""
+        op = ReduceOp.of(reduce_op)
+        if not self._axes:
+            return value
+        reducer = {
+            ReduceOp.SUM: lax.psum, ReduceOp.MEAN: lax.pmean,
+            ReduceOp.MAX: lax.pmax, ReduceOp.MIN: lax.pmin,
+        }[op]
+        return jax.tree.map(lambda leaf: reducer(leaf, self._axes), value)
+
+
+_DEFAULT_REPLICA_CONTEXT = ReplicaContext((), 1)
+
+
+@contextlib.contextmanager
+def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
+    stack = _stack("strategies")
+    stack.append(strategy)
+    try:
+        yield strategy
+    finally:
+        stack.pop()
+
+
+@contextlib.contextmanager
+def replica_scope(strategy: Strategy, context: ReplicaContext) -> Iterator[ReplicaContext]:
+    with strategy_scope(strategy):
+        stack = _stack("replicas")
+        stack.append(context)
+        try:
+            yield context
+        finally:
+            stack.pop()
+
+
+def get_strategy() -> Strategy:
+    """The strategy in scope, or the default `OneDeviceStrategy` outside any scope."""
+    stack = _stack("strategies")
+    if stack:
+        return stack[-1]
+    return _default_strategy()
+
+
+def has_strategy() -> bool:
+    return bool(_stack("strategies"))
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The step's replica context, None in a strategy's cross-replica scope, else a default."""
+    replicas = _stack("replicas")
+    if replicas:
+        return replicas[-1]
+    return None if _stack("strategies") else _DEFAULT_REPLICA_CONTEXT
+
+
+def in_cross_replica_context() -> bool:
+    return bool(_stack("strategies")) and not _stack("replicas")
+
+
+_default: list[Strategy] = []
+
+
+def _default_strategy() -> Strategy:
+    if not _default:
+        from xla_strategies.one_device import OneDeviceStrategy
+
+        _default.append(OneDeviceStrategy())
+    return _default[0]

@@ -1,0 +1,183 @@
+"""The `Strategy` base: a strategy answers layout questions and holds no algorithm.
+
+It knows its devices and mesh, how inputs are placed, and which pass pipeline its steps
+run. Values are plain `jax.Array`s: per-replica values are stacked on a leading replica axis
+and sharded over it, mirrored values are replicated. Their sharding says which is which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xla_strategies.compiled_step import CompiledStep
+from xla_strategies.context import strategy_scope
+from xla_strategies.passes.insert_reductions import InsertReductions
+from xla_strategies.passes.pipeline import PassPipeline, parse_spec
+from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.runtime.distributed_dataset import DistributedDataset
+from xla_strategies.trees import map_arrays
+
+
+class Strategy:
+    """Shared API of all strategies (`OneDeviceStrategy`, `MirroredStrategy`, ...)."""
+
+    #: The pass pipeline every compiled step runs unless `compile(pipeline=...)` says otherwise.
+    default_pipeline: ClassVar[str] = "insert-reductions"
+    #: The label of this strategy's pipeline in dump file names.
+    pipeline_label: ClassVar[str] = "strategy"
+
+    def __init__(self, devices: Sequence[jax.Device], axis_names: tuple[str, ...] = ("replica",)) -> None:
+        self._mesh = Mesh(np.asarray(devices, dtype=object).reshape(-1), axis_names)
+        self._compiled_runs: dict[Callable[..., Any], CompiledStep] = {}
+
+    # layout questions
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return tuple(self._mesh.devices.flat)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._mesh.devices.size
+
+    @property
+    def topology(self) -> Any:
+        """The strategy's interconnect topology for the cost model; None when unknown."""
+        return None
+
+    def input_spec(self, per_replica: bool) -> PartitionSpec:
+        """Per-replica inputs split dim 0 over all mesh axes; mirrored ones are whole."""
+        if not per_replica:
+            return PartitionSpec()
+        axes = tuple(self._mesh.axis_names)
+        return PartitionSpec(axes if len(axes) > 1 else axes[0])
+
+    def is_per_replica(self, array: Any) -> bool:
+        """An array is per-replica when it is split over this strategy's replicas on dim 0."""
+        sharding = getattr(array, "sharding", None)
+        return (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh.devices.shape == self._mesh.devices.shape
+            and np.array_equal(sharding.mesh.devices, self._mesh.devices)
+            and sharding.spec[:1] == self.input_spec(True)[:1]
+        )
+
+    def pipeline(self, gradient_reduction: ReduceOp, spec: str | PassPipeline | None = None) -> PassPipeline:
+        """The pass pipeline for a step, with the step's gradient reduction filled in."""
+        if isinstance(spec, PassPipeline):
+            passes = list(spec.passes)
+        else:
+            passes = parse_spec(self.default_pipeline if spec is None else spec)
+        passes = [
+            dataclasses.replace(p, gradient_reduction=gradient_reduction.value)
+            if isinstance(p, InsertReductions) else p
+            for p in passes
+        ]
+        return PassPipeline(passes=tuple(passes))
+
+    # tf.distribute's API
+
+    def scope(self):  # noqa: ANN201 - a context manager yielding the strategy
+        """Inside it, `xs.get_strategy()` returns this strategy."""
+        return strategy_scope(self)
+
+    def replicate(self, tree: Any) -> Any:
+        """Copy every array of `tree` to all replicas (mirrored)."""
+        sharding = NamedSharding(self._mesh, PartitionSpec())
+        return map_arrays(lambda a, _: jax.device_put(a, sharding), tree, "replicate(tree)")
+
+    def compile(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+        """Compile a per-replica step; use as `@strategy.compile` or `@strategy.compile(...)`.
+
+        Options: `gradient_reduction` (ReduceOp.MEAN or SUM), `mirrored_outputs` (a pytree
+        prefix of bools over the outputs), `pipeline` (a spec string or `PassPipeline`),
+        `donate` (donate state buffers, default True), `name`.
+        """
+        if fn is None:
+            return lambda f: CompiledStep(self, f, **options)
+        return CompiledStep(self, fn, **options)
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Run `fn` once on every replica; per-replica outputs come back stacked."""
+        if fn not in self._compiled_runs:
+            self._compiled_runs[fn] = CompiledStep(self, fn, donate=False)
+        return self._compiled_runs[fn](*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combine per-replica values across replicas, and along `axis` of each if given."""
+        op = ReduceOp.of(reduce_op)
+        return map_arrays(lambda a, where: self._reduce_leaf(op, a, axis, where), value, "reduce(value)")
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate per-replica values along `axis` (of each replica's value)."""
+        def leaf(a: Any, where: str) -> Any:
+            parts = self._per_replica_parts(a)
+            _check_axis(axis, parts[0].ndim, where)
+            return jnp.concatenate(parts, axis=axis)
+
+        return map_arrays(leaf, value, "gather(value)")
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """A tuple with each local replica's part of `value`, each on that replica's device."""
+        local = [d for d in self.devices if d.process_index == jax.process_index()]
+        per_leaf = map_arrays(lambda a, _: self._local_parts(a, local), value, "value")
+        return tuple(
+            jax.tree.map(lambda parts, i=i: parts[i], per_leaf, is_leaf=lambda x: isinstance(x, list))
+            for i in range(len(local))
+        )
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DistributedDataset:
+        """Split each global batch of `dataset` on axis 0 across the replicas."""
+        return DistributedDataset(self, dataset)
+
+    # helpers
+
+    def _is_stacked(self, array: Any) -> bool:
+        return self.is_per_replica(array) and array.shape[:1] == (self.num_replicas_in_sync,)
+
+    def _per_replica_parts(self, array: Any) -> list[Any]:
+        if self._is_stacked(array):
+            return [array[i] for i in range(self.num_replicas_in_sync)]
+        return [jnp.asarray(array)] * self.num_replicas_in_sync
+
+    def _reduce_leaf(self, op: ReduceOp, array: Any, axis: int | None, where: str) -> Any:
+        stacked = self._is_stacked(array)
+        per_replica_ndim = array.ndim - 1 if stacked else array.ndim
+        if axis is not None:
+            _check_axis(axis, per_replica_ndim, where)
+        axes = ([0] if stacked else []) + ([axis % per_replica_ndim + int(stacked)] if axis is not None else [])
+        x = jnp.asarray(array)
+        if op is ReduceOp.SUM:
+            total = jnp.sum(x, axis=tuple(axes)) if axes else x
+            return total if stacked else total * self.num_replicas_in_sync
+        reducer = {ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}[op]
+        return reducer(x, axis=tuple(axes)) if axes else x
+
+    def _local_parts(self, array: Any, devices: list[jax.Device]) -> list[Any]:
+        if not isinstance(array, jax.Array):
+            return [jax.device_put(array, d) for d in devices]
+        stacked = self._is_stacked(array)
+        shards = {s.device: s.data for s in array.addressable_shards}
+        if all(d in shards for d in devices):
+            return [shards[d][0] if stacked else shards[d] for d in devices]
+        parts = self._per_replica_parts(array)
+        return [jax.device_put(part, d) for part, d in zip(parts, devices, strict=False)]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _check_axis(axis: int, ndim: int, where: str) -> None:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis} is out of range for {where}, whose per-replica value has {ndim} dimensions")

@@ -1,0 +1,36 @@
+"""Pytree helpers shared by the strategies: paths for error messages, array checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def path_str(prefix: str, path: tuple[Any, ...]) -> str:
+    """`("args", (SequenceKey(0), DictKey('w')))` -> `args[0]['w']`."""
+    return prefix + jax.tree_util.keystr(path)
+
+
+def as_array(leaf: Any, where: str) -> Any:
+    """Return `leaf` as an array (jax.Array kept as is); raise TypeError naming `where`."""
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic):
+        return leaf
+    if isinstance(leaf, bool | int | float | complex):
+        return np.asarray(leaf)
+    raise TypeError(
+        f"{where} is a {type(leaf).__name__}, not an array; only arrays (jax.Array, "
+        "numpy arrays or Python numbers) can be passed to replicas"
+    )
+
+
+def map_arrays(fn: Callable[[Any, str], Any], tree: Any, prefix: str) -> Any:
+    """`fn(array, path)` on every leaf of `tree`, after checking each leaf is an array."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    results = []
+    for path, leaf in leaves:
+        where = path_str(prefix, path)
+        results.append(fn(as_array(leaf, where), where))
+    return jax.tree_util.tree_unflatten(treedef, results)
