@@ -199,7 +199,7 @@ class CompiledStep:
 def _put(leaf: Any, sharding: NamedSharding) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
-    return jax.device_put(leaf, sharding)
+    return jax.device_put(leaf, sharding, may_alias=False)  # never donate a caller's buffer
 
 
 def _arg_path(path: tuple[Any, ...]) -> str:

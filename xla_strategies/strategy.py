@@ -95,7 +95,7 @@ class Strategy:
     def replicate(self, tree: Any) -> Any:
         """Copy every array of `tree` to all replicas (mirrored)."""
         sharding = NamedSharding(self._mesh, PartitionSpec())
-        return map_arrays(lambda a, _: jax.device_put(a, sharding), tree, "replicate(tree)")
+        return map_arrays(lambda a, _: jax.device_put(a, sharding, may_alias=False), tree, "replicate(tree)")
 
     def compile(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
         """Compile a per-replica step; use as `@strategy.compile` or `@strategy.compile(...)`.

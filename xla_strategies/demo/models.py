@@ -1,0 +1,118 @@
+"""Reference models for the demo, the examples and the tests (flax NNX).
+
+`MLP` is a small classifier. `TransformerLM` is a GPT-style decoder whose blocks are stacked
+and run under `nnx.scan` with `nnx.remat`, with the output projection tied to the input
+embedding: the shape of program whose reductions the compiler has to get right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class MLP(nnx.Module):
+    def __init__(self, sizes: tuple[int, ...], *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
+        self.layers = nnx.List(
+            [nnx.Linear(a, b, rngs=rngs, param_dtype=dtype, dtype=dtype) for a, b in zip(sizes, sizes[1:])]
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers[:-1]:
+            x = jax.nn.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab: int = 64
+    width: int = 32
+    heads: int = 2
+    layers: int = 2
+    seq_len: int = 16
+    dtype: Any = jnp.float32
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        kw = dict(rngs=rngs, param_dtype=cfg.dtype, dtype=cfg.dtype)
+        self.ln1 = nnx.LayerNorm(cfg.width, **kw)
+        self.attn = nnx.MultiHeadAttention(num_heads=cfg.heads, in_features=cfg.width, decode=False, **kw)
+        self.ln2 = nnx.LayerNorm(cfg.width, **kw)
+        self.fc1 = nnx.Linear(cfg.width, 4 * cfg.width, **kw)
+        self.fc2 = nnx.Linear(4 * cfg.width, cfg.width, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only LM: embed, `layers` scanned and rematerialised blocks, tied unembedding."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs, param_dtype=cfg.dtype, dtype=cfg.dtype)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.width), cfg.dtype))
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.ln = nnx.LayerNorm(cfg.width, rngs=rngs, param_dtype=cfg.dtype, dtype=cfg.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def run_blocks(x: jax.Array, block: Block) -> jax.Array:
+            return block(x)
+
+        return self.embed.attend(self.ln(run_blocks(x, self.blocks)))
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, Any]:
+    """(graphdef, params as a plain dict pytree)."""
+    graphdef, state = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def lm_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """A per-replica train step for `TransformerLM`: returns params, opt_state, per-token loss."""
+
+    def step(params: Any, opt_state: Any, tokens: jax.Array) -> tuple[Any, Any, jax.Array]:
+        def loss_fn(p: Any) -> tuple[jax.Array, jax.Array]:
+            logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+            per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+            return per_token.mean(), per_token.mean(axis=-1)
+
+        (_, per_example), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, per_example
+
+    return step
+
+
+def mlp_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """A per-replica train step for `MLP` classification: params, opt_state, per-example loss."""
+
+    def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any, jax.Array]:
+        def loss_fn(p: Any) -> tuple[jax.Array, jax.Array]:
+            logits = nnx.merge(graphdef, p)(batch["x"])
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return per_example.mean(), per_example
+
+        (_, per_example), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, per_example
+
+    return step
