@@ -22,7 +22,7 @@ from xla_strategies.passes.jax_capture import capture
 from xla_strategies.passes.jax_lowering import lower
 from xla_strategies.passes.pipeline import PassPipeline, PassTimer
 from xla_strategies.reduce_op import ReduceOp
-from xla_strategies.trees import as_array, path_str
+from xla_strategies.trees import as_array, copy_to, path_str
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
@@ -199,7 +199,7 @@ class CompiledStep:
 def _put(leaf: Any, sharding: NamedSharding) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
-    return jax.device_put(leaf, sharding, may_alias=False)  # never donate a caller's buffer
+    return copy_to(leaf, sharding)  # never donate a caller's buffer
 
 
 def _arg_path(path: tuple[Any, ...]) -> str:

@@ -22,7 +22,7 @@ from xla_strategies.passes.insert_reductions import InsertReductions
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.distributed_dataset import DistributedDataset
-from xla_strategies.trees import map_arrays
+from xla_strategies.trees import copy_to, map_arrays
 
 
 class Strategy:
@@ -95,7 +95,7 @@ class Strategy:
     def replicate(self, tree: Any) -> Any:
         """Copy every array of `tree` to all replicas (mirrored)."""
         sharding = NamedSharding(self._mesh, PartitionSpec())
-        return map_arrays(lambda a, _: jax.device_put(a, sharding, may_alias=False), tree, "replicate(tree)")
+        return map_arrays(lambda a, _: copy_to(a, sharding), tree, "replicate(tree)")
 
     def compile(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
         """Compile a per-replica step; use as `@strategy.compile` or `@strategy.compile(...)`.

@@ -34,3 +34,12 @@ def map_arrays(fn: Callable[[Any, str], Any], tree: Any, prefix: str) -> Any:
         where = path_str(prefix, path)
         results.append(fn(as_array(leaf, where), where))
     return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def copy_to(array: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A new array with `sharding` that shares no buffer with `array`, so donating it
+    never deletes the caller's data (`device_put(may_alias=False)` still aliases the shard
+    that stays on the source device, with JAX 0.10)."""
+    if isinstance(array, jax.Array):
+        array = jax.numpy.copy(array)
+    return jax.device_put(array, sharding)

@@ -39,18 +39,39 @@ class TransformerConfig:
     dtype: Any = jnp.float32
 
 
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention computed in the model's dtype throughout (flax's
+    `MultiHeadAttention` takes its softmax in float32 even in a float64 model)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        kw = dict(rngs=rngs, param_dtype=cfg.dtype, dtype=cfg.dtype)
+        # No q/k/v biases (as in GPT-NeoX and Llama): the key bias has an identically zero
+        # gradient (softmax ignores a shift shared by all keys), and Adam would turn the
+        # rounding noise in it into full-size steps that no two reduction orders agree on.
+        self.qkv = nnx.Linear(cfg.width, 3 * cfg.width, use_bias=False, **kw)
+        self.out = nnx.Linear(cfg.width, cfg.width, **kw)
+        self.heads = cfg.heads
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, length, width = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(batch, length, 3 * self.heads, -1), 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(x.dtype).min), axis=-1)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, width))
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         kw = dict(rngs=rngs, param_dtype=cfg.dtype, dtype=cfg.dtype)
         self.ln1 = nnx.LayerNorm(cfg.width, **kw)
-        self.attn = nnx.MultiHeadAttention(num_heads=cfg.heads, in_features=cfg.width, decode=False, **kw)
+        self.attn = CausalSelfAttention(cfg, rngs=rngs)
         self.ln2 = nnx.LayerNorm(cfg.width, **kw)
         self.fc1 = nnx.Linear(cfg.width, 4 * cfg.width, **kw)
         self.fc2 = nnx.Linear(4 * cfg.width, cfg.width, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
-        x = x + self.attn(self.ln1(x), mask=mask)
+        x = x + self.attn(self.ln1(x))
         return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
 
 

@@ -1,0 +1,64 @@
+"""Shared test helpers: reference models and a training loop run under any strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import xla_strategies as xs
+from xla_strategies.demo import models
+
+
+def mlp(dtype: Any = np.float32) -> tuple[Any, Any]:
+    model = models.MLP((12, 32, 32, 5), rngs=nnx.Rngs(0), dtype=dtype)
+    return nnx.split(model, nnx.Param)
+
+
+def transformer(dtype: Any = np.float32, **overrides: Any) -> tuple[Any, Any, models.TransformerConfig]:
+    cfg = models.TransformerConfig(dtype=dtype, **overrides)
+    graphdef, params = nnx.split(models.TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    return graphdef, params, cfg
+
+
+def mlp_batches(steps: int, batch: int = 16, dtype: Any = np.float32, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {"x": rng.normal(size=(batch, 12)).astype(dtype), "y": rng.integers(0, 5, size=batch).astype(np.int32)}
+        for _ in range(steps)
+    ]
+
+
+def lm_batches(steps: int, cfg: models.TransformerConfig, batch: int = 16, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len + 1)).astype(np.int32) for _ in range(steps)]
+
+
+def train(
+    strategy: xs.Strategy,
+    step_fn: Callable[..., Any],
+    params: Any,
+    tx: optax.GradientTransformation,
+    batches: list[Any],
+    **compile_options: Any,
+) -> list[Any]:
+    """Params (as numpy) after every step of training `step_fn` under `strategy`."""
+    with strategy.scope():
+        state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    step = strategy.compile(step_fn, **compile_options)
+    history = []
+    for batch in strategy.experimental_distribute_dataset(batches):
+        *state, _ = step(*state, batch)
+        history.append(jax.tree.map(np.asarray, state[0]))
+    return history
+
+
+def max_relative_error(a: Any, b: Any) -> float:
+    def leaf(x: np.ndarray, y: np.ndarray) -> float:
+        return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-30)))
+
+    return max(jax.tree.leaves(jax.tree.map(leaf, a, b)))
