@@ -149,6 +149,7 @@ class _Cursor:
         try:
             value, self.pos = json.JSONDecoder().raw_decode(self.text, self.pos)
         except json.JSONDecodeError as exc:
+            self.pos = exc.pos
             raise self.error(f"malformed {what}: {exc.msg}") from None
         return value
 
@@ -164,19 +165,22 @@ class _Parser:
         return Value(tuple(int(d) for d in dims), long_dtype(found.group(1)), frozenset(axes))
 
     def define(self, scope: dict[str, Value]) -> Value:
+        self.cur.skip()
+        start = self.cur.pos
         name = self.cur.match(_VALUE, "a value name such as %3").group(0)
         if name in scope:
+            self.cur.pos = start
             raise self.cur.error(f"value {name} is defined twice")
         self.cur.expect(":")
         value = scope[name] = self.value_type()
         return value
 
     def use(self, scope: dict[str, Value]) -> Value:
+        self.cur.skip()
         start = self.cur.pos
         name = self.cur.match(_VALUE, "a value name such as %3").group(0)
         if name not in scope:
             self.cur.pos = start
-            self.cur.skip()
             raise self.cur.error(f"use of undefined value {name}")
         return scope[name]
 

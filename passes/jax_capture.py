@@ -83,8 +83,8 @@ def capture(
     )
     try:
         jax.make_jaxpr(traced)(*flat_args)
-    except (AssertionError, NameError, ValueError) as exc:
-        _raise_if_unknown_axis(exc, axes)
+    except (AssertionError, NameError) as exc:
+        _diagnose_unknown_axis(lambda: jax.make_jaxpr(traced)(*flat_args), axes, exc)
         raise
     closed = box["jaxpr"]
     leaves_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(box["out_shape"])
@@ -111,8 +111,20 @@ def _tag_autodiff_reductions() -> None:
     ad.primitive_transposes[core.pvary_p] = tagged
 
 
-def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...]) -> None:
-    """JAX reports an unbound collective axis as a bare assertion; name the axis instead."""
+def _diagnose_unknown_axis(retrace: Callable[[], Any], axes: tuple[str, ...], original: Exception) -> None:
+    """JAX reports an unbound collective axis as a bare assertion. Trace again with JAX's
+    traceback filtering off, find the collective's axis names in its frames, and name the
+    unknown one. Returns quietly when the failure is something else."""
+    from jax._src import config
+
+    try:
+        with config.traceback_filtering("off"):
+            retrace()
+    except (AssertionError, NameError) as exc:
+        _raise_if_unknown_axis(exc, axes, original)
+
+
+def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...], original: Exception) -> None:
     tb = exc.__traceback__
     while tb is not None:
         local = tb.tb_frame.f_locals
@@ -126,7 +138,7 @@ def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...]) -> None:
                         f"the step uses a collective over axis {unknown[0]!r}, but the strategy's "
                         f"mesh has only the axes {list(axes)}; use xs.get_replica_context()"
                         ".all_reduce(...) or the strategy's axis names"
-                    ) from exc
+                    ) from original
         tb = tb.tb_next
 
 

@@ -1,0 +1,98 @@
+"""Capture of real programs into the IR: autodiff vs user collectives, regions, inlining."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import xla_strategies as xs
+from tests import helpers
+from xla_strategies.demo import models
+from xla_strategies.passes import parse, print_graph, verify
+
+
+def _graph(strategy, fn, *args):
+    return strategy.compile(fn).graph(*args)
+
+
+def _origins(graph):
+    return sorted(n.attrs["origin"] for n in graph.walk() if n.op == "all_reduce")
+
+
+def test_mlp_has_one_autodiff_reduction_per_parameter():
+    strategy = xs.MirroredStrategy()
+    graphdef, params = helpers.mlp()
+    tx = optax.sgd(0.1)
+    batch = next(iter(strategy.experimental_distribute_dataset(helpers.mlp_batches(1))))
+    graph = _graph(strategy, models.mlp_train_step(graphdef, tx), params, tx.init(params), batch)
+    assert _origins(graph) == ["autodiff"] * len(jax.tree.leaves(params))
+    assert graph.count_ops("pvary") > 0
+    # gelu is a custom_jvp function: inlined, not kept as an opaque call
+    assert not any(n.op.startswith("jax.custom") or n.op == "jax.jit" for n in graph.walk())
+    assert graph.inputs[0].name.startswith("args[0]")
+    assert graph.output_names[-1] == "output[2]"
+    verify(graph, {"replica": 8})
+    assert print_graph(parse(print_graph(graph))) == print_graph(graph)
+
+
+def test_transformer_keeps_scan_and_remat_as_regions():
+    strategy = xs.MirroredStrategy()
+    graphdef, params, cfg = helpers.transformer()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    batch = next(iter(strategy.experimental_distribute_dataset(helpers.lm_batches(1, cfg))))
+    graph = _graph(strategy, models.lm_train_step(graphdef, tx), params, tx.init(params), batch)
+    scans = [n for n in graph.nodes if n.op == "jax.scan"]
+    assert len(scans) == 2  # forward and backward over the layers
+    backward = scans[1]
+    assert backward.attrs["length"] == cfg.layers
+    in_loop = [n for r in backward.regions for n in r.walk() if n.op == "all_reduce"]
+    assert in_loop and all(n.attrs["origin"] == "autodiff" for n in in_loop)
+    assert any(n.op == "jax.remat2" for n in backward.regions[0].walk())
+    # the tied embedding is reduced twice: once for the lookup, once for the unembedding
+    embed_shape = (cfg.vocab, cfg.width)
+    tied = [n for n in graph.walk() if n.op == "all_reduce"
+            and sorted(n.inputs[0].shape) == sorted(embed_shape)]
+    assert len(tied) == 2
+    assert _origins(graph) == ["autodiff"] * len(_origins(graph))
+
+
+def test_user_collectives_are_marked_user():
+    strategy = xs.MirroredStrategy()
+
+    def step(w, x):
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        ctx = xs.get_replica_context()
+        return w - grad, ctx.all_reduce(xs.ReduceOp.SUM, loss), lax.pmax(loss, "replica")
+
+    w = np.ones((4, 2), np.float32)
+    x = next(iter(strategy.experimental_distribute_dataset([np.ones((16, 4), np.float32)])))
+    graph = _graph(strategy, step, w, x)
+    ops = {(n.attrs["origin"], n.attrs["reduce_op"]) for n in graph.walk() if n.op == "all_reduce"}
+    assert ops == {("autodiff", "sum"), ("user", "sum"), ("user", "max")}
+
+
+def test_cond_becomes_a_region_node():
+    strategy = xs.MirroredStrategy()
+
+    def step(w, x):
+        def loss(w):
+            y = x @ w
+            return lax.cond(jnp.sum(y) > 0, lambda v: jnp.mean(v**2), lambda v: jnp.mean(jnp.abs(v)), y)
+
+        return w - jax.grad(loss)(w)
+
+    x = next(iter(strategy.experimental_distribute_dataset([np.ones((16, 4), np.float32)])))
+    graph = _graph(strategy, step, np.ones((4, 2), np.float32), x)
+    conds = [n for n in graph.walk() if n.op == "jax.cond"]
+    assert conds and all(len(n.regions) == 2 for n in conds)
+
+
+def test_collective_on_an_unknown_axis_is_a_clear_error():
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(lambda x: lax.psum(x, "batch"))
+    with pytest.raises(xs.UnknownAxisError, match="axis 'batch', but the strategy's mesh has only the axes \\['replica'\\]"):
+        step(np.ones(8, np.float32))

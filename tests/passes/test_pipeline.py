@@ -1,0 +1,113 @@
+"""Pass pipeline: spec strings, instruments, dumps, and errors that carry pass history."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import pytest
+
+from xla_strategies.passes import PASS_REGISTRY, InsertReductions, Pass, PassContext, PassPipeline, parse
+from xla_strategies.passes.dump import IRDumper, IRPrinter, dump_header
+from xla_strategies.passes.pipeline import PassTimer, PipelineSpecError, parse_spec
+
+GRAD = """\
+func @step(%0: f32[4]{replica}) {
+  %1: f32[4] = all_reduce(%0) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+  return %1
+}
+"""
+
+
+def _ctx() -> PassContext:
+    return PassContext(mesh_axes={"replica": 8})
+
+
+def test_spec_builds_passes_with_options():
+    (only,) = parse_spec("insert-reductions{gradient-reduction=sum}")
+    assert only == InsertReductions(gradient_reduction="sum")
+    assert only.spec() == "insert-reductions{gradient-reduction=sum}"
+    pipeline = PassPipeline.from_spec(" insert-reductions , insert-reductions ")
+    assert pipeline.spec() == "insert-reductions,insert-reductions"
+
+
+def test_spec_errors_name_the_problem():
+    with pytest.raises(PipelineSpecError, match="unknown pass 'combine-everything'; known passes: insert-reductions"):
+        parse_spec("insert-reductions,combine-everything")
+    with pytest.raises(PipelineSpecError, match="has no option 'threshold' \\(options: gradient-reduction\\)"):
+        parse_spec("insert-reductions{threshold=4}")
+    with pytest.raises(PipelineSpecError, match="malformed pipeline spec at column 1"):
+        parse_spec("{oops}")
+    with pytest.raises(ValueError, match="gradient-reduction must be 'mean' or 'sum'"):
+        parse_spec("insert-reductions{gradient-reduction=median}")
+
+
+@dataclass(frozen=True)
+class _Explode(Pass):
+    name = "explode"
+
+    def run(self, graph, ctx):
+        raise RuntimeError("boom")
+
+
+@dataclass(frozen=True)
+class _Corrupt(Pass):
+    name = "corrupt"
+
+    def run(self, graph, ctx):
+        graph.outputs[0].shape = (5,)  # the all_reduce result no longer matches its operand
+        return True
+
+
+def test_failing_pass_reports_the_passes_before_it():
+    pipeline = PassPipeline(passes=(InsertReductions(), _Explode()))
+    with pytest.raises(RuntimeError, match="boom") as info:
+        pipeline.run(parse(GRAD), _ctx())
+    assert "while running pass 'explode'; passes run before it: capture, insert-reductions" in info.value.__notes__
+
+
+def test_verifier_runs_after_every_pass():
+    pipeline = PassPipeline(passes=(_Corrupt(),))
+    with pytest.raises(ValueError, match="differs from operand") as info:
+        pipeline.run(parse(GRAD), _ctx())
+    assert any("pass 'corrupt'" in note for note in info.value.__notes__)
+
+
+def test_disabled_passes_are_skipped_and_stop_after_stops():
+    graph = parse(GRAD)
+    PassPipeline(passes=(InsertReductions(),), disabled=frozenset({"insert-reductions"})).run(graph, _ctx())
+    assert graph.nodes[0].attrs["reduce_op"] == "sum"
+    pipeline = PassPipeline(passes=(InsertReductions(), _Explode()))
+    pipeline.run(graph, _ctx(), stop_after="insert-reductions")  # never reaches explode
+    assert graph.nodes[0].attrs["reduce_op"] == "mean"
+    with pytest.raises(PipelineSpecError, match="no pass named 'nope'"):
+        pipeline.run(graph, _ctx(), stop_after="nope")
+
+
+def test_dumper_writes_one_file_per_pass(tmp_path):
+    timer = PassTimer()
+    pipeline = PassPipeline.from_spec("insert-reductions").with_instruments(
+        IRDumper(tmp_path, "mirrored"), timer
+    )
+    ctx = _ctx()
+    pipeline.run(parse(GRAD), ctx)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["0000.mirrored.after_capture.txt", "0001.mirrored.after_insert-reductions.txt"]
+    after = (tmp_path / files[1]).read_text()
+    assert after.startswith(dump_header("insert-reductions"))
+    assert '"reduce_op": "mean"' in after and "// by insert-reductions" in after
+    assert set(timer.seconds) == {"insert-reductions"} and ctx.stats["pass_seconds"]["insert-reductions"] >= 0
+
+
+def test_printer_after_change_skips_unchanged_passes():
+    stream = io.StringIO()
+    graph = parse(GRAD)
+    pipeline = PassPipeline.from_spec("insert-reductions,insert-reductions")
+    pipeline.with_instruments(IRPrinter(stream, only_changed=True)).run(graph, _ctx())
+    # the capture, then the first run (changed); the second run changes nothing
+    assert stream.getvalue().count("// -----// IR Dump After") == 2
+
+
+def test_registry_names_match_classes():
+    for name, cls in PASS_REGISTRY.items():
+        assert cls.name == name
