@@ -1,0 +1,177 @@
+"""The Strategy API: placement, replica context, reductions, caching, donation, bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xla_strategies as xs
+from xla_strategies.hlo import count_hlo_collectives
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return xs.MirroredStrategy()
+
+
+def _sgd_step(w, batch):
+    loss, grad = jax.value_and_grad(lambda w: jnp.mean((batch @ w) ** 2))(w)
+    return w - 0.1 * grad, loss
+
+
+def _batch(strategy, rows=16, cols=4):
+    data = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) / 100
+    return next(iter(strategy.experimental_distribute_dataset([data])))
+
+
+def test_replica_counts_and_devices(mirrored):
+    assert mirrored.num_replicas_in_sync == 8
+    assert xs.OneDeviceStrategy().num_replicas_in_sync == 1
+    assert xs.MirroredStrategy(devices=[0, 3]).devices == (jax.devices()[0], jax.devices()[3])
+    assert xs.OneDeviceStrategy("cpu:2").devices == (jax.devices()[2],)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: xs.MirroredStrategy(devices=[]), ValueError, "devices is empty"),
+        (lambda: xs.MirroredStrategy(devices=[1, 1]), ValueError, "more than once"),
+        (lambda: xs.MirroredStrategy(devices=0), TypeError, "sequence of devices"),
+        (lambda: xs.OneDeviceStrategy(device=99), ValueError, "device=99 is out of range"),
+        (lambda: xs.OneDeviceStrategy(device="tpu:0"), ValueError, "names no device"),
+    ],
+)
+def test_bad_device_arguments(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_scope_and_contexts(mirrored):
+    assert isinstance(xs.get_strategy(), xs.OneDeviceStrategy)
+    assert xs.get_replica_context().num_replicas_in_sync == 1
+    with mirrored.scope():
+        assert xs.get_strategy() is mirrored
+        assert xs.get_replica_context() is None
+        assert xs.in_cross_replica_context()
+    assert not xs.has_strategy()
+
+
+def test_replica_context_inside_a_step(mirrored):
+    seen = {}
+
+    def step(x):
+        ctx = xs.get_replica_context()
+        seen["strategy"] = xs.get_strategy()
+        seen["replicas"] = ctx.num_replicas_in_sync
+        return ctx.replica_id_in_sync_group, ctx.all_reduce("mean", x.sum())
+
+    ids, mean = mirrored.run(step, args=(_batch(mirrored),))
+    assert seen == {"strategy": mirrored, "replicas": 8}
+    np.testing.assert_array_equal(ids, np.arange(8))
+    data = np.arange(64, dtype=np.float32).reshape(16, 4) / 100
+    np.testing.assert_allclose(mean, data.sum() / 8, rtol=1e-6)
+    assert mean.shape == ()  # mirrored: one value, not stacked
+
+
+def test_per_replica_outputs_stack_and_reduce(mirrored):
+    per_example = mirrored.run(lambda x: x.sum(axis=1), args=(_batch(mirrored),))
+    data = np.arange(64, dtype=np.float32).reshape(16, 4) / 100
+    assert per_example.shape == (8, 2)
+    np.testing.assert_allclose(mirrored.reduce("sum", per_example, axis=0), data.sum(), rtol=1e-6)
+    np.testing.assert_allclose(mirrored.reduce(xs.ReduceOp.MEAN, per_example, axis=0), data.sum(1).mean(), rtol=1e-6)
+    np.testing.assert_allclose(mirrored.reduce("max", per_example), data.sum(1).reshape(8, 2).max(0), rtol=1e-6)
+    np.testing.assert_allclose(mirrored.gather(per_example, axis=0), data.sum(1), rtol=1e-6)
+    parts = mirrored.experimental_local_results(per_example)
+    assert len(parts) == 8 and parts[3].shape == (2,)
+    assert parts[3].devices() == {mirrored.devices[3]}
+    np.testing.assert_allclose(parts[3], data.sum(1)[6:8], rtol=1e-6)
+    # a mirrored value: SUM counts every replica, MEAN is the value itself
+    np.testing.assert_allclose(mirrored.reduce("sum", np.float32(2.0)), 16.0)
+    np.testing.assert_allclose(mirrored.reduce("mean", np.ones(3, np.float32), axis=0), 1.0)
+    with pytest.raises(ValueError, match="axis=2 is out of range"):
+        mirrored.reduce("sum", per_example, axis=2)
+    with pytest.raises(ValueError, match="reduce_op must be one of SUM, MEAN, MAX, MIN, got 'avg'"):
+        mirrored.reduce("avg", per_example)
+
+
+def test_indivisible_global_batch_names_path_and_sizes(mirrored):
+    dataset = mirrored.experimental_distribute_dataset([{"x": np.ones((16, 2)), "y": np.ones(12)}])
+    with pytest.raises(ValueError, match=r"dataset element 0\['y'\] has a global batch of 12, .* 8 replicas"):
+        next(iter(dataset))
+
+
+def test_non_array_leaves_are_rejected(mirrored):
+    step = mirrored.compile(_sgd_step)
+    with pytest.raises(TypeError, match=r"_sgd_step argument args\[1\]\['lr'\] is a str, not an array"):
+        step(np.ones((4, 2), np.float32), {"lr": "fast"})
+    with pytest.raises(TypeError, match=r"replicate\(tree\)\['w'\] is a object"):
+        mirrored.replicate({"w": object()})
+
+
+def test_declared_mirrored_output_that_varies(mirrored):
+    step = mirrored.compile(_sgd_step, mirrored_outputs=(True, True))
+    w = mirrored.replicate(np.ones((4, 2), np.float32))
+    with pytest.raises(xs.MirroredOutputError, match=r"output\[1\] \(varies over \['replica'\]\)"):
+        step(w, _batch(mirrored))
+    assert not w.is_deleted()  # nothing ran half-way: the state is intact
+    ok = mirrored.compile(_sgd_step, mirrored_outputs=(True, False))
+    new_w, loss = ok(w, _batch(mirrored))
+    assert loss.shape == (8,)
+    with pytest.raises(ValueError, match="mirrored_outputs must be a pytree prefix"):
+        mirrored.compile(_sgd_step, mirrored_outputs=(True, True, True))(new_w, _batch(mirrored))
+
+
+def test_changed_structure_or_shape_retraces(mirrored):
+    step = mirrored.compile(lambda tree: jax.tree.map(lambda v: v * 2, tree))
+    assert step({"a": np.ones(2, np.float32)})["a"].tolist() == [2, 2]
+    out = step({"a": np.ones(2, np.float32), "b": np.ones(3, np.int32)})
+    assert out["b"].tolist() == [2, 2, 2]
+    step({"a": np.ones(5, np.float32)})
+    step({"a": np.ones(2, np.float32)})  # cached
+    assert step.cache_size == 3
+
+
+def test_state_is_donated_and_inputs_of_other_steps_are_not(mirrored):
+    train = mirrored.compile(_sgd_step)
+    w = mirrored.replicate(np.ones((4, 2), np.float32))
+    new_w, _ = train(w, _batch(mirrored))
+    assert w.is_deleted() and not new_w.is_deleted()
+    assert train.executable(new_w, _batch(mirrored)).donated == (0,)
+    evaluate = mirrored.compile(lambda w, x: jnp.mean(x @ w))
+    evaluate(new_w, _batch(mirrored))
+    assert not new_w.is_deleted()
+    original = jnp.ones((4, 2))  # a caller's array passed directly is copied, never donated
+    train(original, _batch(mirrored))
+    assert not original.is_deleted()
+    no_donation = mirrored.compile(_sgd_step, donate=False)
+    no_donation(new_w, _batch(mirrored))
+    assert not new_w.is_deleted()
+
+
+def test_lower_graph_and_compiled_hlo(mirrored):
+    step = mirrored.compile(_sgd_step)
+    w, batch = mirrored.replicate(np.ones((4, 2), np.float32)), _batch(mirrored)
+    lowered = step.lower(w, batch)
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert count_hlo_collectives(lowered.compile().as_text())["all-reduce"] == 1
+    captured = step.graph(w, batch)
+    after = step.graph(w, batch, after="insert-reductions")
+    assert [n.attrs["reduce_op"] for n in captured.walk() if n.op == "all_reduce"] == ["sum"]
+    assert [n.attrs["reduce_op"] for n in after.walk() if n.op == "all_reduce"] == ["mean"]
+    no_reduction = mirrored.compile(lambda x: x * 2)
+    assert count_hlo_collectives(no_reduction.lower(batch).compile().as_text())["all-reduce"] == 0
+
+
+def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_STRATEGIES_DUMP_TO", str(tmp_path))
+    step = mirrored.compile(_sgd_step, name="train_step")
+    step(mirrored.replicate(np.ones((4, 2), np.float32)), _batch(mirrored))
+    names = sorted(p.name for p in (tmp_path / "train_step").iterdir())
+    assert names == ["0000.mirrored.after_capture.txt", "0001.mirrored.after_insert-reductions.txt"]
+
+
+def test_gradient_reduction_must_be_mean_or_sum(mirrored):
+    with pytest.raises(ValueError, match="gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got MAX"):
+        mirrored.compile(_sgd_step, gradient_reduction=xs.ReduceOp.MAX)
