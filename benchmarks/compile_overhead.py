@@ -46,9 +46,14 @@ def measure(layers: int = 4, width: int = 128, repeats: int = 5) -> dict[str, An
     graphdef, params, tx, tokens = _setup(layers, width)
     opt_state = tx.init(params)
     one, mirrored = xs.OneDeviceStrategy(), xs.MirroredStrategy()
-    one_args = (one.replicate(params), one.replicate(opt_state), next(iter(one.experimental_distribute_dataset([tokens]))))
+    one_args = (
+        one.replicate(params),
+        one.replicate(opt_state),
+        next(iter(one.experimental_distribute_dataset([tokens]))),
+    )
     mirrored_args = (
-        mirrored.replicate(params), mirrored.replicate(opt_state),
+        mirrored.replicate(params),
+        mirrored.replicate(opt_state),
         next(iter(mirrored.experimental_distribute_dataset([tokens]))),
     )
     device = jax.devices()[0]
@@ -97,12 +102,19 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "compile_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
     m = result["median_seconds"]
+    rows = [
+        ("plain jax.jit trace + compile (1 device)", m["plain_jit"], 1.0),
+        ("xla_strategies, OneDeviceStrategy", m["one_device"], result["ratio_one_device_vs_jit"]),
+        ("xla_strategies, MirroredStrategy (8)", m["mirrored8"], result["ratio_mirrored8_vs_jit"]),
+    ]
     print(result["model"])
     print(f"{'variant':<44} {'median s':>9} {'vs jit':>7}")
-    print(f"{'plain jax.jit trace + compile (1 device)':<44} {m['plain_jit']:>9.3f} {1.0:>7.2f}")
-    print(f"{'xla_strategies, OneDeviceStrategy':<44} {m['one_device']:>9.3f} {result['ratio_one_device_vs_jit']:>7.2f}")
-    print(f"{'xla_strategies, MirroredStrategy (8)':<44} {m['mirrored8']:>9.3f} {result['ratio_mirrored8_vs_jit']:>7.2f}")
-    print(f"  of which capture {result['one_device_capture_s']:.3f} s, pipeline {result['one_device_pipeline_s']:.4f} s")
+    for name, seconds, ratio in rows:
+        print(f"{name:<44} {seconds:>9.3f} {ratio:>7.2f}")
+    print(
+        f"  of which capture {result['one_device_capture_s']:.3f} s, "
+        f"pipeline {result['one_device_pipeline_s']:.4f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ class IRDumper(Instrument):
         self._index = 0
         self._write("capture", graph)
 
-    def after_pass(self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float) -> None:
+    def after_pass(
+        self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float
+    ) -> None:
         self._write(pass_.name, graph, ctx.remarks)
 
     def _write(self, pass_name: str, graph: Graph, remarks: list[str] | None = None) -> None:
@@ -60,7 +62,9 @@ class IRPrinter(Instrument):
     def before_pipeline(self, graph: Graph, ctx: PassContext) -> None:
         self.stream.write(dump_header("capture") + print_graph(graph))
 
-    def after_pass(self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float) -> None:
+    def after_pass(
+        self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float
+    ) -> None:
         if changed or not self.only_changed:
             self.stream.write(dump_header(pass_.name) + print_graph(graph))
 

@@ -28,7 +28,7 @@ class MirroredOutputError(ValueError):
 @dataclass(frozen=True)
 class InsertReductions(Pass):
     """Options:
-        gradient_reduction: ``mean`` (default) or ``sum``, applied to autodiff reductions.
+    gradient_reduction: ``mean`` (default) or ``sum``, applied to autodiff reductions.
     """
 
     name = "insert-reductions"

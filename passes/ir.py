@@ -30,11 +30,23 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 FOREIGN_PREFIX = "jax."
 
 _DTYPE_SHORT = {
-    "float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16",
-    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8",
-    "uint64": "u64", "uint32": "u32", "uint16": "u16", "uint8": "u8",
-    "bool": "bool", "complex64": "c64", "complex128": "c128",
-    "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2",
+    "float64": "f64",
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "int64": "i64",
+    "int32": "i32",
+    "int16": "i16",
+    "int8": "i8",
+    "uint64": "u64",
+    "uint32": "u32",
+    "uint16": "u16",
+    "uint8": "u8",
+    "bool": "bool",
+    "complex64": "c64",
+    "complex128": "c128",
+    "float8_e4m3fn": "f8e4m3fn",
+    "float8_e5m2": "f8e5m2",
 }
 _DTYPE_LONG = {v: k for k, v in _DTYPE_SHORT.items()}
 
@@ -117,7 +129,7 @@ class Node:
     @property
     def primitive(self) -> str:
         """The JAX primitive name of a foreign node (``jax.scan`` -> ``scan``)."""
-        return self.op[len(FOREIGN_PREFIX):] if self.is_foreign else self.op
+        return self.op[len(FOREIGN_PREFIX) :] if self.is_foreign else self.op
 
     def __repr__(self) -> str:
         return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"

@@ -109,7 +109,7 @@ class _Cursor:
         line = self.text.count("\n", 0, self.pos) + 1
         start = self.text.rfind("\n", 0, self.pos) + 1
         end = self.text.find("\n", self.pos)
-        source = self.text[start:end if end >= 0 else len(self.text)]
+        source = self.text[start : end if end >= 0 else len(self.text)]
         return IRParseError(message, line, self.pos - start + 1, source)
 
     def skip(self) -> None:
@@ -133,7 +133,7 @@ class _Cursor:
 
     def expect(self, literal: str) -> None:
         if not self.accept(literal):
-            found = self.text[self.pos:self.pos + 12].split("\n")[0] or "end of input"
+            found = self.text[self.pos : self.pos + 12].split("\n")[0] or "end of input"
             raise self.error(f"expected {literal!r}, found {found!r}")
 
     def match(self, pattern: re.Pattern[str], what: str) -> re.Match[str]:
@@ -249,7 +249,9 @@ class _Parser:
         attrs = self.cur.json("attributes") if self.cur.peek("{") else {}
         if not isinstance(attrs, dict):
             raise self.cur.error("attributes must be a JSON object")
-        created_by = self.cur.match(_IDENT, "a pass name").group(0) if self.cur.accept("// by") else None
+        created_by = (
+            self.cur.match(_IDENT, "a pass name").group(0) if self.cur.accept("// by") else None
+        )
         node = Node(op, inputs, outputs, attrs, created_by=created_by)
         while self.cur.accept("region"):
             region_scope: dict[str, Value] = {}

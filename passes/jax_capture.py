@@ -23,7 +23,6 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
-
 from xla_strategies.passes.ir import Graph, Node, Value
 
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
@@ -111,7 +110,9 @@ def _tag_autodiff_reductions() -> None:
     ad.primitive_transposes[core.pvary_p] = tagged
 
 
-def _diagnose_unknown_axis(retrace: Callable[[], Any], axes: tuple[str, ...], original: Exception) -> None:
+def _diagnose_unknown_axis(
+    retrace: Callable[[], Any], axes: tuple[str, ...], original: Exception
+) -> None:
     """JAX reports an unbound collective axis as a bare assertion. Trace again with JAX's
     traceback filtering off, find the collective's axis names in its frames, and name the
     unknown one. Returns quietly when the failure is something else."""

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 from xla_strategies.passes.ir import Graph, Node, Value
 
 

@@ -59,7 +59,9 @@ class PassPipeline(Pass):
         """Run the passes; with `stop_after`, stop once the pass of that name has run."""
         known = [p.name for p in self.passes]
         if stop_after is not None and stop_after not in known:
-            raise PipelineSpecError(f"no pass named {stop_after!r} in this pipeline ({', '.join(known)})")
+            raise PipelineSpecError(
+                f"no pass named {stop_after!r} in this pipeline ({', '.join(known)})"
+            )
         for instrument in self.instruments:
             instrument.before_pipeline(graph, ctx)
         history = ["capture"]
@@ -72,7 +74,9 @@ class PassPipeline(Pass):
                 changed = pass_.run(graph, ctx)
                 verify(graph, ctx.mesh_axes)
             except Exception as exc:
-                exc.add_note(f"while running pass '{pass_.name}'; passes run before it: {', '.join(history)}")
+                exc.add_note(
+                    f"while running pass '{pass_.name}'; passes run before it: {', '.join(history)}"
+                )
                 raise
             seconds = time.perf_counter() - start
             for instrument in self.instruments:
@@ -90,7 +94,9 @@ class PassTimer(Instrument):
 
     seconds: dict[str, float] = field(default_factory=dict)
 
-    def after_pass(self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float) -> None:
+    def after_pass(
+        self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float
+    ) -> None:
         self.seconds[pass_.name] = self.seconds.get(pass_.name, 0.0) + seconds
         ctx.stats.setdefault("pass_seconds", {})[pass_.name] = self.seconds[pass_.name]
 

@@ -132,7 +132,11 @@ def _check_concatenate(node: Node, mesh: Mapping[str, int]) -> str | None:
     dim = node.attrs.get("dimension", 0)
     total = sum(v.shape[dim] for v in node.inputs)
     out = node.outputs[0].shape
-    return None if out[dim] == total else f"result dimension {dim} is {out[dim]}, operands sum to {total}"
+    return (
+        None
+        if out[dim] == total
+        else f"result dimension {dim} is {out[dim]}, operands sum to {total}"
+    )
 
 
 def _check_same_size(node: Node, mesh: Mapping[str, int]) -> str | None:
@@ -182,7 +186,10 @@ def _region_arity(node: Node) -> list[tuple[int, int]]:
         return [(n_in - 1, n_out)] * len(node.regions)
     if node.op == "jax.while":
         carry = n_in - attrs.get("cond_nconsts", 0) - attrs.get("body_nconsts", 0)
-        return [(attrs.get("cond_nconsts", 0) + carry, 1), (attrs.get("body_nconsts", 0) + carry, carry)]
+        return [
+            (attrs.get("cond_nconsts", 0) + carry, 1),
+            (attrs.get("body_nconsts", 0) + carry, carry),
+        ]
     return [(len(r.inputs), len(r.outputs)) for r in node.regions]
 
 

@@ -19,23 +19,35 @@ def mlp(dtype: Any = np.float32) -> tuple[Any, Any]:
     return nnx.split(model, nnx.Param)
 
 
-def transformer(dtype: Any = np.float32, **overrides: Any) -> tuple[Any, Any, models.TransformerConfig]:
+def transformer(
+    dtype: Any = np.float32, **overrides: Any
+) -> tuple[Any, Any, models.TransformerConfig]:
     cfg = models.TransformerConfig(dtype=dtype, **overrides)
     graphdef, params = nnx.split(models.TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     return graphdef, params, cfg
 
 
-def mlp_batches(steps: int, batch: int = 16, dtype: Any = np.float32, seed: int = 0) -> list[dict[str, np.ndarray]]:
+def mlp_batches(
+    steps: int, batch: int = 16, dtype: Any = np.float32, seed: int = 0
+) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [
-        {"x": rng.normal(size=(batch, 12)).astype(dtype), "y": rng.integers(0, 5, size=batch).astype(np.int32)}
+        {
+            "x": rng.normal(size=(batch, 12)).astype(dtype),
+            "y": rng.integers(0, 5, size=batch).astype(np.int32),
+        }
         for _ in range(steps)
     ]
 
 
-def lm_batches(steps: int, cfg: models.TransformerConfig, batch: int = 16, seed: int = 0) -> list[np.ndarray]:
+def lm_batches(
+    steps: int, cfg: models.TransformerConfig, batch: int = 16, seed: int = 0
+) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len + 1)).astype(np.int32) for _ in range(steps)]
+    return [
+        rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len + 1)).astype(np.int32)
+        for _ in range(steps)
+    ]
 
 
 def train(

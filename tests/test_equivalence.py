@@ -25,8 +25,13 @@ def _compare(make_step, params, tx, batches, rtol, atol=0.0, **options):
     mirrored = helpers.train(xs.MirroredStrategy(), make_step, params, tx, batches, **options)
     assert len(one) == len(mirrored) == STEPS
     for step, (a, b) in enumerate(zip(mirrored, one, strict=True)):
-        jax.tree.map(lambda x, y, s=step: np.testing.assert_allclose(
-            x, y, rtol=rtol, atol=atol, err_msg=f"after step {s + 1}"), a, b)
+        jax.tree.map(
+            lambda x, y, s=step: np.testing.assert_allclose(
+                x, y, rtol=rtol, atol=atol, err_msg=f"after step {s + 1}"
+            ),
+            a,
+            b,
+        )
     # the parameters moved: the comparison is not of two untouched copies
     assert helpers.max_relative_error(one[-1], jax.tree.map(np.asarray, params)) > 1e-3
 
@@ -37,31 +42,55 @@ def _adamw_chain():
 
 def test_mlp_sgd_float32():
     graphdef, params = helpers.mlp()
-    _compare(models.mlp_train_step(graphdef, optax.sgd(0.1)), params, optax.sgd(0.1),
-             helpers.mlp_batches(STEPS), rtol=1e-5, atol=1e-7)
+    _compare(
+        models.mlp_train_step(graphdef, optax.sgd(0.1)),
+        params,
+        optax.sgd(0.1),
+        helpers.mlp_batches(STEPS),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 def test_transformer_sgd_float32():
     graphdef, params, cfg = helpers.transformer()
     tx = optax.sgd(0.1)
-    _compare(models.lm_train_step(graphdef, tx), params, tx, helpers.lm_batches(STEPS, cfg),
-             rtol=1e-5, atol=1e-7)
+    _compare(
+        models.lm_train_step(graphdef, tx),
+        params,
+        tx,
+        helpers.lm_batches(STEPS, cfg),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 def test_mlp_adamw_float64():
     with jax.enable_x64(True):
         graphdef, params = helpers.mlp(np.float64)
         tx = _adamw_chain()
-        _compare(models.mlp_train_step(graphdef, tx), params, tx,
-                 helpers.mlp_batches(STEPS, dtype=np.float64), rtol=1e-9, atol=1e-12)
+        _compare(
+            models.mlp_train_step(graphdef, tx),
+            params,
+            tx,
+            helpers.mlp_batches(STEPS, dtype=np.float64),
+            rtol=1e-9,
+            atol=1e-12,
+        )
 
 
 def test_transformer_adamw_float64():
     with jax.enable_x64(True):
         graphdef, params, cfg = helpers.transformer(np.float64)
         tx = _adamw_chain()
-        _compare(models.lm_train_step(graphdef, tx), params, tx, helpers.lm_batches(STEPS, cfg),
-                 rtol=1e-9, atol=1e-12)
+        _compare(
+            models.lm_train_step(graphdef, tx),
+            params,
+            tx,
+            helpers.lm_batches(STEPS, cfg),
+            rtol=1e-9,
+            atol=1e-12,
+        )
 
 
 def test_sum_reduction_matches_hand_scaled_reference():
@@ -85,11 +114,18 @@ def test_sum_reduction_matches_hand_scaled_reference():
 
     from flax.nnx import merge as nnx_merge
 
-    reference = helpers.train(xs.OneDeviceStrategy(), models.mlp_train_step(graphdef, tx), params, tx, batches)
-    summed = helpers.train(xs.MirroredStrategy(), scaled_step, params, tx, batches,
-                           gradient_reduction=xs.ReduceOp.SUM)
+    reference = helpers.train(
+        xs.OneDeviceStrategy(), models.mlp_train_step(graphdef, tx), params, tx, batches
+    )
+    summed = helpers.train(
+        xs.MirroredStrategy(), scaled_step, params, tx, batches, gradient_reduction=xs.ReduceOp.SUM
+    )
     meaned = helpers.train(xs.MirroredStrategy(), scaled_step, params, tx, batches)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), summed[-1], reference[-1])
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+        summed[-1],
+        reference[-1],
+    )
     # with the default MEAN the same scaled loss takes steps 8x too small: it must differ
     assert helpers.max_relative_error(meaned[-1], reference[-1]) > 1e-3
 

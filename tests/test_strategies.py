@@ -80,8 +80,12 @@ def test_per_replica_outputs_stack_and_reduce(mirrored):
     data = np.arange(64, dtype=np.float32).reshape(16, 4) / 100
     assert per_example.shape == (8, 2)
     np.testing.assert_allclose(mirrored.reduce("sum", per_example, axis=0), data.sum(), rtol=1e-6)
-    np.testing.assert_allclose(mirrored.reduce(xs.ReduceOp.MEAN, per_example, axis=0), data.sum(1).mean(), rtol=1e-6)
-    np.testing.assert_allclose(mirrored.reduce("max", per_example), data.sum(1).reshape(8, 2).max(0), rtol=1e-6)
+    np.testing.assert_allclose(
+        mirrored.reduce(xs.ReduceOp.MEAN, per_example, axis=0), data.sum(1).mean(), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        mirrored.reduce("max", per_example), data.sum(1).reshape(8, 2).max(0), rtol=1e-6
+    )
     np.testing.assert_allclose(mirrored.gather(per_example, axis=0), data.sum(1), rtol=1e-6)
     parts = mirrored.experimental_local_results(per_example)
     assert len(parts) == 8 and parts[3].shape == (2,)
@@ -98,13 +102,17 @@ def test_per_replica_outputs_stack_and_reduce(mirrored):
 
 def test_indivisible_global_batch_names_path_and_sizes(mirrored):
     dataset = mirrored.experimental_distribute_dataset([{"x": np.ones((16, 2)), "y": np.ones(12)}])
-    with pytest.raises(ValueError, match=r"dataset element 0\['y'\] has a global batch of 12, .* 8 replicas"):
+    with pytest.raises(
+        ValueError, match=r"dataset element 0\['y'\] has a global batch of 12, .* 8 replicas"
+    ):
         next(iter(dataset))
 
 
 def test_non_array_leaves_are_rejected(mirrored):
     step = mirrored.compile(_sgd_step)
-    with pytest.raises(TypeError, match=r"_sgd_step argument args\[1\]\['lr'\] is a str, not an array"):
+    with pytest.raises(
+        TypeError, match=r"_sgd_step argument args\[1\]\['lr'\] is a str, not an array"
+    ):
         step(np.ones((4, 2), np.float32), {"lr": "fast"})
     with pytest.raises(TypeError, match=r"replicate\(tree\)\['w'\] is a object"):
         mirrored.replicate({"w": object()})
@@ -173,5 +181,7 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
 
 
 def test_gradient_reduction_must_be_mean_or_sum(mirrored):
-    with pytest.raises(ValueError, match="gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got MAX"):
+    with pytest.raises(
+        ValueError, match="gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got MAX"
+    ):
         mirrored.compile(_sgd_step, gradient_reduction=xs.ReduceOp.MAX)

@@ -1,9 +1,9 @@
 """xla_strategies: tf.distribute's Strategy API for JAX, built as a compiler.
 
-    strategy = xs.MirroredStrategy()
+strategy = xs.MirroredStrategy()
 
-    @strategy.compile
-    def train_step(params, opt_state, batch): ...   # per-replica view
+@strategy.compile
+def train_step(params, opt_state, batch): ...   # per-replica view
 """
 
 from xla_strategies.compiled_step import CompiledStep

@@ -62,7 +62,9 @@ class CompiledStep:
     ) -> None:
         op = ReduceOp.of(gradient_reduction, "gradient_reduction")
         if op not in (ReduceOp.MEAN, ReduceOp.SUM):
-            raise ValueError(f"gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got {op.name}")
+            raise ValueError(
+                f"gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got {op.name}"
+            )
         self.strategy = strategy
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "step")
@@ -111,7 +113,9 @@ class CompiledStep:
         for path, leaf in leaves:
             array = as_array(leaf, f"{self.name} argument {_arg_path(path)}")
             flat.append(array)
-            avals.append((tuple(array.shape), str(array.dtype), self.strategy.is_per_replica(array)))
+            avals.append(
+                (tuple(array.shape), str(array.dtype), self.strategy.is_per_replica(array))
+            )
         return flat, _Signature(treedef, tuple(avals))
 
     def _place(self, flat: list[Any], signature: _Signature) -> list[Any]:
@@ -128,7 +132,9 @@ class CompiledStep:
         return cached
 
     def _pass_context(self) -> PassContext:
-        return PassContext(mesh_axes=dict(self.strategy.mesh.shape), topology=self.strategy.topology)
+        return PassContext(
+            mesh_axes=dict(self.strategy.mesh.shape), topology=self.strategy.topology
+        )
 
     def _capture(self, signature: _Signature) -> tuple[Graph, Any]:
         strategy = self.strategy
@@ -143,12 +149,21 @@ class CompiledStep:
             with replica_scope(strategy, context):
                 return self.fn(*args, **kwargs)
 
-        names = [_arg_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree.unflatten(signature.treedef, range(len(signature.avals))))[0]]
+        names = [
+            _arg_path(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(
+                jax.tree.unflatten(signature.treedef, range(len(signature.avals)))
+            )[0]
+        ]
         captured = capture(
-            step, flat_args, signature.treedef, strategy.mesh,
+            step,
+            flat_args,
+            signature.treedef,
+            strategy.mesh,
             [per_replica for _, _, per_replica in signature.avals],
-            input_names=names, output_prefix="output", name=self.name,
+            input_names=names,
+            output_prefix="output",
+            name=self.name,
         )
         graph = captured.graph
         if self.mirrored_outputs is not None:
@@ -212,12 +227,16 @@ def _declared_mirrored(prefix: Any, out_tree: Any) -> frozenset[int]:
     """Flat output positions under a `True` leaf of the user's pytree prefix."""
     outputs = jax.tree.unflatten(out_tree, range(out_tree.num_leaves))
     try:
-        marks = jax.tree.map(lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)), prefix, outputs)
+        marks = jax.tree.map(
+            lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)), prefix, outputs
+        )
     except ValueError as exc:
         raise ValueError(
             f"mirrored_outputs must be a pytree prefix of the step's outputs ({out_tree}): {exc}"
         ) from None
-    flags = [f for group in jax.tree.leaves(marks, is_leaf=lambda x: isinstance(x, list)) for f in group]
+    flags = [
+        f for group in jax.tree.leaves(marks, is_leaf=lambda x: isinstance(x, list)) for f in group
+    ]
     return frozenset(i for i, flag in enumerate(flags) if flag)
 
 

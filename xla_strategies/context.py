@@ -51,8 +51,10 @@ class ReplicaContext:
         if not self._axes:
             return value
         reducer = {
-            ReduceOp.SUM: lax.psum, ReduceOp.MEAN: lax.pmean,
-            ReduceOp.MAX: lax.pmax, ReduceOp.MIN: lax.pmin,
+            ReduceOp.SUM: lax.psum,
+            ReduceOp.MEAN: lax.pmean,
+            ReduceOp.MAX: lax.pmax,
+            ReduceOp.MIN: lax.pmin,
         }[op]
         return jax.tree.map(lambda leaf: reducer(leaf, self._axes), value)
 

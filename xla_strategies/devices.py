@@ -16,14 +16,19 @@ def resolve_device(device: Any, argument: str) -> jax.Device:
     if isinstance(device, int) and not isinstance(device, bool):
         if 0 <= device < len(all_devices):
             return all_devices[device]
-        raise ValueError(f"{argument}={device} is out of range: there are {len(all_devices)} devices")
+        raise ValueError(
+            f"{argument}={device} is out of range: there are {len(all_devices)} devices"
+        )
     if isinstance(device, str):
         by_name = {f"{d.platform}:{d.id}": d for d in all_devices}
         key = device.lower().lstrip("/").replace("device:", "")
         if key in by_name:
             return by_name[key]
         raise ValueError(f"{argument}={device!r} names no device; known: {', '.join(by_name)}")
-    raise TypeError(f"{argument} must be a jax.Device, an int or a name like 'cpu:0', got {type(device).__name__}")
+    raise TypeError(
+        f"{argument} must be a jax.Device, an int or a name like 'cpu:0', "
+        f"got {type(device).__name__}"
+    )
 
 
 def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") -> list[jax.Device]:
@@ -31,7 +36,9 @@ def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") ->
     if devices is None:
         return list(jax.local_devices())
     if isinstance(devices, str | jax.Device | int):
-        raise TypeError(f"{argument} must be a sequence of devices, got a single {type(devices).__name__}")
+        raise TypeError(
+            f"{argument} must be a sequence of devices, got a single {type(devices).__name__}"
+        )
     resolved = [resolve_device(d, f"{argument}[{i}]") for i, d in enumerate(devices)]
     if not resolved:
         raise ValueError(f"{argument} is empty; give at least one device")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 
-class ReduceOp(str, enum.Enum):
+class ReduceOp(enum.StrEnum):
     SUM = "sum"
     MEAN = "mean"
     MAX = "max"

@@ -33,7 +33,9 @@ class Strategy:
     #: The label of this strategy's pipeline in dump file names.
     pipeline_label: ClassVar[str] = "strategy"
 
-    def __init__(self, devices: Sequence[jax.Device], axis_names: tuple[str, ...] = ("replica",)) -> None:
+    def __init__(
+        self, devices: Sequence[jax.Device], axis_names: tuple[str, ...] = ("replica",)
+    ) -> None:
         self._mesh = Mesh(np.asarray(devices, dtype=object).reshape(-1), axis_names)
         self._compiled_runs: dict[Callable[..., Any], CompiledStep] = {}
 
@@ -73,7 +75,9 @@ class Strategy:
             and sharding.spec[:1] == self.input_spec(True)[:1]
         )
 
-    def pipeline(self, gradient_reduction: ReduceOp, spec: str | PassPipeline | None = None) -> PassPipeline:
+    def pipeline(
+        self, gradient_reduction: ReduceOp, spec: str | PassPipeline | None = None
+    ) -> PassPipeline:
         """The pass pipeline for a step, with the step's gradient reduction filled in."""
         if isinstance(spec, PassPipeline):
             passes = list(spec.passes)
@@ -81,7 +85,8 @@ class Strategy:
             passes = parse_spec(self.default_pipeline if spec is None else spec)
         passes = [
             dataclasses.replace(p, gradient_reduction=gradient_reduction.value)
-            if isinstance(p, InsertReductions) else p
+            if isinstance(p, InsertReductions)
+            else p
             for p in passes
         ]
         return PassPipeline(passes=tuple(passes))
@@ -117,10 +122,13 @@ class Strategy:
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine per-replica values across replicas, and along `axis` of each if given."""
         op = ReduceOp.of(reduce_op)
-        return map_arrays(lambda a, where: self._reduce_leaf(op, a, axis, where), value, "reduce(value)")
+        return map_arrays(
+            lambda a, where: self._reduce_leaf(op, a, axis, where), value, "reduce(value)"
+        )
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate per-replica values along `axis` (of each replica's value)."""
+
         def leaf(a: Any, where: str) -> Any:
             parts = self._per_replica_parts(a)
             _check_axis(axis, parts[0].ndim, where)
@@ -133,11 +141,15 @@ class Strategy:
         local = [d for d in self.devices if d.process_index == jax.process_index()]
         per_leaf = map_arrays(lambda a, _: self._local_parts(a, local), value, "value")
         return tuple(
-            jax.tree.map(lambda parts, i=i: parts[i], per_leaf, is_leaf=lambda x: isinstance(x, list))
+            jax.tree.map(
+                lambda parts, i=i: parts[i], per_leaf, is_leaf=lambda x: isinstance(x, list)
+            )
             for i in range(len(local))
         )
 
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> DistributedDataset:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: Any = None
+    ) -> DistributedDataset:
         """Split each global batch of `dataset` on axis 0 across the replicas."""
         return DistributedDataset(self, dataset)
 
@@ -156,7 +168,9 @@ class Strategy:
         per_replica_ndim = array.ndim - 1 if stacked else array.ndim
         if axis is not None:
             _check_axis(axis, per_replica_ndim, where)
-        axes = ([0] if stacked else []) + ([axis % per_replica_ndim + int(stacked)] if axis is not None else [])
+        axes = ([0] if stacked else []) + (
+            [axis % per_replica_ndim + int(stacked)] if axis is not None else []
+        )
         x = jnp.asarray(array)
         if op is ReduceOp.SUM:
             total = jnp.sum(x, axis=tuple(axes)) if axes else x
@@ -180,4 +194,7 @@ class Strategy:
 
 def _check_axis(axis: int, ndim: int, where: str) -> None:
     if not -ndim <= axis < ndim:
-        raise ValueError(f"axis={axis} is out of range for {where}, whose per-replica value has {ndim} dimensions")
+        raise ValueError(
+            f"axis={axis} is out of range for {where}, "
+            f"whose per-replica value has {ndim} dimensions"
+        )

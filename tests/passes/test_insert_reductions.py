@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
-from xla_strategies.passes import InsertReductions, MirroredOutputError, PassContext, parse, print_graph
+from xla_strategies.passes import (
+    InsertReductions,
+    MirroredOutputError,
+    PassContext,
+    parse,
+    print_graph,
+)
 
 BEFORE = """\
 func @step(%0: f32[4]{replica}, %1: f32[]{replica}) {
@@ -32,7 +37,8 @@ def test_mean_applies_to_autodiff_reductions_only():
     changed, after, ctx = _run(BEFORE)
     assert changed
     expected = BEFORE.replace(
-        '"origin": "autodiff", "reduce_op": "sum"}', '"origin": "autodiff", "reduce_op": "mean"}  // by insert-reductions'
+        '"origin": "autodiff", "reduce_op": "sum"}',
+        '"origin": "autodiff", "reduce_op": "mean"}  // by insert-reductions',
     )
     assert after == expected  # the user's all_reduce is untouched, the one in the loop body is not
     assert ctx.stats["insert-reductions"] == {"mirrored_outputs": 2, "per_replica_outputs": 1}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from xla_strategies.passes import IRParseError, VerificationError, parse, print_graph, verify
 from xla_strategies.passes.ir import Graph, Node, Value
 
@@ -51,10 +50,25 @@ def test_graph_helpers_count_and_walk():
 @pytest.mark.parametrize(
     ("text", "message", "line", "column"),
     [
-        ("func @f(%0: f32[2]) {\n  %1: f32[2] = jax.neg(%9)\n  return %1\n}\n", "undefined value %9", 2, 24),
-        ("func @f(%0: f32[2]) {\n  %0: f32[2] = jax.neg(%0)\n  return %0\n}\n", "defined twice", 2, 3),
+        (
+            "func @f(%0: f32[2]) {\n  %1: f32[2] = jax.neg(%9)\n  return %1\n}\n",
+            "undefined value %9",
+            2,
+            24,
+        ),
+        (
+            "func @f(%0: f32[2]) {\n  %0: f32[2] = jax.neg(%0)\n  return %0\n}\n",
+            "defined twice",
+            2,
+            3,
+        ),
         ("func @f(%0: f32[2) {\n  return %0\n}\n", "expected a type", 1, 13),
-        ("func @f(%0: f32[2]) {\n  %1: f32[2] = jax.neg(%0) {\"a\": }\n  return %1\n}\n", "malformed attributes", 2, 34),
+        (
+            'func @f(%0: f32[2]) {\n  %1: f32[2] = jax.neg(%0) {"a": }\n  return %1\n}\n',
+            "malformed attributes",
+            2,
+            34,
+        ),
         ("func @f() {\n  return\n}\nextra", "unexpected text", 4, 1),
     ],
 )
@@ -87,9 +101,15 @@ def test_verifier_rejects_a_value_defined_twice():
 
 def test_verifier_rejects_unknown_collective_axis():
     x = Value((4,), "float32", frozenset({"replica"}))
-    node = Node("all_reduce", [x], [x.like(varying_axes=frozenset({"replica"}))],
-                {"axes": ["batch"], "reduce_op": "sum"})
-    with pytest.raises(VerificationError, match=r"unknown mesh axis \['batch'\] \(mesh axes: replica\)"):
+    node = Node(
+        "all_reduce",
+        [x],
+        [x.like(varying_axes=frozenset({"replica"}))],
+        {"axes": ["batch"], "reduce_op": "sum"},
+    )
+    with pytest.raises(
+        VerificationError, match=r"unknown mesh axis \['batch'\] \(mesh axes: replica\)"
+    ):
         verify(_graph_with(node, [x]), MESH)
 
 
@@ -122,7 +142,9 @@ def test_verifier_checks_region_arity_and_isolation():
     graph = parse(LOOP)
     scan = graph.nodes[2]
     scan.regions[0].outputs.pop()
-    with pytest.raises(VerificationError, match="region 0 takes 2 and returns 1 values, expected 2 and 2"):
+    with pytest.raises(
+        VerificationError, match="region 0 takes 2 and returns 1 values, expected 2 and 2"
+    ):
         verify(graph, MESH)
     # a region may not read a value of the enclosing graph
     graph = parse(LOOP)

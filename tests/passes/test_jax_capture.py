@@ -8,11 +8,11 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from xla_strategies.passes import parse, print_graph, verify
 
 import xla_strategies as xs
 from tests import helpers
 from xla_strategies.demo import models
-from xla_strategies.passes import parse, print_graph, verify
 
 
 def _graph(strategy, fn, *args):
@@ -54,8 +54,11 @@ def test_transformer_keeps_scan_and_remat_as_regions():
     assert any(n.op == "jax.remat2" for n in backward.regions[0].walk())
     # the tied embedding is reduced twice: once for the lookup, once for the unembedding
     embed_shape = (cfg.vocab, cfg.width)
-    tied = [n for n in graph.walk() if n.op == "all_reduce"
-            and sorted(n.inputs[0].shape) == sorted(embed_shape)]
+    tied = [
+        n
+        for n in graph.walk()
+        if n.op == "all_reduce" and sorted(n.inputs[0].shape) == sorted(embed_shape)
+    ]
     assert len(tied) == 2
     assert _origins(graph) == ["autodiff"] * len(_origins(graph))
 
@@ -81,7 +84,9 @@ def test_cond_becomes_a_region_node():
     def step(w, x):
         def loss(w):
             y = x @ w
-            return lax.cond(jnp.sum(y) > 0, lambda v: jnp.mean(v**2), lambda v: jnp.mean(jnp.abs(v)), y)
+            return lax.cond(
+                jnp.sum(y) > 0, lambda v: jnp.mean(v**2), lambda v: jnp.mean(jnp.abs(v)), y
+            )
 
         return w - jax.grad(loss)(w)
 
@@ -94,5 +99,8 @@ def test_cond_becomes_a_region_node():
 def test_collective_on_an_unknown_axis_is_a_clear_error():
     strategy = xs.MirroredStrategy()
     step = strategy.compile(lambda x: lax.psum(x, "batch"))
-    with pytest.raises(xs.UnknownAxisError, match="axis 'batch', but the strategy's mesh has only the axes \\['replica'\\]"):
+    with pytest.raises(
+        xs.UnknownAxisError,
+        match="axis 'batch', but the strategy's mesh has only the axes \\['replica'\\]",
+    ):
         step(np.ones(8, np.float32))

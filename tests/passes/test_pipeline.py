@@ -6,8 +6,14 @@ import io
 from dataclasses import dataclass
 
 import pytest
-
-from xla_strategies.passes import PASS_REGISTRY, InsertReductions, Pass, PassContext, PassPipeline, parse
+from xla_strategies.passes import (
+    PASS_REGISTRY,
+    InsertReductions,
+    Pass,
+    PassContext,
+    PassPipeline,
+    parse,
+)
 from xla_strategies.passes.dump import IRDumper, IRPrinter, dump_header
 from xla_strategies.passes.pipeline import PassTimer, PipelineSpecError, parse_spec
 
@@ -32,9 +38,14 @@ def test_spec_builds_passes_with_options():
 
 
 def test_spec_errors_name_the_problem():
-    with pytest.raises(PipelineSpecError, match="unknown pass 'combine-everything'; known passes: insert-reductions"):
+    with pytest.raises(
+        PipelineSpecError,
+        match="unknown pass 'combine-everything'; known passes: insert-reductions",
+    ):
         parse_spec("insert-reductions,combine-everything")
-    with pytest.raises(PipelineSpecError, match="has no option 'threshold' \\(options: gradient-reduction\\)"):
+    with pytest.raises(
+        PipelineSpecError, match="has no option 'threshold' \\(options: gradient-reduction\\)"
+    ):
         parse_spec("insert-reductions{threshold=4}")
     with pytest.raises(PipelineSpecError, match="malformed pipeline spec at column 1"):
         parse_spec("{oops}")
@@ -63,7 +74,10 @@ def test_failing_pass_reports_the_passes_before_it():
     pipeline = PassPipeline(passes=(InsertReductions(), _Explode()))
     with pytest.raises(RuntimeError, match="boom") as info:
         pipeline.run(parse(GRAD), _ctx())
-    assert "while running pass 'explode'; passes run before it: capture, insert-reductions" in info.value.__notes__
+    assert (
+        "while running pass 'explode'; passes run before it: capture, insert-reductions"
+        in info.value.__notes__
+    )
 
 
 def test_verifier_runs_after_every_pass():
@@ -75,7 +89,9 @@ def test_verifier_runs_after_every_pass():
 
 def test_disabled_passes_are_skipped_and_stop_after_stops():
     graph = parse(GRAD)
-    PassPipeline(passes=(InsertReductions(),), disabled=frozenset({"insert-reductions"})).run(graph, _ctx())
+    PassPipeline(passes=(InsertReductions(),), disabled=frozenset({"insert-reductions"})).run(
+        graph, _ctx()
+    )
     assert graph.nodes[0].attrs["reduce_op"] == "sum"
     pipeline = PassPipeline(passes=(InsertReductions(), _Explode()))
     pipeline.run(graph, _ctx(), stop_after="insert-reductions")  # never reaches explode
@@ -96,7 +112,10 @@ def test_dumper_writes_one_file_per_pass(tmp_path):
     after = (tmp_path / files[1]).read_text()
     assert after.startswith(dump_header("insert-reductions"))
     assert '"reduce_op": "mean"' in after and "// by insert-reductions" in after
-    assert set(timer.seconds) == {"insert-reductions"} and ctx.stats["pass_seconds"]["insert-reductions"] >= 0
+    assert (
+        set(timer.seconds) == {"insert-reductions"}
+        and ctx.stats["pass_seconds"]["insert-reductions"] >= 0
+    )
 
 
 def test_printer_after_change_skips_unchanged_passes():

@@ -20,7 +20,10 @@ from flax import nnx
 class MLP(nnx.Module):
     def __init__(self, sizes: tuple[int, ...], *, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> None:
         self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs, param_dtype=dtype, dtype=dtype) for a, b in zip(sizes, sizes[1:])]
+            [
+                nnx.Linear(a, b, rngs=rngs, param_dtype=dtype, dtype=dtype)
+                for a, b in zip(sizes, sizes[1:], strict=False)
+            ]
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -79,8 +82,12 @@ class TransformerLM(nnx.Module):
     """Decoder-only LM: embed, `layers` scanned and rematerialised blocks, tied unembedding."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs) -> None:
-        self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs, param_dtype=cfg.dtype, dtype=cfg.dtype)
-        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.width), cfg.dtype))
+        self.embed = nnx.Embed(
+            cfg.vocab, cfg.width, rngs=rngs, param_dtype=cfg.dtype, dtype=cfg.dtype
+        )
+        self.pos = nnx.Param(
+            0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.width), cfg.dtype)
+        )
 
         @nnx.split_rngs(splits=cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -126,7 +133,9 @@ def lm_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> C
 def mlp_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable[..., Any]:
     """A per-replica train step for `MLP` classification: params, opt_state, per-example loss."""
 
-    def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any, jax.Array]:
+    def step(
+        params: Any, opt_state: Any, batch: dict[str, jax.Array]
+    ) -> tuple[Any, Any, jax.Array]:
         def loss_fn(p: Any) -> tuple[jax.Array, jax.Array]:
             logits = nnx.merge(graphdef, p)(batch["x"])
             per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])

@@ -34,9 +34,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     strategy = xs.MirroredStrategy()
     if args.batch_size % strategy.num_replicas_in_sync:
         raise SystemExit(
-            f"--batch-size {args.batch_size} does not divide across {strategy.num_replicas_in_sync} replicas"
+            f"--batch-size {args.batch_size} does not divide across "
+            f"{strategy.num_replicas_in_sync} replicas"
         )
-    cfg = models.TransformerConfig(vocab=64, width=args.width, heads=4, layers=args.layers, seq_len=args.seq_len)
+    cfg = models.TransformerConfig(
+        vocab=64, width=args.width, heads=4, layers=args.layers, seq_len=args.seq_len
+    )
     graphdef, params = nnx.split(models.TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.learning_rate))
     with strategy.scope():
@@ -45,8 +48,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dataset = strategy.experimental_distribute_dataset(
         synthetic_tokens(args.steps, args.batch_size, args.seq_len, cfg.vocab)
     )
-    print(f"{strategy}: {cfg.layers}-layer transformer LM, {_count(params):,} parameters, "
-          f"global batch {args.batch_size}, devices: {jax.devices()[0].platform} x {jax.device_count()}")
+    print(
+        f"{strategy}: {cfg.layers}-layer transformer LM, {_count(params):,} parameters, "
+        f"global batch {args.batch_size}, "
+        f"devices: {jax.devices()[0].platform} x {jax.device_count()}"
+    )
     losses, step_times = [], []
     with tqdm(dataset, total=args.steps, desc="train", unit="step") as bar:
         for batch in bar:
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "captured": executable.captured_text_stats,
         "optimised": collective_summary(executable.graph),
         "hlo_all_reduce": count_hlo_collectives(hlo)["all-reduce"],
-        "step_ms": 1e3 * float(np.median(step_times[len(step_times) // 2:])),
+        "step_ms": 1e3 * float(np.median(step_times[len(step_times) // 2 :])),
         "compile_s": executable.seconds,
     }
     _print_report(report)
@@ -82,7 +88,10 @@ def _print_report(r: dict[str, Any]) -> None:
         ("all-reduces per step, as captured", r["captured"]["all_reduce_count"]),
         ("all-reduce bytes per step, as captured", f"{r['captured']['all_reduce_bytes']:,}"),
         ("all-reduces per step, after the pipeline", r["optimised"]["all_reduce_count"]),
-        ("all-reduce bytes per step, after the pipeline", f"{r['optimised']['all_reduce_bytes']:,}"),
+        (
+            "all-reduce bytes per step, after the pipeline",
+            f"{r['optimised']['all_reduce_bytes']:,}",
+        ),
         ("all-reduce instructions in XLA's compiled HLO", r["hlo_all_reduce"]),
         ("step time (median, ms)", f"{r['step_ms']:.1f}"),
     ]
