@@ -20,7 +20,7 @@ from xla_strategies.demo import models
 STEPS = 20
 
 
-def _compare(make_step, params, tx, batches, rtol, atol=0.0, **options):
+def _compare(make_step, params, tx, batches, rtol, atol, **options):
     one = helpers.train(xs.OneDeviceStrategy(), make_step, params, tx, batches, **options)
     mirrored = helpers.train(xs.MirroredStrategy(), make_step, params, tx, batches, **options)
     assert len(one) == len(mirrored) == STEPS
@@ -36,61 +36,33 @@ def _compare(make_step, params, tx, batches, rtol, atol=0.0, **options):
     assert helpers.max_relative_error(one[-1], jax.tree.map(np.asarray, params)) > 1e-3
 
 
-def _adamw_chain():
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-
-
-def test_mlp_sgd_float32():
-    graphdef, params = helpers.mlp()
-    _compare(
-        models.mlp_train_step(graphdef, optax.sgd(0.1)),
-        params,
-        optax.sgd(0.1),
-        helpers.mlp_batches(STEPS),
-        rtol=1e-5,
-        atol=1e-7,
+def _setup(model: str, dtype):
+    """(step, params, optimizer, batches): SGD in float32, clip + adamw in float64."""
+    tx = (
+        optax.sgd(0.1)
+        if dtype == np.float32
+        else optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
     )
-
-
-def test_transformer_sgd_float32():
-    graphdef, params, cfg = helpers.transformer()
-    tx = optax.sgd(0.1)
-    _compare(
-        models.lm_train_step(graphdef, tx),
-        params,
-        tx,
-        helpers.lm_batches(STEPS, cfg),
-        rtol=1e-5,
-        atol=1e-7,
-    )
-
-
-def test_mlp_adamw_float64():
-    with jax.enable_x64(True):
-        graphdef, params = helpers.mlp(np.float64)
-        tx = _adamw_chain()
-        _compare(
+    if model == "mlp":
+        graphdef, params = helpers.mlp(dtype)
+        return (
             models.mlp_train_step(graphdef, tx),
             params,
             tx,
-            helpers.mlp_batches(STEPS, dtype=np.float64),
-            rtol=1e-9,
-            atol=1e-12,
+            helpers.mlp_batches(STEPS, dtype=dtype),
         )
+    graphdef, params, cfg = helpers.transformer(dtype)
+    return models.lm_train_step(graphdef, tx), params, tx, helpers.lm_batches(STEPS, cfg)
 
 
-def test_transformer_adamw_float64():
-    with jax.enable_x64(True):
-        graphdef, params, cfg = helpers.transformer(np.float64)
-        tx = _adamw_chain()
-        _compare(
-            models.lm_train_step(graphdef, tx),
-            params,
-            tx,
-            helpers.lm_batches(STEPS, cfg),
-            rtol=1e-9,
-            atol=1e-12,
-        )
+TOLERANCES = {np.float32: {"rtol": 1e-5, "atol": 1e-7}, np.float64: {"rtol": 1e-9, "atol": 1e-12}}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["sgd-f32", "adamw-f64"])
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_mirrored_matches_one_device(model, dtype):
+    with jax.enable_x64(dtype == np.float64):
+        _compare(*_setup(model, dtype), **TOLERANCES[dtype])
 
 
 def test_sum_reduction_matches_hand_scaled_reference():
