@@ -4,18 +4,31 @@
 """
 
 from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.combine_all_reduces import CombineAllReduces
+from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.insert_reductions import InsertReductions, MirroredOutputError
 from xla_strategies.passes.ir import Graph, Node, Value
 from xla_strategies.passes.ir_text import IRParseError, parse, print_graph
 from xla_strategies.passes.pipeline import PassPipeline, PipelineSpecError
+from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.verifier import VerificationError, verify
 
 PASS_REGISTRY: dict[str, type[Pass]] = {
-    InsertReductions.name: InsertReductions,
+    cls.name: cls
+    for cls in (InsertReductions, HoistAllReduces, ReassociateAllReduces, CombineAllReduces)
 }
 
+# What every synchronous strategy runs by default, in this order: give autodiff's
+# reductions their meaning, move them out of loops, merge the parts of tied weights, then
+# bucket what is left.
+DEFAULT_PIPELINE = "insert-reductions,hoist-all-reduces,reassociate-all-reduces,combine-all-reduces"
+
 __all__ = [
+    "DEFAULT_PIPELINE",
     "PASS_REGISTRY",
+    "CombineAllReduces",
+    "HoistAllReduces",
+    "ReassociateAllReduces",
     "Graph",
     "IRParseError",
     "InsertReductions",

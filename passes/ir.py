@@ -163,6 +163,13 @@ class Graph:
             for region in node.regions:
                 yield from region.walk()
 
+    def graphs(self) -> list[Graph]:
+        """This graph and every region nested in it, outermost first."""
+        found = [self]
+        for node in self.walk():
+            found.extend(node.regions)
+        return found
+
     def users(self) -> dict[Value, list[Node]]:
         """Map each value to the nodes of this graph (not nested regions) that read it."""
         result: dict[Value, list[Node]] = {}

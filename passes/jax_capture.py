@@ -23,6 +23,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
+
 from xla_strategies.passes.ir import Graph, Node, Value
 
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from xla_strategies.passes.ir import Graph, Node, Value
 
 
@@ -87,8 +88,9 @@ def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
 
 
 def _constant(node: Node, args: list[Any]) -> list[Any]:
+    out = node.outputs[0]
     value = node.payload if node.payload is not None else node.attrs["value"]
-    return [jnp.asarray(value, dtype=node.outputs[0].dtype)]
+    return [jnp.broadcast_to(jnp.asarray(value, dtype=out.dtype), out.shape)]
 
 
 _REDUCERS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
+from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.insert_reductions import InsertReductions
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
 from xla_strategies.reduce_op import ReduceOp
@@ -29,7 +30,7 @@ class Strategy:
     """Shared API of all strategies (`OneDeviceStrategy`, `MirroredStrategy`, ...)."""
 
     #: The pass pipeline every compiled step runs unless `compile(pipeline=...)` says otherwise.
-    default_pipeline: ClassVar[str] = "insert-reductions"
+    default_pipeline: ClassVar[str] = DEFAULT_PIPELINE
     #: The label of this strategy's pipeline in dump file names.
     pipeline_label: ClassVar[str] = "strategy"
 

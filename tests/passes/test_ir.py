@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from xla_strategies.passes import IRParseError, VerificationError, parse, print_graph, verify
 from xla_strategies.passes.ir import Graph, Node, Value
 

@@ -8,11 +8,11 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from xla_strategies.passes import parse, print_graph, verify
 
 import xla_strategies as xs
 from tests import helpers
 from xla_strategies.demo import models
+from xla_strategies.passes import parse, print_graph, verify
 
 
 def _graph(strategy, fn, *args):

@@ -6,6 +6,7 @@ import io
 from dataclasses import dataclass
 
 import pytest
+
 from xla_strategies.passes import (
     PASS_REGISTRY,
     InsertReductions,

@@ -1,0 +1,150 @@
+"""combine-all-reduces: bucket independent reductions into flat buffers.
+
+Hundreds of small gradient reductions each pay a collective's latency. This pass groups
+reductions with equal (axes, reduce_op, dtype) into buckets of up to `threshold_bytes`, in
+schedule order (readiness order: backward order for gradients, so an early bucket can
+overlap the rest of the backward pass), and lowers each bucket as one flat buffer:
+flatten, concatenate, one all_reduce, slice and reshape back. A flat buffer was measured
+faster than XLA's tuple-shaped combined all-reduce on CPU. A reduction joins a bucket only
+if no member's result is read before it, which also keeps dependent reductions apart.
+
+    Before:
+      %2: f32[4,3] = all_reduce(%0) {"axes": ["replica"], "reduce_op": "mean"}
+      %3: f32[5] = all_reduce(%1) {"axes": ["replica"], "reduce_op": "mean"}
+    After:
+      %2: f32[12]{replica} = reshape(%0)
+      %3: f32[17]{replica} = concatenate(%2, %1) {"dimension": 0}
+      %4: f32[17] = all_reduce(%3) {"axes": ["replica"], "reduce_op": "mean"}
+      %5: f32[12] = slice(%4) {"limit": [12], "start": [0]}
+      %6: f32[4,3] = reshape(%5)
+      %7: f32[5] = slice(%4) {"limit": [17], "start": [12]}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.ir import Graph, Node, Value
+
+# Chosen from the sweep in benchmarks/README.md ("Bucket threshold sweep").
+DEFAULT_THRESHOLD_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class _Bucket:
+    members: list[Node] = field(default_factory=list)
+    nbytes: int = 0
+    tainted: set[Value] = field(default_factory=set)  # values computed from members' results
+
+
+@dataclass(frozen=True)
+class CombineAllReduces(Pass):
+    """Options:
+    threshold_bytes: the most bytes per bucket.
+    first_bucket_bytes: a smaller cap for the first bucket of each kind, so the first
+        reduction can start early (DDP's first bucket); 0 uses `threshold_bytes`.
+    """
+
+    name = "combine-all-reduces"
+    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
+    first_bucket_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.threshold_bytes <= 0 or self.first_bucket_bytes < 0:
+            raise ValueError(
+                "combine-all-reduces: threshold-bytes must be positive and first-bucket-bytes "
+                f"non-negative, got {self.threshold_bytes} and {self.first_bucket_bytes}"
+            )
+
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
+        sizes: list[int] = []
+        for region in graph.graphs():
+            # One bucket at a time, then look again: combining moves nodes.
+            while bucket := next((b for b in self._buckets(region) if len(b.members) > 1), None):
+                _combine(region, bucket, len(sizes), self.name)
+                sizes.append(bucket.nbytes)
+        ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
+        return bool(sizes)
+
+    def _buckets(self, graph: Graph) -> list[_Bucket]:
+        """Greedy buckets in schedule order. A reduction whose operand is computed from a
+        member's result closes that bucket: the two cannot be one collective."""
+        open_buckets: dict[tuple, _Bucket] = {}
+        done: list[_Bucket] = []
+        started = {_key(n) for n in graph.nodes if _is_combined(n)}
+        for node in graph.nodes:
+            tainting = [
+                b for b in open_buckets.values() if any(v in b.tainted for v in node.inputs)
+            ]
+            for bucket in tainting:
+                bucket.tainted.update(node.outputs)
+            if node.op != "all_reduce" or len(node.inputs) != 1 or _is_combined(node):
+                continue
+            key, size = _key(node), node.inputs[0].nbytes
+            first = self.first_bucket_bytes and key not in started
+            limit = self.first_bucket_bytes if first else self.threshold_bytes
+            bucket = open_buckets.get(key)
+            if bucket is None or bucket in tainting or bucket.nbytes + size > limit:
+                if bucket is not None:
+                    done.append(bucket)
+                    started.add(key)
+                bucket = open_buckets[key] = _Bucket()
+            bucket.members.append(node)
+            bucket.nbytes += size
+            bucket.tainted.update(node.outputs)
+        return done + list(open_buckets.values())
+
+
+def _key(node: Node) -> tuple:
+    source = node.inputs[0]
+    return (tuple(node.attrs["axes"]), node.attrs["reduce_op"], source.dtype, source.varying_axes)
+
+
+def _is_combined(node: Node) -> bool:
+    return node.op == "all_reduce" and "bucket" in node.attrs
+
+
+def _combine(graph: Graph, bucket: _Bucket, index: int, created_by: str) -> None:
+    """Replace the bucket's members by one flat all_reduce at the last member's position.
+    Nodes before it that read a member's result move after it, keeping their order."""
+    members, first = bucket.members, bucket.members[0]
+    dtype, axes = first.inputs[0].dtype, set(first.attrs["axes"])
+    varying = first.inputs[0].varying_axes
+    new: list[Node] = []
+
+    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
+        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
+        return out
+
+    flats = [
+        m.inputs[0]
+        if len(m.inputs[0].shape) == 1
+        else emit("reshape", [m.inputs[0]], Value((m.inputs[0].size,), dtype, varying))
+        for m in members
+    ]
+    total = sum(f.size for f in flats)
+    buffer = emit("concatenate", flats, Value((total,), dtype, varying), dimension=0)
+    attrs = {k: first.attrs[k] for k in ("axes", "reduce_op", "origin") if k in first.attrs}
+    reduced = emit(
+        "all_reduce",
+        [buffer],
+        Value((total,), dtype, frozenset(varying - axes)),
+        **attrs,
+        bucket=index,
+    )
+    offset = 0
+    for member, flat in zip(members, flats, strict=True):
+        result = member.outputs[0]
+        piece = (
+            result if len(result.shape) == 1 else Value((flat.size,), dtype, result.varying_axes)
+        )
+        emit("slice", [reduced], piece, start=[offset], limit=[offset + flat.size])
+        if piece is not result:
+            emit("reshape", [piece], result)
+        offset += flat.size
+    start, end = graph.nodes.index(first), graph.nodes.index(members[-1])
+    between = [n for n in graph.nodes[start:end] if n not in members]
+    dependent = [n for n in between if any(v in bucket.tainted for v in (*n.inputs, *n.outputs))]
+    kept = [n for n in between if n not in dependent]
+    graph.nodes[start : end + 1] = kept + new + dependent

@@ -1,0 +1,128 @@
+"""Dataflow facts the reduction passes share: use counts, and which ops commute with a
+cross-replica sum, so a reduction can move past them without changing the numbers."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from xla_strategies.passes.ir import Graph, Node, Value
+
+# Unary ops that are linear and act on each replica's value independently, so
+# op(all_reduce(x)) == all_reduce(op(x)) for a sum or a mean across replicas.
+_LINEAR_UNARY = frozenset(
+    {
+        "jax.transpose",
+        "jax.reshape",
+        "jax.squeeze",
+        "jax.expand_dims",
+        "jax.neg",
+        "jax.copy",
+        "jax.copy_p",
+        "jax.reduce_sum",
+        "reshape",
+    }
+)
+# Binary ops that are linear in one operand when the other is replica-invariant.
+_SCALING = frozenset({"jax.mul", "scale"})
+_DIVIDING = frozenset({"jax.div"})
+LINEAR_REDUCE_OPS = frozenset({"sum", "mean"})
+ADD_OPS = frozenset({"jax.add", "jax.add_any", "add"})
+
+
+def use_counts(graph: Graph) -> Counter[Value]:
+    """How often each value is read in `graph`: by its nodes and by its outputs."""
+    counts: Counter[Value] = Counter()
+    for node in graph.nodes:
+        counts.update(node.inputs)
+    counts.update(graph.outputs)
+    return counts
+
+
+def commutes_with_sum(node: Node, operand: Value) -> bool:
+    """Whether `node`, read through `operand`, commutes with a cross-replica sum."""
+    if node.op in _LINEAR_UNARY and node.inputs == [operand]:
+        return True
+    if node.op == "jax.convert_element_type" and node.inputs == [operand]:
+        return _is_widening(operand.dtype, node.outputs[0].dtype)
+    if (
+        node.op in _SCALING | _DIVIDING
+        and len(node.inputs) == 2
+        and node.inputs.count(operand) == 1
+    ):
+        other = node.inputs[1 - node.inputs.index(operand)]
+        if node.op in _DIVIDING and other is node.inputs[0]:
+            return False  # c / x is not linear in x
+        return not other.varying_axes
+    return False
+
+
+def _is_widening(src: str, dst: str) -> bool:
+    """Float to a float at least as wide: exact, so reducing before or after agrees."""
+    try:
+        a, b = np.dtype(src), np.dtype(dst)
+    except TypeError:
+        return src == "bfloat16" and dst in ("float32", "float64")
+    return a.kind == b.kind == "f" and b.itemsize >= a.itemsize
+
+
+@dataclass
+class ReducedChain:
+    """`end` = ops(all_reduce(source)), every link read once, each op commuting with sums."""
+
+    reduction: Node
+    ops: list[Node]
+    end: Value
+
+    @property
+    def source(self) -> Value:
+        return self.reduction.inputs[0]
+
+
+def reduced_chain(
+    value: Value, producers: dict[Value, Node], uses: Counter[Value]
+) -> ReducedChain | None:
+    """Walk back from `value` through single-use linear ops to a single-operand sum or mean
+    all_reduce whose result is read only by that chain. None if there is no such chain."""
+    if uses[value] != 1:
+        return None
+    ops: list[Node] = []
+    current = value
+    while True:
+        node = producers.get(current)
+        if node is None or len(node.outputs) != 1:
+            return None
+        if node.op == "all_reduce":
+            if len(node.inputs) != 1 or node.attrs.get("reduce_op") not in LINEAR_REDUCE_OPS:
+                return None
+            if uses[node.outputs[0]] != 1:
+                return None
+            return ReducedChain(node, list(reversed(ops)), value)
+        operand = next(
+            (v for v in node.inputs if uses[v] == 1 and commutes_with_sum(node, v)), None
+        )
+        if operand is None:
+            return None
+        ops.append(node)
+        current = operand
+
+
+def unreduce(chain: ReducedChain, graph: Graph) -> set[str]:
+    """Delete the chain's all_reduce: its ops now read the unreduced source, and their
+    values vary over the reduction's axes. Returns those axes."""
+    axes = set(chain.reduction.attrs["axes"])
+    reduced = chain.reduction.outputs[0]
+    graph.nodes.remove(chain.reduction)
+    graph.replace_uses(reduced, chain.source)
+    for node in chain.ops:
+        for out in node.outputs:
+            out.varying_axes = frozenset(out.varying_axes | axes)
+    return axes
+
+
+def make_all_reduce(source: Value, result: Value, like: Node, created_by: str) -> Node:
+    """A new all_reduce of `source` into `result`, with `like`'s axes and reduce_op."""
+    attrs = {k: like.attrs[k] for k in ("axes", "reduce_op", "origin") if k in like.attrs}
+    return Node("all_reduce", [source], [result], attrs, created_by=created_by)
