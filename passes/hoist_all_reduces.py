@@ -99,7 +99,8 @@ class HoistAllReduces(Pass):
         axes = unreduce(chain, body)
         for value in (carry_in, add.outputs[0], *_cond_inputs(loop, j)):
             value.varying_axes = frozenset(value.varying_axes | axes)
-        initial, final = loop.inputs[k], loop.outputs[j]
+        operand = _carry_operand(loop, j)
+        initial, final = loop.inputs[operand], loop.outputs[j]
         varying = frozenset(initial.varying_axes | axes)
         zeros = Node("constant", [], [initial.like()], {"value": 0}, created_by=self.name)
         start = Node(
@@ -111,7 +112,7 @@ class HoistAllReduces(Pass):
         )
         position = parent.nodes.index(loop)
         parent.nodes[position:position] = [zeros, start]
-        loop.inputs[k] = start.outputs[0]
+        loop.inputs[operand] = start.outputs[0]
         loop.outputs[j] = final.like(varying_axes=frozenset(final.varying_axes | axes))
         reduced = final.like()
         tail = [
@@ -133,6 +134,13 @@ def _body(loop: Node) -> tuple[Graph, int, int]:
     body = loop.regions[1]
     consts = loop.attrs["body_nconsts"]
     return body, consts, len(body.inputs) - consts
+
+
+def _carry_operand(loop: Node, j: int) -> int:
+    """The loop's operand index of carry j's initial value."""
+    if loop.op == "jax.scan":
+        return loop.attrs["num_consts"] + j
+    return loop.attrs["cond_nconsts"] + loop.attrs["body_nconsts"] + j
 
 
 def _cond_inputs(loop: Node, j: int) -> list[Value]:

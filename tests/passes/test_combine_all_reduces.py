@@ -1,0 +1,118 @@
+"""combine-all-reduces, text in and text out, with the cases XLA's combiner tests cover."""
+
+from __future__ import annotations
+
+import pytest
+
+from xla_strategies.passes import CombineAllReduces, PassContext, parse, print_graph, verify
+
+MESH = {"replica": 8}
+THREE = """\
+func @step(%0: f32[4,3]{replica}, %1: f32[5]{replica}, %2: f32[2]{replica}) {
+  %3: f32[4,3] = all_reduce(%0) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
+  %4: f32[4,3] = jax.neg(%3)
+  %5: f32[5] = all_reduce(%1) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
+  %6: f32[2] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
+  return %4, %5, %6
+}
+"""
+
+
+def _run(text: str, mesh=MESH, **options) -> tuple[bool, str, PassContext]:
+    graph = parse(text)
+    ctx = PassContext(mesh_axes=mesh)
+    changed = CombineAllReduces(**options).run(graph, ctx)
+    verify(graph, mesh)
+    return changed, print_graph(graph), ctx
+
+
+def test_threshold_is_respected_and_order_preserved():
+    changed, after, ctx = _run(THREE, threshold_bytes=68)  # 48 + 20 fit, + 8 does not
+    assert changed
+    assert (
+        after
+        == """\
+func @step(%0: f32[4,3]{replica}, %1: f32[5]{replica}, %2: f32[2]{replica}) {
+  %3: f32[12]{replica} = reshape(%0)  // by combine-all-reduces
+  %4: f32[17]{replica} = concatenate(%3, %1) {"dimension": 0}  // by combine-all-reduces
+  %5: f32[17] = all_reduce(%4) {"axes": ["replica"], "bucket": 0, "origin": "autodiff", "reduce_op": "mean"}  // by combine-all-reduces
+  %6: f32[12] = slice(%5) {"limit": [12], "start": [0]}  // by combine-all-reduces
+  %7: f32[4,3] = reshape(%6)  // by combine-all-reduces
+  %8: f32[5] = slice(%5) {"limit": [17], "start": [12]}  // by combine-all-reduces
+  %9: f32[4,3] = jax.neg(%7)
+  %10: f32[2] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
+  return %9, %8, %10
+}
+"""
+    )
+    assert ctx.stats["combine-all-reduces"] == {"buckets": 1, "bucket_bytes": [68]}
+
+
+def test_everything_fits_in_one_bucket():
+    _, after, _ = _run(THREE)
+    assert after.count("all_reduce(") == 1
+    assert "concatenate(%3, %1, %2)" in after
+
+
+def test_first_bucket_is_smaller():
+    _, after, ctx = _run(THREE, first_bucket_bytes=48)
+    # the first bucket holds only the 48-byte tensor; the next two share one
+    assert ctx.stats["combine-all-reduces"]["bucket_bytes"] == [28]
+    assert after.count("all_reduce(") == 2
+
+
+def test_dependent_reductions_are_not_combined():
+    text = """\
+func @step(%0: f32[4]{replica}) {
+  %1: f32[4] = all_reduce(%0) {"axes": ["replica"], "origin": "user", "reduce_op": "sum"}
+  %2: f32[4]{replica} = pvary(%1) {"axes": ["replica"]}
+  %3: f32[4]{replica} = jax.mul(%2, %0)
+  %4: f32[4] = all_reduce(%3) {"axes": ["replica"], "origin": "user", "reduce_op": "sum"}
+  return %4
+}
+"""
+    changed, after, _ = _run(text)
+    assert not changed and after == text
+
+
+DIFFERENT_AXES = """\
+func @step(%0: f32[4]{x,y}, %1: f32[4]{x,y}) {
+  %2: f32[4]{y} = all_reduce(%0) {"axes": ["x"], "origin": "user", "reduce_op": "sum"}
+  %3: f32[4]{x} = all_reduce(%1) {"axes": ["y"], "origin": "user", "reduce_op": "sum"}
+  return %2, %3
+}
+"""
+DIFFERENT_OPS = """\
+func @step(%0: f32[4]{x}, %1: f32[4]{x}) {
+  %2: f32[4] = all_reduce(%0) {"axes": ["x"], "origin": "user", "reduce_op": "sum"}
+  %3: f32[4] = all_reduce(%1) {"axes": ["x"], "origin": "user", "reduce_op": "max"}
+  return %2, %3
+}
+"""
+DIFFERENT_DTYPES = """\
+func @step(%0: f32[4]{x}, %1: f64[4]{x}) {
+  %2: f32[4] = all_reduce(%0) {"axes": ["x"], "origin": "user", "reduce_op": "sum"}
+  %3: f64[4] = all_reduce(%1) {"axes": ["x"], "origin": "user", "reduce_op": "sum"}
+  return %2, %3
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "text", [DIFFERENT_AXES, DIFFERENT_OPS, DIFFERENT_DTYPES], ids=["axes", "ops", "dtypes"]
+)
+def test_different_axes_ops_or_dtypes_are_not_combined(text):
+    changed, after, _ = _run(text, mesh={"x": 2, "y": 4})
+    assert not changed and after == text
+
+
+def test_nothing_to_do():
+    text = THREE.split("  %5")[0] + "  return %4\n}\n"
+    changed, after, ctx = _run(text)
+    assert not changed and after == text
+    assert ctx.stats["combine-all-reduces"]["buckets"] == 0
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(ValueError, match="threshold-bytes must be positive"):
+        CombineAllReduces(threshold_bytes=0)
