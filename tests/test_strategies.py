@@ -177,7 +177,13 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
     step = mirrored.compile(_sgd_step, name="train_step")
     step(mirrored.replicate(np.ones((4, 2), np.float32)), _batch(mirrored))
     names = sorted(p.name for p in (tmp_path / "train_step").iterdir())
-    assert names == ["0000.mirrored.after_capture.txt", "0001.mirrored.after_insert-reductions.txt"]
+    assert names == [
+        "0000.mirrored.after_capture.txt",
+        "0001.mirrored.after_insert-reductions.txt",
+        "0002.mirrored.after_hoist-all-reduces.txt",
+        "0003.mirrored.after_reassociate-all-reduces.txt",
+        "0004.mirrored.after_combine-all-reduces.txt",
+    ]
 
 
 def test_gradient_reduction_must_be_mean_or_sum(mirrored):
