@@ -4,8 +4,8 @@ Gradient sets with the tensor shapes of ResNet-50 (161 tensors), BERT-base (199)
 small (148), every dimension above 16 divided by `--scale` so they fit a 2-core machine.
 Three ways, side by side in one run:
 
-- per tensor: one all-reduce per tensor, each ordered after the previous one (so XLA's
-  combiner cannot merge them), as an unfused data-parallel loop runs;
+- per tensor: one all-reduce per tensor, with XLA's CPU all-reduce combiner switched off
+  for this program (`xla_disable_hlo_passes=cpu-all-reduce-combiner`);
 - XLA tuple: one `psum` per tensor in one program; XLA's all-reduce combiner merges them
   into tuple-shaped all-reduces;
 - buckets: this library's combine-all-reduces (flat buffers).
@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 RESULTS = Path(__file__).parent / "results"
+_NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 
 def resnet50() -> list[tuple[int, ...]]:
@@ -91,39 +91,28 @@ def scaled(shapes: list[tuple[int, ...]], scale: int) -> list[tuple[int, ...]]:
     return [tuple(d // scale if d > 16 else d for d in shape) for shape in shapes]
 
 
-def variants(strategy: Any, thresholds: list[int]) -> dict[str, Callable[..., Any]]:
+def variants(strategy: Any, grads: Any, thresholds: list[int]) -> dict[str, tuple[Any, str]]:
+    """Each variant compiled for `grads`: (callable taking grads, compiled HLO text)."""
     import xla_strategies as xs
 
-    mesh = strategy.mesh
-    axes = "replica"
-
-    def per_tensor(grads: list[Any]) -> list[Any]:
-        out, token = [], None
-        for g in grads:
-            if token is not None:  # order each reduction after the previous one
-                g, _ = lax.optimization_barrier((g, token))
-            token = lax.psum(g, axes)
-            out.append(token)
-        return out
-
     def tuple_psum(grads: list[Any]) -> list[Any]:
-        return [lax.psum(g, axes) for g in grads]
-
-    def mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return jax.jit(
-            jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(), check_vma=False)
-        )
+        return [lax.psum(g[0], "replica") for g in grads]
 
     def ours(grads: list[Any]) -> list[Any]:
         return xs.get_replica_context().all_reduce(xs.ReduceOp.SUM, [g[0] for g in grads])
 
-    found = {
-        "per tensor": mapped(lambda gs: per_tensor([g[0] for g in gs])),
-        "XLA tuple": mapped(lambda gs: tuple_psum([g[0] for g in gs])),
-    }
+    mapped = jax.shard_map(
+        tuple_psum, mesh=strategy.mesh, in_specs=P("replica"), out_specs=P(), check_vma=False
+    )
+    lowered = jax.jit(mapped).lower(grads)
+    found = {}
+    for name, options in (("per tensor", _NO_COMBINER), ("XLA tuple", None)):
+        compiled = lowered.compile(compiler_options=options)
+        found[name] = (compiled, compiled.as_text())
     for threshold in thresholds:
         spec = f"insert-reductions,combine-all-reduces{{threshold-bytes={threshold}}}"
-        found[f"buckets {threshold >> 10} KiB"] = strategy.compile(ours, pipeline=spec)
+        step = strategy.compile(ours, pipeline=spec)
+        found[f"buckets {threshold >> 10} KiB"] = (step, step.lower(grads).compile().as_text())
     return found
 
 
@@ -139,11 +128,9 @@ def measure(scale: int, thresholds: list[int], rounds: int, repeats: int) -> dic
         rng = np.random.default_rng(0)
         grads = [rng.normal(size=(n, *s)).astype(np.float32) for s in shapes]
         grads = next(iter(strategy.experimental_distribute_dataset([grads])))
-        fns = variants(strategy, thresholds)
-        counts = {
-            k: count_hlo_collectives(f.lower(grads).compile().as_text())["all-reduce"]
-            for k, f in fns.items()
-        }
+        compiled = variants(strategy, grads, thresholds)
+        fns = {k: fn for k, (fn, _) in compiled.items()}
+        counts = {k: count_hlo_collectives(text)["all-reduce"] for k, (_, text) in compiled.items()}
         for fn in fns.values():
             jax.block_until_ready(fn(grads))
         samples: dict[str, list[float]] = {k: [] for k in fns}
