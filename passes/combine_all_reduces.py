@@ -22,6 +22,7 @@ if no member's result is read before it, which also keeps dependent reductions a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from xla_strategies.passes.base import Pass, PassContext
@@ -59,6 +60,9 @@ class CombineAllReduces(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         sizes: list[int] = []
+        if math.prod(ctx.mesh_axes.values()) == 1:
+            ctx.stats[self.name] = {"buckets": 0, "bucket_bytes": []}
+            return False  # one replica: reductions are free, and copies into buckets are not
         for region in graph.graphs():
             # One bucket at a time, then look again: combining moves nodes.
             while bucket := next((b for b in self._buckets(region) if len(b.members) > 1), None):
