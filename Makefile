@@ -20,7 +20,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.compile_overhead
-	$(BIN)/python -m benchmarks.train_step --thresholds 65536 4194304 33554432
+	$(BIN)/python -m benchmarks.train_step --thresholds 262144 4194304 33554432
 	$(BIN)/python -m benchmarks.gradient_sync --sweep
 
 lint: $(STAMP)

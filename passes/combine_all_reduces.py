@@ -29,7 +29,7 @@ from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir import Graph, Node, Value
 
 # Chosen from the sweep in benchmarks/README.md ("Bucket threshold sweep").
-DEFAULT_THRESHOLD_BYTES = 256 * 1024
+DEFAULT_THRESHOLD_BYTES = 64 * 1024
 
 
 @dataclass
