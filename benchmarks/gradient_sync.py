@@ -48,40 +48,20 @@ def resnet50() -> list[tuple[int, ...]]:
 
 def bert_base() -> list[tuple[int, ...]]:
     h = 768
-    shapes: list[tuple[int, ...]] = [(30522, h), (512, h), (2, h), (h,), (h,)]
-    for _ in range(12):
-        shapes += [(h, h), (h,)] * 4 + [
-            (h,),
-            (h,),
-            (h, 4 * h),
-            (4 * h,),
-            (4 * h, h),
-            (h,),
-            (h,),
-            (h,),
-        ]
-    return shapes + [(h, h), (h,)]
+    attention = [(h, h), (h,)] * 4  # query, key, value, output: kernel and bias
+    norm = [(h,), (h,)]
+    mlp = [(h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+    layer = attention + norm + mlp + norm
+    return [(30522, h), (512, h), (2, h), *norm] + layer * 12 + [(h, h), (h,)]
 
 
 def gpt2_small() -> list[tuple[int, ...]]:
     h = 768
-    shapes: list[tuple[int, ...]] = [(50257, h), (1024, h)]
-    for _ in range(12):
-        shapes += [
-            (h,),
-            (h,),
-            (h, 3 * h),
-            (3 * h,),
-            (h, h),
-            (h,),
-            (h,),
-            (h,),
-            (h, 4 * h),
-            (4 * h,),
-            (4 * h, h),
-            (h,),
-        ]
-    return shapes + [(h,), (h,)]
+    norm = [(h,), (h,)]
+    attention = [(h, 3 * h), (3 * h,), (h, h), (h,)]
+    mlp = [(h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+    layer = norm + attention + norm + mlp
+    return [(50257, h), (1024, h)] + layer * 12 + norm
 
 
 MODELS = {"ResNet-50": resnet50, "BERT-base": bert_base, "GPT-2 small": gpt2_small}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from xla_strategies.passes import CombineAllReduces, PassContext, parse, print_graph, verify
+from tests.passes.pass_testing import MESH, run_pass
+from xla_strategies.passes import CombineAllReduces, PassContext
 
-MESH = {"replica": 8}
 THREE = """\
 func @step(%0: f32[4,3]{replica}, %1: f32[5]{replica}, %2: f32[2]{replica}) {
   %3: f32[4,3] = all_reduce(%0) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
@@ -19,11 +19,7 @@ func @step(%0: f32[4,3]{replica}, %1: f32[5]{replica}, %2: f32[2]{replica}) {
 
 
 def _run(text: str, mesh=MESH, **options) -> tuple[bool, str, PassContext]:
-    graph = parse(text)
-    ctx = PassContext(mesh_axes=mesh)
-    changed = CombineAllReduces(**options).run(graph, ctx)
-    verify(graph, mesh)
-    return changed, print_graph(graph), ctx
+    return run_pass(CombineAllReduces(**options), text, mesh)
 
 
 def test_threshold_is_respected_and_order_preserved():

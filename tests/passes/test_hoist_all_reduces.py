@@ -3,9 +3,9 @@ hoisting would be wrong."""
 
 from __future__ import annotations
 
-from xla_strategies.passes import HoistAllReduces, PassContext, parse, print_graph, verify
+from tests.passes.pass_testing import MESH, run_pass
+from xla_strategies.passes import HoistAllReduces, PassContext, parse
 
-MESH = {"replica": 8}
 SCAN = """\
 func @step(%0: f32[], %1: f32[3,4]{replica}) {
   %2: f32[], %3: f32[3,4] = jax.scan(%0, %1) {"length": 3, "num_carry": 1, "num_consts": 0, "reverse": false, "unroll": 1}
@@ -23,11 +23,7 @@ func @step(%0: f32[], %1: f32[3,4]{replica}) {
 
 
 def _run(text: str) -> tuple[bool, str, PassContext]:
-    graph = parse(text)
-    ctx = PassContext(mesh_axes=MESH)
-    changed = HoistAllReduces().run(graph, ctx)
-    verify(graph, MESH)
-    return changed, print_graph(graph), ctx
+    return run_pass(HoistAllReduces(), text)
 
 
 def test_scan_stacked_output_and_accumulator_are_hoisted():

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.passes.pass_testing import run_pass
 from xla_strategies.passes import (
     InsertReductions,
     MirroredOutputError,
     PassContext,
-    parse,
-    print_graph,
 )
 
 BEFORE = """\
@@ -28,10 +27,7 @@ func @step(%0: f32[4]{replica}, %1: f32[]{replica}) {
 
 
 def _run(text: str, **options) -> tuple[bool, str, PassContext]:
-    graph = parse(text)
-    ctx = PassContext(mesh_axes={"replica": 8})
-    changed = InsertReductions(**options).run(graph, ctx)
-    return changed, print_graph(graph), ctx
+    return run_pass(InsertReductions(**options), text)
 
 
 def test_mean_applies_to_autodiff_reductions_only():

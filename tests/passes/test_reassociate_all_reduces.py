@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from xla_strategies.passes import PassContext, ReassociateAllReduces, parse, print_graph, verify
+from tests.passes.pass_testing import run_pass
+from xla_strategies.passes import PassContext, ReassociateAllReduces, parse, print_graph
 
-MESH = {"replica": 8}
 TIED = """\
 func @step(%0: f32[32,64]{replica}, %1: f32[64,32]{replica}) {
   %2: f32[32,64] = all_reduce(%0) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
@@ -17,11 +17,7 @@ func @step(%0: f32[32,64]{replica}, %1: f32[64,32]{replica}) {
 
 
 def _run(text: str) -> tuple[bool, str, PassContext]:
-    graph = parse(text)
-    ctx = PassContext(mesh_axes=MESH)
-    changed = ReassociateAllReduces().run(graph, ctx)
-    verify(graph, MESH)
-    return changed, print_graph(graph), ctx
+    return run_pass(ReassociateAllReduces(), text)
 
 
 def test_tied_weight_is_reduced_once():
