@@ -101,11 +101,14 @@ def test_per_replica_outputs_stack_and_reduce(mirrored):
 
 
 def test_indivisible_global_batch_names_path_and_sizes(mirrored):
-    dataset = mirrored.experimental_distribute_dataset([{"x": np.ones((16, 2)), "y": np.ones(12)}])
+    dataset = mirrored.experimental_distribute_dataset([{"x": np.ones((12, 2)), "y": np.ones(12)}])
     with pytest.raises(
-        ValueError, match=r"dataset element 0\['y'\] has a global batch of 12, .* 8 replicas"
+        ValueError, match=r"dataset element 0\['x'\] has a global batch of 12, .* 8 replicas"
     ):
         next(iter(dataset))
+    uneven = mirrored.experimental_distribute_dataset([{"x": np.ones((16, 2)), "y": np.ones(12)}])
+    with pytest.raises(ValueError, match=r"\['y'\] has batch size 12 but .*\['x'\] has 16"):
+        next(iter(uneven))
 
 
 def test_non_array_leaves_are_rejected(mirrored):

@@ -19,12 +19,15 @@ from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.passes.insert_reductions import MirroredOutputError
 from xla_strategies.passes.jax_capture import UnknownAxisError
 from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.strategy import Strategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompiledStep",
+    "InputContext",
+    "InputOptions",
     "MirroredOutputError",
     "MirroredStrategy",
     "OneDeviceStrategy",

@@ -22,7 +22,11 @@ from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.insert_reductions import InsertReductions
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
 from xla_strategies.reduce_op import ReduceOp
-from xla_strategies.runtime.distributed_dataset import DistributedDataset
+from xla_strategies.runtime.distributed_dataset import (
+    DistributedDataset,
+    DistributedDatasetFromFunction,
+)
+from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.trees import copy_to, map_arrays
 
 
@@ -149,10 +153,20 @@ class Strategy:
         )
 
     def experimental_distribute_dataset(
-        self, dataset: Iterable[Any], options: Any = None
+        self, dataset: Iterable[Any], options: InputOptions | None = None
     ) -> DistributedDataset:
-        """Split each global batch of `dataset` on axis 0 across the replicas."""
-        return DistributedDataset(self, dataset)
+        """Split each global batch of `dataset` on axis 0 across the replicas, prefetched
+        to the devices by a background thread (see `xs.InputOptions`)."""
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> DistributedDatasetFromFunction:
+        """Call `dataset_fn(input_context)` once on each host; it returns that host's part
+        of every global batch (`input_context.get_per_host_batch_size(global_batch)`)."""
+        return DistributedDatasetFromFunction(self, dataset_fn, options)
 
     # helpers
 
