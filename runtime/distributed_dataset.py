@@ -9,7 +9,6 @@ Each `iter()` is one pass (epoch) over the dataset.
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from xla_strategies.runtime.host_batch import SKIP, HostBatch, prepare
 from xla_strategies.runtime.input_options import InputContext, InputOptions
-from xla_strategies.runtime.prefetch import EMPTY, Producer
+from xla_strategies.runtime.prefetch import Producer
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
@@ -86,7 +85,11 @@ class DistributedDatasetFromFunction:
 
 
 class DistributedIterator:
-    """One pass over a distributed dataset. A context manager; `close()` stops its thread.
+    """One pass over a distributed dataset. A context manager; `close()` stops its threads.
+
+    With `prefetch_to_device`, two background threads run ahead of the step, as in grain's
+    two-stage device_put: one prepares batches on the host (`host_buffer_size` ahead), the
+    other copies them to the devices (`buffer_size` ahead).
 
     `get_state()` / `set_state()` save and restore the position after the last batch this
     iterator returned (not the ones prefetched), so training resumes at the next batch. When
@@ -101,15 +104,15 @@ class DistributedIterator:
         divisor: int,
         place: Callable[[np.ndarray], jax.Array],
     ) -> None:
-        self._dataset, self._options, self._place_array = dataset, options, place
-        self._transform = functools.partial(
+        self._dataset, self._options = dataset, options
+        self._prepare = functools.partial(
             _prepare_numbered, divisor=divisor, policy=options.partial_batch
         )
+        self._place = functools.partial(_place_numbered, place=place)
         self._position, self._returned, self._source_state = 0, 0, None
-        self._pending: deque[tuple[int, Any, Any]] = deque()
-        self._producer: Producer | None = None
+        self._stages: list[Producer] = []
         self._source: Iterator[Any] | None = None
-        self._exhausted = self._closed = False
+        self._closed = False
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -117,22 +120,16 @@ class DistributedIterator:
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
-        if self._producer is None and self._source is None:
+        if not self._stages and self._source is None:
             self._start()
-        if self._options.prefetch_to_device:
-            if not self._pending:
-                self._fill(block=True)
-            if not self._pending:
-                self.close()
-                raise StopIteration
-            position, value, state = self._pending.popleft()
-            if isinstance(value, BaseException):  # raised where it happened in the stream
-                self.close()
-                raise value
-            self._fill(block=False)  # start the next batches' device copies now
-        else:
-            position, host, state = self._next_unprefetched()
-            value = self._placed(host)
+        try:
+            if self._stages:
+                position, value, state = self._stages[-1].get()
+            else:
+                position, value, state = self._place(self._next_prepared())
+        except BaseException:
+            self.close()
+            raise
         self._position, self._source_state = position, state
         self._returned += 1
         return value
@@ -147,37 +144,18 @@ class DistributedIterator:
             next(source)
         numbered = _numbered(source, self._position)
         if self._options.prefetch_to_device:
-            self._producer = Producer(numbered, self._transform, self._options.host_buffer_size)
+            host = Producer(numbered, self._prepare, self._options.host_buffer_size)
+            device = Producer(host.results(), self._place, self._options.buffer_size)
+            self._stages = [host, device]
         else:
             self._source = numbered
 
-    def _fill(self, block: bool) -> None:
-        while len(self._pending) < self._options.buffer_size and not self._exhausted:
-            try:
-                item = self._producer.get(block=block and not self._pending)
-            except StopIteration:
-                self._exhausted = True
-                return
-            except Exception as exc:  # kept until the batches before it are consumed
-                self._exhausted = True
-                self._pending.append((self._position, exc, None))
-                return
-            if item is EMPTY:
-                return
-            position, host, state = item
-            self._pending.append((position, self._placed(host), state))
-
-    def _next_unprefetched(self) -> tuple[int, HostBatch, Any]:
+    def _next_prepared(self) -> tuple[int, HostBatch, Any]:
         for numbered in self._source:
-            item = self._transform(numbered)
+            item = self._prepare(numbered)
             if item is not None:
                 return item
-        self.close()
         raise StopIteration
-
-    def _placed(self, host: HostBatch) -> Any:
-        tree = jax.tree.map(self._place_array, host.tree)
-        return tree if host.mask is None else (tree, self._place_array(host.mask))
 
     # state and lifetime
 
@@ -193,20 +171,15 @@ class DistributedIterator:
                 f"set_state: the state lacks {sorted(missing)}; pass what get_state() returned"
             )
         self.close()
-        self._position, self._returned, self._source_state = (
-            state["position"],
-            state["batches"],
-            state["source"],
-        )
-        self._producer = self._source = None
-        self._exhausted = self._closed = False
+        self._position, self._returned = state["position"], state["batches"]
+        self._source_state = state["source"]
+        self._stages, self._source, self._closed = [], None, False
 
     def close(self) -> None:
-        """Stop the background thread and drop prefetched batches. Idempotent."""
+        """Stop the background threads and drop prefetched batches. Idempotent."""
         self._closed = True
-        self._pending.clear()
-        if self._producer is not None:
-            self._producer.close()
+        for stage in self._stages:  # upstream first, so the next stage sees its end
+            stage.close()
 
     def __enter__(self) -> DistributedIterator:
         return self
@@ -215,9 +188,8 @@ class DistributedIterator:
         self.close()
 
     def __del__(self) -> None:
-        producer = getattr(self, "_producer", None)
-        if producer is not None:
-            producer.close()
+        for stage in getattr(self, "_stages", []):
+            stage.close()
 
 
 def _numbered(source: Iterator[Any], start: int) -> Iterator[tuple[int, Any, Any]]:
@@ -226,6 +198,15 @@ def _numbered(source: Iterator[Any], start: int) -> Iterator[tuple[int, Any, Any
     for item in source:
         position += 1
         yield position, item, source.get_state() if hasattr(source, "get_state") else None
+
+
+def _place_numbered(
+    item: tuple[int, HostBatch, Any], place: Callable[[np.ndarray], jax.Array]
+) -> tuple:
+    """Start the device copies of one prepared batch (and its mask)."""
+    position, host, state = item
+    tree = jax.tree.map(place, host.tree)
+    return position, tree if host.mask is None else (tree, place(host.mask)), state
 
 
 def _prepare_numbered(numbered: tuple[int, Any, Any], divisor: int, policy: str) -> tuple | None:

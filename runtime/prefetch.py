@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _END = object()
-EMPTY = object()  # what `Producer.get(block=False)` returns when nothing is ready
 _POLL_SECONDS = 0.05
 
 
@@ -36,19 +35,25 @@ class Producer:
         )
         self._thread.start()
 
-    def get(self, block: bool = True) -> Any:
-        """The next result (or EMPTY when not blocking and none is ready); raises
-        StopIteration at the end, or the producer's exception."""
-        try:
-            item = self._queue.get(block=block)
-        except queue.Empty:
-            return EMPTY
+    def get(self) -> Any:
+        """The next result; raises StopIteration at the end, or the producer's exception."""
+        item = self._queue.get()
         if item is _END:
             raise StopIteration
         if isinstance(item, _Failure):
-            item.exc.add_note("raised in the input pipeline's background thread")
+            note = "raised in the input pipeline's background thread"
+            if note not in getattr(item.exc, "__notes__", ()):
+                item.exc.add_note(note)
             raise item.exc
         return item
+
+    def results(self) -> Iterator[Any]:
+        """Iterate over the results, e.g. as the source of a next stage."""
+        while True:
+            try:
+                yield self.get()
+            except StopIteration:
+                return
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread. It finishes at most the item its source is producing."""
@@ -62,6 +67,10 @@ class Producer:
             timeout -= _POLL_SECONDS
             if timeout <= 0:
                 break
+        try:  # wake a next stage blocked on `get`: nothing more is coming
+            self._queue.put_nowait(_END)
+        except queue.Full:
+            pass
 
     @property
     def alive(self) -> bool:

@@ -120,6 +120,16 @@ def test_early_break_close_and_garbage_collection_leak_no_thread(strategy):
     gc.collect()
     assert not _wait_for_no_input_threads()
 
+    def slow():
+        for batch in _batches([8] * 20):
+            time.sleep(0.05)
+            yield batch
+
+    slow_iterator = iter(strategy.experimental_distribute_dataset(slow()))
+    next(slow_iterator)
+    slow_iterator.close()  # the host stage is inside the source; both stages still stop
+    assert not _wait_for_no_input_threads()
+
     dataset = strategy.experimental_distribute_dataset(_batches([8] * 50))
     with iter(dataset) as iterator:
         next(iterator)
