@@ -8,7 +8,7 @@ and sharded over it, mirrored values are replicated. Their sharding says which i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import jax
@@ -38,10 +38,12 @@ class Strategy:
     #: The label of this strategy's pipeline in dump file names.
     pipeline_label: ClassVar[str] = "strategy"
 
-    def __init__(
-        self, devices: Sequence[jax.Device], axis_names: tuple[str, ...] = ("replica",)
-    ) -> None:
-        self._mesh = Mesh(np.asarray(devices, dtype=object).reshape(-1), axis_names)
+    def __init__(self, devices: Any, axis_names: tuple[str, ...] = ("replica",)) -> None:
+        """`devices`: a sequence (one axis) or an array with one dimension per axis name."""
+        array = np.asarray(devices, dtype=object)
+        if array.ndim != len(axis_names):
+            raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
+        self._mesh = Mesh(array, axis_names)
         self._compiled_runs: dict[Callable[..., Any], CompiledStep] = {}
 
     # layout questions

@@ -1,0 +1,233 @@
+"""Alpha-beta cost model of collectives over named mesh axes.
+
+Each mesh axis is a ring of `size` participants whose links carry `bandwidth` bytes/s one
+way, with `latency` seconds per step. A torus dimension with wraparound runs a
+bidirectional ring (each half of the data goes one way round, doubling the bandwidth);
+without wraparound the ring is embedded in a line and gets one direction's bandwidth.
+
+Algorithms for a reduction over several axes:
+
+- `flat`: one ring through every participant, limited by the slowest axis;
+- `ordered`: reduce-scatter axis by axis (fastest first), then all-gather back; across a
+  slow level (DCN) this is the hierarchical form (ICI, then DCN, then ICI);
+- `rotated`: the data split in parts that run concurrently, each visiting the fast axes in
+  a rotated order, so every dimension's links are busy at once (as TPU ICI collectives
+  are); the slow levels stay last in every order, and with several parts one part's slow
+  phase overlaps another's fast ones (pipelining, as NCCL's hierarchical rings do). Its
+  time is the makespan of scheduling the parts' phases on the axes they use.
+
+`lower_bound` is what no algorithm can beat: every participant must receive 2(p-1)/p of
+the data through all its links at once (per level), or pay the ring's latency.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ALGORITHMS = ("flat", "ordered", "rotated")
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class AxisLink:
+    """One mesh axis as the network sees it.
+
+    Attributes:
+        name: the mesh axis name.
+        size: participants along it.
+        bandwidth: one-way bytes/s per participant on this axis (sum over the links a
+            one-direction ring uses).
+        latency: seconds per ring step (hop latency plus software overhead).
+        bidirectional: whether a ring can use both directions (torus with wraparound).
+        level: "ici", "dcn", "nvlink" or "infiniband"; lower levels are faster.
+    """
+
+    name: str
+    size: int
+    bandwidth: float
+    latency: float
+    bidirectional: bool
+    level: str
+
+    @property
+    def ring_bandwidth(self) -> float:
+        return self.bandwidth * (2 if self.bidirectional else 1)
+
+    @property
+    def injection_bandwidth(self) -> float:
+        """What the lower bound may use on this axis. A torus dimension has a link each way
+        (+ and -) per chip; a line without wraparound is limited by its middle link; a
+        switch port or a NIC is one link."""
+        return self.ring_bandwidth
+
+
+SLOW_LEVELS = ("dcn", "infiniband")
+
+
+def ring_time(op: str, nbytes: float, axis: AxisLink) -> float:
+    """One ring collective of `nbytes` per participant (the full tensor) along `axis`."""
+    p = axis.size
+    if p == 1 or nbytes == 0:
+        return 0.0
+    steps = (2 if op == "all_reduce" else 1) * (p - 1)
+    return steps * axis.latency + steps / p * nbytes / axis.ring_bandwidth
+
+
+def flat_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
+    """One ring through every participant of `axes`, at the slowest axis's speed."""
+    p = math.prod(a.size for a in axes)
+    if p == 1:
+        return 0.0
+    slowest = min(axes, key=lambda a: a.ring_bandwidth)
+    line = AxisLink(
+        "flat", p, slowest.bandwidth, max(a.latency for a in axes), False, slowest.level
+    )
+    return ring_time(op, nbytes, line)
+
+
+def ordered_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
+    """Reduce-scatter along each axis in order, then all-gather back in reverse order."""
+    total, size = 0.0, float(nbytes)
+    phases = []
+    for axis in axes:
+        phases.append((axis, size))
+        size /= axis.size
+    if op in ("all_reduce", "reduce_scatter"):
+        total += sum(ring_time("reduce_scatter", s, a) for a, s in phases)
+    if op in ("all_reduce", "all_gather"):
+        total += sum(ring_time("all_gather", s, a) for a, s in phases)
+    return total
+
+
+PART_COUNTS = (1, 2, 4, 8)  # parts per rotation the `rotated` algorithm may use
+
+
+def rotations(axes: Sequence[AxisLink], repeats: int = 1) -> list[list[AxisLink]]:
+    """Part orders of the `rotated` algorithm: the rotations of the fast axes, each used
+    `repeats` times; slow levels last in every order."""
+    fast = [a for a in axes if a.level not in SLOW_LEVELS and a.size > 1]
+    slow = [a for a in axes if a.level in SLOW_LEVELS and a.size > 1]
+    turns = [fast[k:] + fast[:k] + slow for k in range(max(len(fast), 1))]
+    return turns * repeats
+
+
+def rotated_plan(
+    op: str, nbytes: float, axes: Sequence[AxisLink]
+) -> tuple[float, list[list[AxisLink]]]:
+    """The fastest number of parts: (seconds, part orders). More parts pipeline better and
+    pay more latency."""
+    plans = [
+        (_makespan(op, nbytes, orders), orders)
+        for k in PART_COUNTS
+        for orders in [rotations(axes, k)]
+    ]
+    return min(plans, key=lambda plan: plan[0])
+
+
+def rotated_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
+    return rotated_plan(op, nbytes, axes)[0]
+
+
+def _makespan(op: str, nbytes: float, orders: list[list[AxisLink]]) -> float:
+    """The parts run concurrently, each axis serving one phase at a time. Two list
+    schedules, the better counts: phase k of every part before phase k + 1 (in rounds),
+    and always the phase that can start earliest (greedy)."""
+    part = nbytes / len(orders)
+    phases = [_phases(op, part, order) for order in orders]
+    return min(_schedule(phases, greedy=False), _schedule(phases, greedy=True))
+
+
+def _schedule(phases: list[list[tuple[str, float]]], greedy: bool) -> float:
+    done, ready = [0] * len(phases), [0.0] * len(phases)
+    free: dict[str, float] = {}
+    for _ in range(sum(len(p) for p in phases)):
+        waiting = [i for i in range(len(phases)) if done[i] < len(phases[i])]
+        if not greedy:  # the parts furthest behind go first, in part order
+            least = min(done[i] for i in waiting)
+            waiting = [i for i in waiting if done[i] == least][:1]
+        start, i = min((max(ready[i], free.get(phases[i][done[i]][0], 0.0)), i) for i in waiting)
+        axis, seconds = phases[i][done[i]]
+        ready[i] = free[axis] = start + seconds
+        done[i] += 1
+    return max(ready)
+
+
+def _phases(op: str, nbytes: float, order: Sequence[AxisLink]) -> list[tuple[str, float]]:
+    """(axis, seconds) of each step of the ordered algorithm for one part."""
+    sizes, size = [], float(nbytes)
+    for axis in order:
+        sizes.append(size)
+        size /= axis.size
+    scatter = [
+        (a.name, ring_time("reduce_scatter", s, a)) for a, s in zip(order, sizes, strict=True)
+    ]
+    gather = [(a.name, ring_time("all_gather", s, a)) for a, s in zip(order, sizes, strict=True)]
+    if op == "reduce_scatter":
+        return scatter
+    if op == "all_gather":
+        return gather[::-1]
+    return scatter + gather[::-1]
+
+
+def collective_time(
+    op: str, nbytes: float, axes: Sequence[AxisLink], algorithm: str = "best"
+) -> float:
+    """Estimated seconds for `op` of `nbytes` per participant over `axes`."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    times = {
+        "flat": lambda: flat_time(op, nbytes, axes),
+        "ordered": lambda: ordered_time(op, nbytes, _fast_first(axes)),
+        "rotated": lambda: rotated_time(op, nbytes, axes),
+    }
+    if algorithm == "best":
+        return min(t() for t in times.values())
+    if algorithm not in times:
+        raise ValueError(f"algorithm must be 'best' or one of {ALGORITHMS}, got {algorithm!r}")
+    return times[algorithm]()
+
+
+def best_algorithm(
+    op: str, nbytes: float, axes: Sequence[AxisLink]
+) -> tuple[str, dict[str, float]]:
+    """The fastest algorithm and every algorithm's estimate."""
+    estimates = {name: collective_time(op, nbytes, axes, name) for name in ALGORITHMS}
+    return min(estimates, key=estimates.get), estimates
+
+
+def lower_bound(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
+    """No algorithm beats this: per level, 2(p-1)/p of the data through all of that level's
+    links (1(p-1)/p for scatter/gather); the slow level sees the fast levels' shard."""
+    factor = 2 if op == "all_reduce" else 1
+    fast = [a for a in axes if a.level not in SLOW_LEVELS and a.size > 1]
+    slow = [a for a in axes if a.level in SLOW_LEVELS and a.size > 1]
+    bound = 0.0
+    shard = float(nbytes)
+    for group in (fast, slow):
+        if not group:
+            continue
+        p = math.prod(a.size for a in group)
+        injection = sum(a.injection_bandwidth for a in group)
+        bound = max(bound, factor * (p - 1) / p * shard / injection)
+        shard /= p
+    latency = factor * sum(
+        a.latency * (a.size // 2 if a.bidirectional else a.size - 1) for a in fast + slow
+    )
+    return max(bound, latency)
+
+
+def _fast_first(axes: Sequence[AxisLink]) -> list[AxisLink]:
+    return sorted(axes, key=lambda a: (a.level in SLOW_LEVELS, -a.ring_bandwidth))
+
+
+def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.05, cap: int = 1 << 30) -> int:
+    """The smallest power-of-two bucket whose latency is at most `overhead` of its
+    bandwidth time under the best algorithm: larger buckets gain little, smaller ones pay
+    latency per bucket."""
+    latency = collective_time("all_reduce", 1.0, axes)  # a byte costs only latency
+    size = 1 << 16
+    while size < cap and latency > overhead * (collective_time("all_reduce", size, axes) - latency):
+        size <<= 1
+    return size

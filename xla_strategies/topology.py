@@ -1,0 +1,144 @@
+"""`Topology`: the interconnect of a TPU slice, a multislice, or a GPU cluster, by name.
+
+    xs.Topology.from_name("v5e-256")      # a 16x16 v5e slice: mesh axes ("x", "y")
+    xs.Topology.from_name("2xv5p-512")    # two v5p-512 slices over DCN: ("dcn", "x", "y", "z")
+    xs.Topology.from_name("4xdgx-h100")   # four 8-GPU nodes: ("host", "local")
+
+The numbers come from `tpu_configs/<hardware>.toml`, each with its public source.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from xla_strategies.passes import cost_model
+from xla_strategies.passes.cost_model import AxisLink
+
+_NAME = re.compile(
+    r"^(?:(?P<count>\d+)x)?(?P<hardware>v\d+[a-z]*|[a-z][\w\-]*?)(?:-(?P<slice>\d+))?$"
+)
+_ICI_AXES = ("x", "y", "z")
+
+
+@cache
+def hardware_config(hardware: str) -> dict[str, Any]:
+    """The parsed `tpu_configs/<hardware>.toml`."""
+    path = resources.files("xla_strategies.tpu_configs") / f"{hardware}.toml"
+    if not path.is_file():
+        raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(known_hardware())}")
+    return tomllib.loads(path.read_text())
+
+
+def known_hardware() -> list[str]:
+    files = resources.files("xla_strategies.tpu_configs").iterdir()
+    return sorted(f.name.removesuffix(".toml") for f in files if f.name.endswith(".toml"))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Named mesh levels, slowest first, each an `AxisLink` the cost model understands."""
+
+    name: str
+    hardware: str
+    axes: tuple[AxisLink, ...]
+
+    @classmethod
+    def from_name(cls, name: str) -> Topology:
+        """`"v5e-256"`, `"2xv5p-512"` (multislice), `"dgx-h100"`, `"4xdgx-h100"`."""
+        found = _NAME.match(name.strip().lower())
+        if not found:
+            raise ValueError(
+                f"cannot read topology name {name!r}; expected e.g. 'v5e-256', "
+                "'2xv5p-512' or '4xdgx-h100'"
+            )
+        count = int(found["count"] or 1)
+        config = hardware_config(found["hardware"])
+        if config["kind"] == "tpu":
+            axes = _tpu_axes(config, found["slice"], count, name)
+        else:
+            if found["slice"]:
+                raise ValueError(
+                    f"{name!r}: GPU nodes take a count prefix ('4x{found['hardware']}'), not a size"
+                )
+            axes = _gpu_axes(config, count)
+        return cls(name, found["hardware"], tuple(axes))
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """Axis name -> size, slowest level first (the device mesh's order)."""
+        return {a.name: a.size for a in self.axes}
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(a.size for a in self.axes)
+
+    def axis_links(self, axes: tuple[str, ...] | None = None) -> list[AxisLink]:
+        names = tuple(self.mesh_axes) if axes is None else axes
+        unknown = [a for a in names if a not in self.mesh_axes]
+        if unknown:
+            raise ValueError(
+                f"{self.name} has no axis {unknown[0]!r}; its axes are {list(self.mesh_axes)}"
+            )
+        return [a for a in self.axes if a.name in names]
+
+    def collective_time(
+        self, op: str, nbytes: float, axes: tuple[str, ...] | None = None, algorithm: str = "best"
+    ) -> float:
+        """Estimated seconds for `op` ("all_reduce", "reduce_scatter", "all_gather") of
+        `nbytes` per participant over `axes` (all by default)."""
+        return cost_model.collective_time(op, nbytes, self.axis_links(axes), algorithm)
+
+    def lower_bound(self, op: str, nbytes: float, axes: tuple[str, ...] | None = None) -> float:
+        """The bandwidth/latency bound no algorithm beats."""
+        return cost_model.lower_bound(op, nbytes, self.axis_links(axes))
+
+    def __str__(self) -> str:
+        shape = "x".join(f"{a.name}{a.size}" for a in self.axes)
+        return f"{self.name} ({shape})"
+
+
+def _tpu_axes(
+    config: dict[str, Any], slice_size: str | None, count: int, name: str
+) -> list[AxisLink]:
+    if slice_size is None or slice_size not in config["slices"]:
+        known = ", ".join(f"{config['name']}-{s}" for s in config["slices"])
+        raise ValueError(f"unknown slice {name!r}; known {config['name']} slices: {known}")
+    layout = config["slices"][slice_size]
+    ici = config["ici"]
+    latency = ici["hop_latency_s"] + config["collective_step_overhead_s"]
+    axes = [
+        AxisLink(axis, size, ici["link_bandwidth_bytes_per_s"], latency, wrap, "ici")
+        for axis, size, wrap in zip(_ICI_AXES, layout["shape"], layout["wraparound"], strict=False)
+    ]
+    if count > 1:
+        dcn = config["dcn"]
+        per_chip = dcn["bandwidth_bytes_per_s_per_host"] / config["chips_per_host"]
+        axes.insert(0, AxisLink("dcn", count, per_chip, dcn["latency_s"], False, "dcn"))
+    return axes
+
+
+def _gpu_axes(config: dict[str, Any], nodes: int) -> list[AxisLink]:
+    nvlink, network = config["nvlink"], config["network"]
+    local = AxisLink(
+        "local",
+        config["gpus_per_host"],
+        nvlink["bandwidth_bytes_per_s_per_gpu"],
+        nvlink["latency_s"],
+        False,
+        "nvlink",
+    )
+    host = AxisLink(
+        "host",
+        nodes,
+        network["bandwidth_bytes_per_s_per_gpu"],
+        network["latency_s"],
+        False,
+        "infiniband",
+    )
+    return [host, local] if nodes > 1 else [local]
