@@ -5,6 +5,7 @@
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.combine_all_reduces import CombineAllReduces
+from xla_strategies.passes.decompose_all_reduces import DecomposeAllReduces
 from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.insert_reductions import InsertReductions, MirroredOutputError
 from xla_strategies.passes.ir import Graph, Node, Value
@@ -15,7 +16,13 @@ from xla_strategies.passes.verifier import VerificationError, verify
 
 PASS_REGISTRY: dict[str, type[Pass]] = {
     cls.name: cls
-    for cls in (InsertReductions, HoistAllReduces, ReassociateAllReduces, CombineAllReduces)
+    for cls in (
+        InsertReductions,
+        HoistAllReduces,
+        ReassociateAllReduces,
+        CombineAllReduces,
+        DecomposeAllReduces,
+    )
 }
 
 # What every synchronous strategy runs by default, in this order: give autodiff's
@@ -27,6 +34,7 @@ __all__ = [
     "DEFAULT_PIPELINE",
     "PASS_REGISTRY",
     "CombineAllReduces",
+    "DecomposeAllReduces",
     "HoistAllReduces",
     "ReassociateAllReduces",
     "Graph",

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir import Graph, Node, Value
 
-# Chosen from the sweep in benchmarks/README.md ("Bucket threshold sweep").
+# Without a topology (CPU, plain MirroredStrategy): chosen from the sweep in
+# benchmarks/README.md ("Bucket threshold sweep").
 DEFAULT_THRESHOLD_BYTES = 64 * 1024
 
 
@@ -42,19 +43,21 @@ class _Bucket:
 @dataclass(frozen=True)
 class CombineAllReduces(Pass):
     """Options:
-    threshold_bytes: the most bytes per bucket.
+    threshold_bytes: the most bytes per bucket; 0 (default) lets the topology's cost
+        model choose (the smallest bucket whose latency is under 5% of its transfer), or
+        DEFAULT_THRESHOLD_BYTES when the strategy has no topology.
     first_bucket_bytes: a smaller cap for the first bucket of each kind, so the first
         reduction can start early (DDP's first bucket); 0 uses `threshold_bytes`.
     """
 
     name = "combine-all-reduces"
-    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
+    threshold_bytes: int = 0
     first_bucket_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.threshold_bytes <= 0 or self.first_bucket_bytes < 0:
+        if self.threshold_bytes < 0 or self.first_bucket_bytes < 0:
             raise ValueError(
-                "combine-all-reduces: threshold-bytes must be positive and first-bucket-bytes "
+                "combine-all-reduces: threshold-bytes and first-bucket-bytes must not be negative, "
                 f"non-negative, got {self.threshold_bytes} and {self.first_bucket_bytes}"
             )
 
@@ -63,15 +66,19 @@ class CombineAllReduces(Pass):
         if math.prod(ctx.mesh_axes.values()) == 1:
             ctx.stats[self.name] = {"buckets": 0, "bucket_bytes": []}
             return False  # one replica: reductions are free, and copies into buckets are not
+        threshold = self.threshold_bytes or _threshold_for(ctx)
         for region in graph.graphs():
             # One bucket at a time, then look again: combining moves nodes.
-            while bucket := next((b for b in self._buckets(region) if len(b.members) > 1), None):
+            while bucket := self._next_bucket(region, threshold):
                 _combine(region, bucket, len(sizes), self.name)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         return bool(sizes)
 
-    def _buckets(self, graph: Graph) -> list[_Bucket]:
+    def _next_bucket(self, graph: Graph, threshold: int) -> _Bucket | None:
+        return next((b for b in self._buckets(graph, threshold) if len(b.members) > 1), None)
+
+    def _buckets(self, graph: Graph, threshold: int) -> list[_Bucket]:
         """Greedy buckets in schedule order. A reduction whose operand is computed from a
         member's result closes that bucket: the two cannot be one collective."""
         open_buckets: dict[tuple, _Bucket] = {}
@@ -87,7 +94,7 @@ class CombineAllReduces(Pass):
                 continue
             key, size = _key(node), node.inputs[0].nbytes
             first = self.first_bucket_bytes and key not in started
-            limit = self.first_bucket_bytes if first else self.threshold_bytes
+            limit = self.first_bucket_bytes if first else threshold
             bucket = open_buckets.get(key)
             if bucket is None or bucket in tainting or bucket.nbytes + size > limit:
                 if bucket is not None:
@@ -98,6 +105,14 @@ class CombineAllReduces(Pass):
             bucket.nbytes += size
             bucket.tainted.update(node.outputs)
         return done + list(open_buckets.values())
+
+
+def _threshold_for(ctx: PassContext) -> int:
+    if ctx.topology is None:
+        return DEFAULT_THRESHOLD_BYTES
+    from xla_strategies.passes.cost_model import bucket_bytes
+
+    return bucket_bytes(ctx.topology.axis_links(tuple(ctx.mesh_axes)))
 
 
 def _key(node: Node) -> tuple:
