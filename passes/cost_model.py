@@ -7,7 +7,8 @@ without wraparound the ring is embedded in a line and gets one direction's bandw
 
 Algorithms for a reduction over several axes:
 
-- `flat`: one ring through every participant, limited by the slowest axis;
+- `flat`: the runtime's own collective over every participant at once, modelled with a
+  tree's latency and a ring's bandwidth on the slowest axis;
 - `ordered`: reduce-scatter axis by axis (fastest first), then all-gather back; across a
   slow level (DCN) this is the hierarchical form (ICI, then DCN, then ICI);
 - `rotated`: the data split in parts that run concurrently, each visiting the fast axes in
@@ -17,7 +18,8 @@ Algorithms for a reduction over several axes:
   time is the makespan of scheduling the parts' phases on the axes they use.
 
 `lower_bound` is what no algorithm can beat: every participant must receive 2(p-1)/p of
-the data through all its links at once (per level), or pay the ring's latency.
+the data through all its links at once (per level), and combining p inputs takes
+log2(p) rounds of latency each way.
 """
 
 from __future__ import annotations
@@ -76,14 +78,24 @@ def ring_time(op: str, nbytes: float, axis: AxisLink) -> float:
 
 
 def flat_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
-    """One ring through every participant of `axes`, at the slowest axis's speed."""
+    """The runtime's own collective over every participant at once: a tree's latency
+    (2 log2 p steps for an all-reduce) and a ring's bandwidth on the slowest axis."""
+    p = math.prod(a.size for a in axes)
+    if p == 1:
+        return 0.0
+    factor = 2 if op == "all_reduce" else 1
+    latency = factor * math.ceil(math.log2(p)) * max(a.latency for a in axes)
+    bandwidth = min(a.ring_bandwidth for a in axes)
+    return latency + factor * (p - 1) / p * nbytes / bandwidth
+
+
+def flat_ring_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
+    """One ring through every participant, at the slowest axis's speed (a naive baseline)."""
     p = math.prod(a.size for a in axes)
     if p == 1:
         return 0.0
     slowest = min(axes, key=lambda a: a.ring_bandwidth)
-    line = AxisLink(
-        "flat", p, slowest.bandwidth, max(a.latency for a in axes), False, slowest.level
-    )
+    line = AxisLink("ring", p, slowest.bandwidth, max(a.latency for a in axes), False, slowest.level)
     return ring_time(op, nbytes, line)
 
 
@@ -212,9 +224,9 @@ def lower_bound(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
         injection = sum(a.injection_bandwidth for a in group)
         bound = max(bound, factor * (p - 1) / p * shard / injection)
         shard /= p
-    latency = factor * sum(
-        a.latency * (a.size // 2 if a.bidirectional else a.size - 1) for a in fast + slow
-    )
+    # combining p inputs takes log2(p) rounds, and spreading the result as many
+    p = math.prod(a.size for a in fast + slow)
+    latency = factor * math.ceil(math.log2(p)) * min(a.latency for a in axes) if p > 1 else 0.0
     return max(bound, latency)
 
 

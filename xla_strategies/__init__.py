@@ -21,6 +21,8 @@ from xla_strategies.passes.jax_capture import UnknownAxisError
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.strategy import Strategy
+from xla_strategies.topology import Topology
+from xla_strategies.tpu import TPUStrategy
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,8 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
+    "TPUStrategy",
+    "Topology",
     "UnknownAxisError",
     "get_replica_context",
     "get_strategy",

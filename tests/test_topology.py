@@ -1,0 +1,97 @@
+"""Topologies by name, their data files, and what the cost model says about them."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+
+import pytest
+
+import xla_strategies as xs
+from xla_strategies.passes import cost_model
+from xla_strategies.topology import known_hardware
+
+BENCHMARKED = ["v4-1024", "v5e-256", "v5p-1024", "v6e-256", "2xv5p-512", "4xdgx-h100"]
+
+
+@pytest.mark.parametrize(
+    ("name", "axes"),
+    [
+        ("v5e-256", {"x": 16, "y": 16}),
+        ("v5e-16", {"x": 4, "y": 4}),
+        ("v4-1024", {"x": 8, "y": 8, "z": 8}),
+        ("v5p-1024", {"x": 8, "y": 8, "z": 8}),
+        ("2xv5p-512", {"dcn": 2, "x": 4, "y": 8, "z": 8}),
+        ("dgx-h100", {"local": 8}),
+        ("4xdgx-h100", {"host": 4, "local": 8}),
+    ],
+)
+def test_names_give_mesh_axes(name, axes):
+    topology = xs.Topology.from_name(name)
+    assert topology.mesh_axes == axes
+    assert topology.num_devices == __import__("math").prod(axes.values())
+
+
+def test_bad_names_say_what_is_known():
+    with pytest.raises(ValueError, match="unknown slice 'v5e-300'; known v5e slices: v5e-1, v5e-4"):
+        xs.Topology.from_name("v5e-300")
+    with pytest.raises(ValueError, match="unknown hardware 'v9'; known: dgx-h100, dgx-h200, v4, v5e"):
+        xs.Topology.from_name("v9-8")
+    with pytest.raises(ValueError, match="has no axis 'w'"):
+        xs.Topology.from_name("v5e-16").collective_time("all_reduce", 1e6, ("w",))
+    with pytest.raises(ValueError, match="op must be one of"):
+        xs.Topology.from_name("v5e-16").collective_time("broadcast", 1e6)
+
+
+def _numbers(table: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """(table name, key) of every number in a config, nested tables included."""
+    found = []
+    for key, value in table.items():
+        if isinstance(value, dict) and key not in ("sources", "slices"):
+            found += _numbers(value, key)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            found.append((prefix, key))
+    return found
+
+
+def test_every_number_names_its_source():
+    for hardware in known_hardware():
+        path = resources.files("xla_strategies.tpu_configs") / f"{hardware}.toml"
+        config = tomllib.loads(path.read_text())
+        sources = config["sources"]
+        assert all(isinstance(v, str) and len(v) > 20 for v in sources.values()), hardware
+        for table, key in _numbers(config):
+            assert key in sources or table in sources, f"{hardware}: {table}.{key} has no source"
+        if "slices" in config:
+            assert {"wraparound", "slices", "slice_names", "topology"} & set(sources), hardware
+
+
+@pytest.mark.parametrize("name", BENCHMARKED)
+def test_estimates_never_beat_the_bound(name):
+    topology = xs.Topology.from_name(name)
+    for nbytes in (1e3, 1e5, 1e7, 1e9):
+        bound = topology.lower_bound("all_reduce", nbytes)
+        for algorithm in cost_model.ALGORITHMS:
+            assert topology.collective_time("all_reduce", nbytes, algorithm=algorithm) >= bound * 0.999
+        for op in ("reduce_scatter", "all_gather"):
+            assert topology.collective_time(op, nbytes) >= topology.lower_bound(op, nbytes) * 0.999
+
+
+def test_small_messages_stay_simple_and_large_ones_use_every_link():
+    links = xs.Topology.from_name("v5e-256").axis_links()
+    assert cost_model.best_algorithm("all_reduce", 4e3, links)[0] == "flat"
+    choice, estimates = cost_model.best_algorithm("all_reduce", 1e9, links)
+    assert choice == "rotated"
+    assert estimates["rotated"] < 0.55 * estimates["ordered"]  # both dimensions' links at once
+    bound = cost_model.lower_bound("all_reduce", 1e9, links)
+    assert estimates["rotated"] / bound < 1.05
+
+
+def test_wraparound_doubles_ring_bandwidth():
+    line = xs.Topology.from_name("v5e-64")  # 8x8: no wraparound
+    torus = xs.Topology.from_name("v5e-256")  # 16x16: wraparound
+    one_axis = 1e9
+    t_line = line.collective_time("all_reduce", one_axis, ("x",), algorithm="flat")
+    t_torus = torus.collective_time("all_reduce", one_axis, ("x",), algorithm="flat")
+    # (p-1)/p differs: 7/8 against 15/16
+    assert t_line / t_torus == pytest.approx(2 * (7 / 8) / (15 / 16), rel=0.01)
