@@ -95,7 +95,8 @@ def flat_ring_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
     if p == 1:
         return 0.0
     slowest = min(axes, key=lambda a: a.ring_bandwidth)
-    line = AxisLink("ring", p, slowest.bandwidth, max(a.latency for a in axes), False, slowest.level)
+    latency = max(a.latency for a in axes)
+    line = AxisLink("ring", p, slowest.bandwidth, latency, False, slowest.level)
     return ring_time(op, nbytes, line)
 
 

@@ -35,7 +35,9 @@ def test_names_give_mesh_axes(name, axes):
 def test_bad_names_say_what_is_known():
     with pytest.raises(ValueError, match="unknown slice 'v5e-300'; known v5e slices: v5e-1, v5e-4"):
         xs.Topology.from_name("v5e-300")
-    with pytest.raises(ValueError, match="unknown hardware 'v9'; known: dgx-h100, dgx-h200, v4, v5e"):
+    with pytest.raises(
+        ValueError, match="unknown hardware 'v9'; known: dgx-h100, dgx-h200, v4, v5e"
+    ):
         xs.Topology.from_name("v9-8")
     with pytest.raises(ValueError, match="has no axis 'w'"):
         xs.Topology.from_name("v5e-16").collective_time("all_reduce", 1e6, ("w",))
@@ -72,7 +74,9 @@ def test_estimates_never_beat_the_bound(name):
     for nbytes in (1e3, 1e5, 1e7, 1e9):
         bound = topology.lower_bound("all_reduce", nbytes)
         for algorithm in cost_model.ALGORITHMS:
-            assert topology.collective_time("all_reduce", nbytes, algorithm=algorithm) >= bound * 0.999
+            assert (
+                topology.collective_time("all_reduce", nbytes, algorithm=algorithm) >= bound * 0.999
+            )
         for op in ("reduce_scatter", "all_gather"):
             assert topology.collective_time(op, nbytes) >= topology.lower_bound(op, nbytes) * 0.999
 

@@ -45,7 +45,9 @@ def test_v5e_all_gather_34_mb_over_a_four_chip_axis():
     """Validation: How to Scale Your Model (sharding.md) profiles an AllGather of 34 MB over
     a 4-chip v5e axis without wraparound at 680 us; the model within 25%."""
     axis = xs.Topology.from_name("v5e-16").axis_links(("x",))
-    assert cost_model.collective_time("all_gather", 34e6, axis, "ordered") == pytest.approx(680e-6, rel=0.25)
+    assert cost_model.collective_time("all_gather", 34e6, axis, "ordered") == pytest.approx(
+        680e-6, rel=0.25
+    )
 
 
 def test_known_miss_mid_size_nccl_messages():
