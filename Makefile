@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.train_step --thresholds 262144 4194304 33554432
 	$(BIN)/python -m benchmarks.gradient_sync --sweep
 	$(BIN)/python -m benchmarks.input_pipeline
+	$(BIN)/python -m benchmarks.pod_collectives
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

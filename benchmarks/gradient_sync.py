@@ -28,43 +28,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.gradient_shapes import bert, gpt2, resnet50
+
 RESULTS = Path(__file__).parent / "results"
 _NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 
-def resnet50() -> list[tuple[int, ...]]:
-    shapes: list[tuple[int, ...]] = [(7, 7, 3, 64), (64,), (64,)]
-    cin = 64
-    for blocks, width in zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True):
-        for block in range(blocks):
-            for kernel, cout in ((1, width), (3, width), (1, 4 * width)):
-                shapes += [(kernel, kernel, cin if kernel == 1 and cout == width else width, cout)]
-                shapes += [(cout,), (cout,)]
-            if block == 0:
-                shapes += [(1, 1, cin, 4 * width), (4 * width,), (4 * width,)]
-            cin = 4 * width
-    return shapes + [(2048, 1000), (1000,)]
-
-
-def bert_base() -> list[tuple[int, ...]]:
-    h = 768
-    attention = [(h, h), (h,)] * 4  # query, key, value, output: kernel and bias
-    norm = [(h,), (h,)]
-    mlp = [(h, 4 * h), (4 * h,), (4 * h, h), (h,)]
-    layer = attention + norm + mlp + norm
-    return [(30522, h), (512, h), (2, h), *norm] + layer * 12 + [(h, h), (h,)]
-
-
-def gpt2_small() -> list[tuple[int, ...]]:
-    h = 768
-    norm = [(h,), (h,)]
-    attention = [(h, 3 * h), (3 * h,), (h, h), (h,)]
-    mlp = [(h, 4 * h), (4 * h,), (4 * h, h), (h,)]
-    layer = norm + attention + norm + mlp
-    return [(50257, h), (1024, h)] + layer * 12 + norm
-
-
-MODELS = {"ResNet-50": resnet50, "BERT-base": bert_base, "GPT-2 small": gpt2_small}
+MODELS = {"ResNet-50": resnet50, "BERT-base": bert, "GPT-2 small": gpt2}
 
 
 def scaled(shapes: list[tuple[int, ...]], scale: int) -> list[tuple[int, ...]]:

@@ -235,7 +235,7 @@ def _fast_first(axes: Sequence[AxisLink]) -> list[AxisLink]:
     return sorted(axes, key=lambda a: (a.level in SLOW_LEVELS, -a.ring_bandwidth))
 
 
-def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.05, cap: int = 1 << 30) -> int:
+def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.02, cap: int = 1 << 30) -> int:
     """The smallest power-of-two bucket whose latency is at most `overhead` of its
     bandwidth time under the best algorithm: larger buckets gain little, smaller ones pay
     latency per bucket."""

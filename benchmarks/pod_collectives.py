@@ -1,0 +1,111 @@
+"""Predicted gradient-sync time per step on TPU pods and GPU clusters, from the cost model.
+
+For each model's gradient set and each topology:
+
+- per-tensor ring: one flat ring all-reduce per tensor through every chip;
+- XLA-style combining: tensors combined into 30 MiB buckets (XLA's GPU combiner default),
+  each bucket one flat collective of the runtime (tree latency, slowest-axis bandwidth);
+- ours: buckets sized by the cost model (`combine-all-reduces` with a topology), each
+  decomposed as `decompose-all-reduces` chooses;
+- bound: one all-reduce of every byte at the bandwidth/latency bound.
+
+Nothing here runs collectives: these are the model's numbers, validated against published
+measurements in tests/passes/test_cost_model_validation.py.
+Run: `python -m benchmarks.pod_collectives` (or `make bench`). Writes results/pod_collectives.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gradient_shapes import bert, gpt2, llama2_7b, resnet50
+
+RESULTS = Path(__file__).parent / "results"
+XLA_COMBINE_BYTES = 30 * 1024 * 1024
+MODELS = {
+    "ResNet-50": (resnet50, 4),
+    "BERT-large": (lambda: bert(1024, 24), 4),
+    "GPT-2 medium": (lambda: gpt2(1024, 24), 4),
+    "Llama-2-7B": (llama2_7b, 2),  # bf16
+}
+TOPOLOGIES = ["v4-1024", "v5e-256", "v5p-1024", "v6e-256", "2xv5p-512", "4xdgx-h100"]
+
+
+def buckets(sizes: list[int], threshold: int) -> list[int]:
+    """Greedy buckets in order (backward order is the reverse; the sums are the same)."""
+    out, current = [], 0
+    for size in sizes:
+        if current and current + size > threshold:
+            out.append(current)
+            current = 0
+        current += size
+    return out + ([current] if current else [])
+
+
+def sync_times(sizes: list[int], topology: str) -> dict[str, Any]:
+    from xla_strategies.passes import cost_model
+    from xla_strategies.topology import Topology
+
+    links = Topology.from_name(topology).axis_links()
+    total = sum(sizes)
+    ours_threshold = cost_model.bucket_bytes(links)
+    ours = buckets(sizes, ours_threshold)
+    chosen = [cost_model.best_algorithm("all_reduce", b, links)[0] for b in ours]
+    bound = cost_model.lower_bound("all_reduce", total, links)
+    bandwidth_part = bound - 2 * math.ceil(math.log2(math.prod(a.size for a in links))) * min(
+        a.latency for a in links
+    )
+    return {
+        "per_tensor_ring": sum(cost_model.flat_ring_time("all_reduce", s, links) for s in sizes),
+        "xla_combining": sum(
+            cost_model.flat_time("all_reduce", b, links) for b in buckets(sizes, XLA_COMBINE_BYTES)
+        ),
+        "ours": sum(cost_model.collective_time("all_reduce", b, links) for b in ours),
+        "bound": bound,
+        "bandwidth_dominated": bandwidth_part > 0.5 * bound,
+        "our_bucket_bytes": ours_threshold,
+        "our_buckets": len(ours),
+        "algorithms": sorted(set(chosen)),
+    }
+
+
+def measure() -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for model, (shapes, itemsize) in MODELS.items():
+        sizes = [math.prod(s) * itemsize for s in shapes()]
+        results[model] = {
+            "tensors": len(sizes),
+            "bytes": sum(sizes),
+            "topologies": {t: sync_times(sizes, t) for t in TOPOLOGIES},
+        }
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    columns = ("per-tensor", "XLA comb.", "ours", "bound")
+    print("predicted gradient sync per step, ms")
+    print(f"{'model':<13}{'topology':<12}" + "".join(f"{c:>11}" for c in columns) + "  ours/bound")
+    for model, r in results.items():
+        for topology, t in r["topologies"].items():
+            times = (t["per_tensor_ring"], t["xla_combining"], t["ours"], t["bound"])
+            flag = "" if t["bandwidth_dominated"] else " (latency-bound)"
+            print(
+                f"{model:<13}{topology:<12}"
+                + "".join(f"{x * 1e3:>11.2f}" for x in times)
+                + f"  {t['ours'] / t['bound']:>10.2f}  {t['our_buckets']} x "
+                f"{t['our_bucket_bytes'] >> 20} MiB, {'/'.join(t['algorithms'])}{flag}"
+            )
+
+
+def main() -> None:
+    results = measure()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "pod_collectives.json").write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
