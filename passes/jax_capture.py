@@ -15,6 +15,7 @@ carries its equation for the lowering. Only this module and `jax_lowering` read 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,9 +89,11 @@ def capture(
         raise
     closed = box["jaxpr"]
     leaves_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(box["out_shape"])
-    graph = _Importer().graph(closed.jaxpr, closed.consts, name)
+    importer = _Importer()
+    graph = importer.graph(closed.jaxpr, closed.consts, name)
     for value, label in zip(graph.inputs, input_names, strict=False):
         value.name = label
+    importer.name_parameters()
     graph.output_names = [output_prefix + jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
     return CapturedStep(graph, out_tree)
 
@@ -175,8 +178,38 @@ def _axes(params: dict[str, Any]) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
+def _frames(eqn: jex.JaxprEqn) -> tuple[tuple[str, int], ...]:
+    """The equation's call stack outside JAX: the same for a parameter's use (its pvary)
+    and for the reduction of its gradient (pvary's transpose)."""
+    frames = getattr(eqn.source_info.traceback, "frames", None) or ()
+    return tuple(
+        (f.file_name, f.line_num) for f in frames if f"{os.sep}jax{os.sep}" not in f.file_name
+    )
+
+
+def _source(eqn: jex.JaxprEqn) -> str | None:
+    """`file.py:line` of the user code behind an equation."""
+    from jax._src import source_info_util
+
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line}" if frame else None
+
+
 class _Importer:
     """Turns a jaxpr into IR, one region per nested loop or branch body."""
+
+    def __init__(self) -> None:
+        self._uses: dict[tuple, list[Value]] = {}  # call stack -> parameters made varying there
+        self._reductions: list[tuple[tuple, Node]] = []
+
+    def name_parameters(self) -> None:
+        """Give each autodiff reduction the pytree path of its parameter, when exactly one
+        step input of its size was made varying at the same call stack."""
+        for frames, node in self._reductions:
+            size = node.inputs[0].size  # a bias's gradient is reduced before its reshape
+            names = {v.name for v in self._uses.get(frames, []) if v.name and v.size == size}
+            if len(names) == 1:
+                node.attrs["param"] = names.pop()
 
     def graph(self, jaxpr: jex.Jaxpr, consts: Sequence[Any], name: str) -> Graph:
         graph = Graph(
@@ -237,8 +270,15 @@ class _Importer:
         if prim in _REDUCE:
             origin = "autodiff" if AUTODIFF_SCOPE in str(eqn.source_info.name_stack) else "user"
             attrs = {"axes": _axes(params), "reduce_op": _REDUCE[prim], "origin": origin}
-            return Node("all_reduce", inputs, outputs, attrs)
+            source = _source(eqn)
+            if source:
+                attrs["source"] = source
+            node = Node("all_reduce", inputs, outputs, attrs)
+            if origin == "autodiff" and len(inputs) == 1:
+                self._reductions.append((_frames(eqn), node))
+            return node
         if prim == "pvary":
+            self._uses.setdefault(_frames(eqn), []).extend(inputs)
             return Node("pvary", inputs, outputs, {"axes": _axes(params)})
         if prim == "all_gather" and params.get("tiled"):
             attrs = {"axes": _axes(params), "dimension": params["all_gather_dimension"]}
