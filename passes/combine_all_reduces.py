@@ -124,6 +124,12 @@ def _is_combined(node: Node) -> bool:
     return node.op == "all_reduce" and "bucket" in node.attrs
 
 
+def _label(node: Node) -> str:
+    """What a bucket member was: its parameter, else its source line, else its shape."""
+    shape = "x".join(map(str, node.inputs[0].shape)) or "scalar"
+    return node.attrs.get("param") or node.attrs.get("source") or shape
+
+
 def _combine(graph: Graph, bucket: _Bucket, index: int, created_by: str) -> None:
     """Replace the bucket's members by one flat all_reduce at the last member's position.
     Nodes before it that read a member's result move after it, keeping their order."""
@@ -151,6 +157,7 @@ def _combine(graph: Graph, bucket: _Bucket, index: int, created_by: str) -> None
         Value((total,), dtype, frozenset(varying - axes)),
         **attrs,
         bucket=index,
+        members=[_label(m) for m in members],
     )
     offset = 0
     for member, flat in zip(members, flats, strict=True):

@@ -1,13 +1,12 @@
 """Instruments that show the IR after each pass, the way MLIR and XLA do.
 
 `IRDumper` writes one file per pass, `NNNN.<pipeline>.after_<pass>.txt`, into a directory
-(the `XLA_STRATEGIES_DUMP_TO` mechanism); `IRPrinter` writes to a stream
-(`--print-ir-after-all` / `--print-ir-after-change`). Both start with the captured graph.
+(`xla_strategies.dumping` says which environment switches it on); `IRPrinter` writes to a
+stream (`--print-ir-after-all` / `--print-ir-after-change`). Both start with the capture.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +16,6 @@ from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.ir_text import print_graph
 from xla_strategies.passes.pipeline import Instrument
-
-DUMP_ENV = "XLA_STRATEGIES_DUMP_TO"
 
 
 def dump_header(pass_name: str) -> str:
@@ -67,9 +64,3 @@ class IRPrinter(Instrument):
     ) -> None:
         if changed or not self.only_changed:
             self.stream.write(dump_header(pass_.name) + print_graph(graph))
-
-
-def dump_directory_from_env(step_name: str) -> Path | None:
-    """`$XLA_STRATEGIES_DUMP_TO/<step_name>` when dumping is switched on, else None."""
-    root = os.environ.get(DUMP_ENV)
-    return Path(root) / step_name if root else None

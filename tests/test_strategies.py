@@ -186,6 +186,10 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
         "0002.mirrored.after_hoist-all-reduces.txt",
         "0003.mirrored.after_reassociate-all-reduces.txt",
         "0004.mirrored.after_combine-all-reduces.txt",
+        "compiled.hlo.txt",
+        "ledger.json",
+        "stablehlo.mlir",
+        "timeline.json",
     ]
 
 

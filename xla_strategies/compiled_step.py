@@ -6,6 +6,7 @@ are per-replica), like `jax.jit`: a new structure or shape retraces.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,11 +16,20 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xla_strategies.context import ReplicaContext, replica_scope
+from xla_strategies.dumping import (
+    STOP_AFTER_COMPILE,
+    STOPPED_EXIT_CODE,
+    DumpOptions,
+    abstract,
+    step_directory,
+    write_artifacts,
+)
 from xla_strategies.passes.base import PassContext
-from xla_strategies.passes.dump import IRDumper, dump_directory_from_env
+from xla_strategies.passes.dump import IRDumper, IRPrinter
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_capture import capture
 from xla_strategies.passes.jax_lowering import lower
+from xla_strategies.passes.ledger import LedgerRecorder
 from xla_strategies.passes.pipeline import PassPipeline, PassTimer
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.trees import as_array, copy_to, path_str
@@ -171,21 +181,41 @@ class CompiledStep:
         return graph, captured.out_tree
 
     def _build(self, signature: _Signature) -> Executable:
+        options = DumpOptions.from_env()
         seconds: dict[str, float] = {}
         start = time.perf_counter()
         graph, out_tree = self._capture(signature)
         seconds["capture"] = time.perf_counter() - start
         captured_stats = _reduction_stats(graph)
-        pipeline = self.pipeline.with_instruments(PassTimer())
-        dump_dir = dump_directory_from_env(self.name)
-        if dump_dir is not None:
-            pipeline = pipeline.with_instruments(IRDumper(dump_dir, self.strategy.pipeline_label))
+        pipeline = self.pipeline
+        if options.pipeline:
+            pipeline = self.strategy.pipeline(self.gradient_reduction, options.pipeline)
+        pipeline = pipeline.with_instruments(PassTimer())
+        if options.print_ir:
+            pipeline = pipeline.with_instruments(
+                IRPrinter(only_changed=options.print_ir == "change")
+            )
+        directory = step_directory(options.directory, self.name) if options.directory else None
+        ledger = LedgerRecorder(self.strategy.topology)
+        if directory is not None:
+            label = self.strategy.pipeline_label
+            pipeline = pipeline.with_instruments(IRDumper(directory, label), ledger)
         start = time.perf_counter()
         pipeline.run(graph, self._pass_context())
         seconds["pipeline"] = time.perf_counter() - start
         donated = self._donated(signature, out_tree, graph) if self.donate else ()
         in_specs = [self.strategy.input_spec(per_replica) for _, _, per_replica in signature.avals]
         run = lower(graph, self.strategy.mesh, in_specs, donated)
+        if directory is not None:
+            shardings = [NamedSharding(self.strategy.mesh, spec) for spec in in_specs]
+            args = abstract([(s, d) for s, d, _ in signature.avals], shardings)
+            write_artifacts(directory, graph, run, args, ledger, self.strategy.topology)
+        if options.stop_after_compile:
+            print(
+                f"xla_strategies: {self.name} compiled; stopping ({STOP_AFTER_COMPILE})",
+                file=sys.stderr,
+            )
+            raise SystemExit(STOPPED_EXIT_CODE)
         return Executable(graph, run, out_tree, donated, captured_stats, seconds)
 
     def _donated(self, signature: _Signature, out_tree: Any, graph: Graph) -> tuple[int, ...]:

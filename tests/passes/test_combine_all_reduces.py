@@ -31,7 +31,7 @@ def test_threshold_is_respected_and_order_preserved():
 func @step(%0: f32[4,3]{replica}, %1: f32[5]{replica}, %2: f32[2]{replica}) {
   %3: f32[12]{replica} = reshape(%0)  // by combine-all-reduces
   %4: f32[17]{replica} = concatenate(%3, %1) {"dimension": 0}  // by combine-all-reduces
-  %5: f32[17] = all_reduce(%4) {"axes": ["replica"], "bucket": 0, "origin": "autodiff", "reduce_op": "mean"}  // by combine-all-reduces
+  %5: f32[17] = all_reduce(%4) {"axes": ["replica"], "bucket": 0, "members": ["4x3", "5"], "origin": "autodiff", "reduce_op": "mean"}  // by combine-all-reduces
   %6: f32[12] = slice(%5) {"limit": [12], "start": [0]}  // by combine-all-reduces
   %7: f32[4,3] = reshape(%6)  // by combine-all-reduces
   %8: f32[5] = slice(%5) {"limit": [17], "start": [12]}  // by combine-all-reduces

@@ -1,0 +1,126 @@
+"""An estimated one-step timeline as a Chrome trace / Perfetto JSON file.
+
+Compute runs on one track in schedule order; collectives run on a second track as soon as
+their operands are ready (asynchronously), and a consumer waits for them. Durations are
+estimates: collectives from the topology's cost model, compute from a roofline with the
+rates below (rough; they place events, they do not predict step time). A loop is one
+event containing its first iteration's events, so events nest properly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from xla_strategies.passes.ir import Graph, Node, Value
+
+FLOPS_PER_S = 1e12  # rough device rates for compute estimates
+BYTES_PER_S = 1e11
+COLLECTIVE_BYTES_PER_S = 1e10  # without a topology
+_COMPUTE, _COLLECTIVES = 1, 2
+
+
+def _compute_seconds(node: Node) -> float:
+    out = sum(v.size for v in node.outputs)
+    flops = out
+    if node.op == "jax.dot_general" and len(node.inputs) == 2:
+        contracting = node.attrs.get("dimension_numbers", [[[], []]])[0][0]
+        flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
+    moved = sum(v.nbytes for v in node.inputs + node.outputs)
+    return max(flops / FLOPS_PER_S, moved / BYTES_PER_S)
+
+
+class _Timeline:
+    def __init__(self, topology: Any) -> None:
+        self.topology = topology
+        self.events: list[dict[str, Any]] = []
+        self.ready: dict[Value, float] = {}
+        self.network_free = 0.0
+
+    def event(
+        self, name: str, track: int, start: float, seconds: float, args: dict | None = None
+    ) -> None:
+        self.events.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": 1,
+                "tid": track,
+                "ts": round(start * 1e6, 3),
+                "dur": round(seconds * 1e6, 3),
+                "args": args or {},
+            }
+        )
+
+    def run(self, graph: Graph, clock: float) -> float:
+        """Lay out `graph`'s nodes from `clock`; return when its compute ends."""
+        for node in graph.nodes:
+            start = max([clock] + [self.ready.get(v, 0.0) for v in node.inputs])
+            if node.is_collective:
+                clock = self.collective(node, start, clock)
+                continue
+            if node.regions:
+                end = self.loop(node, start)
+            else:
+                end = start + _compute_seconds(node)
+                if node.op not in ("constant", "pvary"):
+                    self.event(node.op, _COMPUTE, start, end - start)
+            for out in node.outputs:
+                self.ready[out] = end
+            clock = end
+        return clock
+
+    def collective(self, node: Node, ready: float, clock: float) -> float:
+        nbytes = sum(v.nbytes for v in node.inputs)
+        if self.topology is not None and node.op in ("all_reduce", "reduce_scatter", "all_gather"):
+            seconds = self.topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))
+        else:
+            seconds = nbytes / COLLECTIVE_BYTES_PER_S
+        start = max(ready, self.network_free)
+        self.network_free = start + seconds
+        self.event(
+            node.op, _COLLECTIVES, start, seconds, {"bytes": nbytes, "axes": node.attrs["axes"]}
+        )
+        for out in node.outputs:
+            self.ready[out] = start + seconds
+        return clock
+
+    def loop(self, node: Node, start: float) -> float:
+        """One event for the loop; its first iteration's events nest inside it."""
+        index = len(self.events)
+        self.events.append({})  # placeholder: the parent must precede its children
+        for region, value in zip(
+            node.regions[-1].inputs, node.inputs[-len(node.regions[-1].inputs) :], strict=False
+        ):
+            self.ready[region] = self.ready.get(value, start)
+        body_end = self.run(node.regions[-1], start)
+        self.network_free = max(self.network_free, body_end)
+        trips = node.attrs.get("length", 1) if node.op == "jax.scan" else 1
+        end = start + trips * (body_end - start)
+        self.events[index] = {
+            "name": f"{node.op} x{trips}",
+            "ph": "X",
+            "pid": 1,
+            "tid": _COMPUTE,
+            "ts": round(start * 1e6, 3),
+            "dur": round((end - start) * 1e6, 3),
+            "args": {},
+        }
+        return end
+
+
+def chrome_trace(graph: Graph, topology: Any = None) -> dict[str, Any]:
+    """The estimated schedule of one step of `graph`, as Chrome trace JSON."""
+    timeline = _Timeline(topology)
+    timeline.run(graph, 0.0)
+    names = [
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": _COMPUTE, "args": {"name": "compute"}},
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 1,
+            "tid": _COLLECTIVES,
+            "args": {"name": "collectives"},
+        },
+    ]
+    return {"traceEvents": names + timeline.events, "displayTimeUnit": "ms"}

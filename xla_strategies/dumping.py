@@ -1,0 +1,89 @@
+"""What a compiled step writes when dumping is on, and the environment that switches it on.
+
+`xla-strategies dump` sets these for the user's script; they also work by hand:
+
+    XLA_STRATEGIES_DUMP_TO=DIR            write DIR/<step>/ (IR after every pass, ledger,
+                                          timeline, StableHLO, compiled HLO)
+    XLA_STRATEGIES_PRINT_IR=all|change    print the IR after every pass (or after changes)
+    XLA_STRATEGIES_PIPELINE=SPEC          run SPEC instead of the strategy's pipeline
+    XLA_STRATEGIES_STOP_AFTER_COMPILE=1   exit once the first step has compiled
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.ledger import LedgerRecorder
+from xla_strategies.passes.timeline import chrome_trace
+
+DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
+PIPELINE, STOP_AFTER_COMPILE = "XLA_STRATEGIES_PIPELINE", "XLA_STRATEGIES_STOP_AFTER_COMPILE"
+STOPPED_EXIT_CODE = 0
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    directory: Path | None = None
+    print_ir: str | None = None
+    pipeline: str | None = None
+    stop_after_compile: bool = False
+
+    @classmethod
+    def from_env(cls) -> DumpOptions:
+        print_ir = os.environ.get(PRINT_IR) or None
+        if print_ir not in (None, "all", "change"):
+            raise ValueError(f"{PRINT_IR} must be 'all' or 'change', got {print_ir!r}")
+        return cls(
+            directory=Path(os.environ[DUMP_TO]) if os.environ.get(DUMP_TO) else None,
+            print_ir=print_ir,
+            pipeline=os.environ.get(PIPELINE) or None,
+            stop_after_compile=os.environ.get(STOP_AFTER_COMPILE, "") not in ("", "0"),
+        )
+
+
+def step_directory(root: Path, name: str) -> Path:
+    """`root/name`, or `root/name.2`, ... when that step was already dumped in this run."""
+    path, n = root / name, 1
+    while (path / "ledger.json").exists() and _dumped_this_process(path):
+        n += 1
+        path = root / f"{name}.{n}"
+    return path
+
+
+_WRITTEN: set[Path] = set()
+
+
+def _dumped_this_process(path: Path) -> bool:
+    return path in _WRITTEN
+
+
+def write_artifacts(
+    directory: Path,
+    graph: Graph,
+    run: Any,
+    abstract_args: list[Any],
+    ledger: LedgerRecorder,
+    topology: Any,
+) -> None:
+    """Write the ledger, the timeline, the StableHLO and XLA's compiled HLO of one step."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lowered = run.lower(*abstract_args)
+    (directory / "stablehlo.mlir").write_text(lowered.as_text())
+    (directory / "compiled.hlo.txt").write_text(lowered.compile().as_text())
+    (directory / "ledger.json").write_text(json.dumps(ledger.to_json(), indent=1) + "\n")
+    (directory / "timeline.json").write_text(json.dumps(chrome_trace(graph, topology)) + "\n")
+    _WRITTEN.add(directory)
+
+
+def abstract(shapes: list[tuple[tuple[int, ...], str]], shardings: list[Any]) -> list[Any]:
+    return [
+        jax.ShapeDtypeStruct(s, d, sharding=sh)
+        for (s, d), sh in zip(shapes, shardings, strict=True)
+    ]
