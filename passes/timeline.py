@@ -38,19 +38,9 @@ class _Timeline:
         self.network_free = 0.0
 
     def event(
-        self, name: str, track: int, start: float, seconds: float, args: dict | None = None
+        self, name: str, track: int, start: float, end: float, args: dict | None = None
     ) -> None:
-        self.events.append(
-            {
-                "name": name,
-                "ph": "X",
-                "pid": 1,
-                "tid": track,
-                "ts": round(start * 1e6, 3),
-                "dur": round(seconds * 1e6, 3),
-                "args": args or {},
-            }
-        )
+        self.events.append(_event(name, track, start, end, args))
 
     def run(self, graph: Graph, clock: float) -> float:
         """Lay out `graph`'s nodes from `clock`; return when its compute ends."""
@@ -64,7 +54,7 @@ class _Timeline:
             else:
                 end = start + _compute_seconds(node)
                 if node.op not in ("constant", "pvary"):
-                    self.event(node.op, _COMPUTE, start, end - start)
+                    self.event(node.op, _COMPUTE, start, end)
             for out in node.outputs:
                 self.ready[out] = end
             clock = end
@@ -78,11 +68,10 @@ class _Timeline:
             seconds = nbytes / COLLECTIVE_BYTES_PER_S
         start = max(ready, self.network_free)
         self.network_free = start + seconds
-        self.event(
-            node.op, _COLLECTIVES, start, seconds, {"bytes": nbytes, "axes": node.attrs["axes"]}
-        )
+        args = {"bytes": nbytes, "axes": node.attrs["axes"]}
+        self.event(node.op, _COLLECTIVES, start, self.network_free, args)
         for out in node.outputs:
-            self.ready[out] = start + seconds
+            self.ready[out] = self.network_free
         return clock
 
     def loop(self, node: Node, start: float) -> float:
@@ -97,16 +86,23 @@ class _Timeline:
         self.network_free = max(self.network_free, body_end)
         trips = node.attrs.get("length", 1) if node.op == "jax.scan" else 1
         end = start + trips * (body_end - start)
-        self.events[index] = {
-            "name": f"{node.op} x{trips}",
-            "ph": "X",
-            "pid": 1,
-            "tid": _COMPUTE,
-            "ts": round(start * 1e6, 3),
-            "dur": round((end - start) * 1e6, 3),
-            "args": {},
-        }
+        self.events[index] = _event(f"{node.op} x{trips}", _COMPUTE, start, end)
         return end
+
+
+def _event(name: str, track: int, start: float, end: float, args: dict | None = None) -> dict:
+    """A complete ("X") event in microseconds; start and end are rounded alike, so events
+    that touch in time still nest after rounding."""
+    ts, stop = round(start * 1e6, 3), round(end * 1e6, 3)
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": 1,
+        "tid": track,
+        "ts": ts,
+        "dur": round(stop - ts, 3),
+        "args": args or {},
+    }
 
 
 def chrome_trace(graph: Graph, topology: Any = None) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from xla_strategies.context import (
     has_strategy,
     in_cross_replica_context,
 )
+from xla_strategies.devices import emulate_cpu_devices
 from xla_strategies.mirrored import MirroredStrategy
 from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.passes.insert_reductions import MirroredOutputError
@@ -39,6 +40,7 @@ __all__ = [
     "TPUStrategy",
     "Topology",
     "UnknownAxisError",
+    "emulate_cpu_devices",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -1,34 +1,82 @@
-"""The `xla-strategies` command line."""
+"""The `xla-strategies` command line: demo, dump, show, opt, ledger."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
-
-def _emulate_cpu_devices(count: int = 8) -> None:
-    """Give the CPU backend `count` devices, so multi-replica code runs without accelerators.
-    It only affects the CPU platform; a machine with GPUs or TPUs still uses those."""
-    import jax
-
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", count)
+from xla_strategies.passes import DEFAULT_PIPELINE
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xla-strategies", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command_name", required=True)
     demo = commands.add_parser("demo", help="train a transformer LM with MirroredStrategy")
     from xla_strategies.demo import train
 
     train.add_arguments(demo)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        _emulate_cpu_devices()
+
+    dump = commands.add_parser(
+        "dump",
+        help="run a script with dumping on and index the dumps",
+        usage="xla-strategies dump [options] -- python train.py ARGS...",
+    )
+    dump.add_argument("--out", default="dumps", help="dump directory (default: dumps)")
+    printing = dump.add_mutually_exclusive_group()
+    printing.add_argument("--print-ir-after-all", action="store_true")
+    printing.add_argument("--print-ir-after-change", action="store_true")
+    dump.add_argument("--pipeline", help="run this pass pipeline spec instead of the strategy's")
+    dump.add_argument(
+        "--stop-after-compile", action="store_true", help="exit once the first step compiled"
+    )
+    dump.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+    show = commands.add_parser("show", help="show a dumped step's IR")
+    show.add_argument("directory")
+    show.add_argument("--step", help="the step's name, when the dump holds several")
+    show.add_argument("--after", help="the pass (default: the last one)")
+    show.add_argument(
+        "--diff", nargs=2, metavar=("PASS_A", "PASS_B"), help="unified diff of the IR"
+    )
+    show.add_argument("--format", choices=("text", "dot", "json"), default="text")
+
+    opt = commands.add_parser("opt", help="run passes on a textual IR file, like mlir-opt")
+    opt.add_argument("file")
+    opt.add_argument("-p", "--pipeline", default=DEFAULT_PIPELINE, help="pass pipeline spec")
+    opt.add_argument("--topology", help="topology name for the cost model, e.g. v5e-16")
+    opt.add_argument("--mesh", help="axis sizes, e.g. x=4,y=4 (default: 8 per axis in the IR)")
+    opt.add_argument("--print-ir-after-all", action="store_true")
+
+    ledger = commands.add_parser("ledger", help="the collective ledger of a dumped step")
+    ledger.add_argument("directory")
+    ledger.add_argument("--step")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command_name == "demo":
+        from xla_strategies.demo import train
+        from xla_strategies.devices import emulate_cpu_devices
+
+        emulate_cpu_devices()
         train.run(args)
-    return 0
+        return 0
+    from xla_strategies import cli_commands
+    from xla_strategies.dump_reader import DumpError
+    from xla_strategies.passes import IRParseError, PipelineSpecError
+
+    try:
+        return getattr(cli_commands, args.command_name)(args)
+    except BrokenPipeError:  # the reader (e.g. `| head`) has gone: not an error
+        sys.stderr.close()
+        return 0
+    except IRParseError as exc:
+        print(f"{args.file}:{exc}", file=sys.stderr)
+    except (DumpError, PipelineSpecError, FileNotFoundError, ValueError) as exc:
+        print(f"xla-strategies {args.command_name}: {exc}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

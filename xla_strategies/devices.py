@@ -45,3 +45,13 @@ def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") ->
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"{argument} lists a device more than once: {resolved}")
     return resolved
+
+
+def emulate_cpu_devices(count: int = 8) -> None:
+    """Give JAX's CPU backend `count` devices, so multi-replica code runs without
+    accelerators. Call before JAX first runs; a machine with GPUs or TPUs still uses them.
+    Leaves an `xla_force_host_platform_device_count` in XLA_FLAGS alone."""
+    import os
+
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", count)

@@ -1,0 +1,147 @@
+"""The `xla-strategies` command line: opt (golden files), dump end to end, show, ledger,
+and clear errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pydot
+import pytest
+
+from tests.passes.test_timeline import assert_properly_nested
+from xla_strategies.cli import main
+
+ROOT = Path(__file__).parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+CLI = [sys.executable, "-m", "xla_strategies.cli"]
+
+
+@pytest.mark.parametrize(
+    ("source", "options", "expected"),
+    [
+        ("tied_weight.ir", [], "tied_weight.default.out"),
+        (
+            "two_level.ir",
+            ["-p", "decompose-all-reduces", "--topology", "v5e-16"],
+            "two_level.v5e-16.out",
+        ),
+    ],
+)
+def test_opt_matches_golden_output(source, options, expected, capsys):
+    assert main(["opt", str(GOLDEN / source), *options]) == 0
+    assert capsys.readouterr().out == (GOLDEN / expected).read_text()
+
+
+def test_opt_print_ir_after_all_shows_every_pass(capsys):
+    assert main(["opt", str(GOLDEN / "tied_weight.ir"), "--print-ir-after-all"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("// -----// IR Dump After") == 5  # capture + four passes
+
+
+def test_opt_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.ir"
+    bad.write_text("func @f(%0: f32[2]) {\n  %1: f32[2] = jax.neg(%7)\n  return %1\n}\n")
+    assert main(["opt", str(bad)]) == 1
+    assert f"{bad}:2:24: use of undefined value %7" in capsys.readouterr().err
+    assert main(["opt", str(GOLDEN / "tied_weight.ir"), "-p", "fuse-everything"]) == 1
+    assert (
+        "unknown pass 'fuse-everything'; known passes: combine-all-reduces"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dumps")
+    done = subprocess.run(
+        [
+            *CLI,
+            "dump",
+            "--out",
+            str(out),
+            "--stop-after-compile",
+            "--",
+            sys.executable,
+            "examples/train_mlp.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_dump_indexes_every_pass_and_the_compiled_hlo(dumped):
+    out, stdout = dumped
+    assert "step train_step" in stdout
+    for name in ("capture", "insert-reductions", "hoist-all-reduces", "combine-all-reduces"):
+        assert name in stdout
+    assert "XLA's compiled HLO runs 1 all-reduce(s) per step" in stdout
+    step = out / "train_step"
+    names = {p.name for p in step.iterdir()}
+    assert {"ledger.json", "timeline.json", "stablehlo.mlir", "compiled.hlo.txt"} <= names
+    first = (step / "0000.mirrored.after_capture.txt").read_text()
+    assert first.startswith("// -----// IR Dump After capture //----- //")
+
+
+def test_timeline_is_a_properly_nested_chrome_trace(dumped):
+    trace = json.loads((dumped[0] / "train_step" / "timeline.json").read_text())
+    assert_properly_nested(trace)
+    assert any(e["ph"] == "X" and e["tid"] == 2 for e in trace["traceEvents"])  # collectives
+
+
+def test_show_formats_and_diff(dumped, capsys):
+    out = dumped[0]
+    assert main(["show", str(out), "--format", "dot"]) == 0
+    (graph,) = pydot.graph_from_dot_data(capsys.readouterr().out)
+    styles = [n.get("fillcolor") for n in graph.get_nodes()]
+    assert '"#f4a261"' in styles  # the collective is highlighted
+    assert main(["show", str(out), "--after", "capture", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert sum(n["op"] == "all_reduce" for n in data["nodes"]) == 6
+    assert main(["show", str(out), "--diff", "insert-reductions", "combine-all-reduces"]) == 0
+    diff = capsys.readouterr().out
+    assert diff.startswith("--- after insert-reductions\n+++ after combine-all-reduces")
+    assert "+" in diff and "concatenate" in diff
+    assert main(["ledger", str(out)]) == 0
+    ledger = capsys.readouterr().out
+    assert "== after combine-all-reduces: 1 collectives/step" in ledger
+    assert "args[0]['layers'][0]['kernel']" in ledger  # members name their parameters
+
+
+def test_show_errors(tmp_path, dumped, capsys):
+    assert main(["show", str(tmp_path)]) == 1
+    assert "holds no dumps" in capsys.readouterr().err
+    assert main(["show", str(dumped[0]), "--after", "fuse-everything"]) == 1
+    assert (
+        "has no IR after 'fuse-everything'; it has: capture, insert-reductions"
+        in capsys.readouterr().err
+    )
+
+
+def test_dump_of_a_failing_script_shows_its_traceback(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("def train():\n    raise RuntimeError('bad learning rate')\n\ntrain()\n")
+    done = subprocess.run(
+        [*CLI, "dump", "--out", str(tmp_path / "d"), "--", sys.executable, str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "bad learning rate" in done.stderr
+    assert "the script failed with exit code 1" in done.stderr
+    bad_spec = subprocess.run(
+        [*CLI, "dump", "--pipeline", "nope", "--", sys.executable, str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad_spec.returncode == 1 and "unknown pass 'nope'; known passes:" in bad_spec.stderr

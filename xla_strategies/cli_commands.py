@@ -1,0 +1,147 @@
+"""The `xla-strategies` subcommands: dump, show, opt and ledger."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+from xla_strategies import dumping
+from xla_strategies.dump_reader import select_step, steps
+from xla_strategies.hlo import executed_collectives
+from xla_strategies.passes import DEFAULT_PIPELINE, PassContext, parse, print_graph
+from xla_strategies.passes.dump import IRPrinter
+from xla_strategies.passes.ir_render import to_dot, to_json_text
+from xla_strategies.passes.pipeline import PassPipeline, parse_spec
+
+
+def dump(args: Namespace) -> int:
+    """Run the user's script with dumping on, then print an index of what was dumped."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SystemExit("dump: give the command to run after --, e.g. -- python train.py")
+    if args.pipeline:
+        parse_spec(args.pipeline)  # fail before running anything
+    out = Path(args.out)
+    env = dict(os.environ)
+    env[dumping.DUMP_TO] = str(out.resolve())
+    if args.print_ir_after_all or args.print_ir_after_change:
+        env[dumping.PRINT_IR] = "all" if args.print_ir_after_all else "change"
+    if args.pipeline:
+        env[dumping.PIPELINE] = args.pipeline
+    if args.stop_after_compile:
+        env[dumping.STOP_AFTER_COMPILE] = "1"
+    returncode = subprocess.run(command, env=env).returncode
+    if returncode != 0:
+        print(
+            f"xla-strategies dump: the script failed with exit code {returncode}; "
+            "its output and traceback are above",
+            file=sys.stderr,
+        )
+        return returncode
+    print_index(out)
+    return 0
+
+
+def print_index(out: Path) -> None:
+    for step in steps(out):
+        ledger = step.ledger() or {"passes": [], "topology": None}
+        topology = ledger.get("topology") or "no topology"
+        print(f"\nstep {step.name}  ({step.directory}; estimates on {topology})")
+        print(f"  {'#':<5}{'pass':<28}{'changed':<9}", end="")
+        print(f"{'collectives/step':>17}{'bytes/step':>14}{'est. ms':>10}")
+        for index, record in enumerate(ledger["passes"]):
+            totals = record["totals"]
+            estimate = totals["estimated_s"]
+            shown = f"{estimate * 1e3:.3f}" if estimate is not None else "n/a"
+            print(
+                f"  {index:04d} {record['pass']:<28}{'yes' if record['changed'] else 'no':<9}"
+                f"{totals['collectives_per_step']:>17}{totals['bytes_per_step']:>14,}{shown:>10}"
+            )
+        hlo = step.compiled_hlo()
+        if hlo is not None:
+            reduce = executed_collectives(hlo)["all-reduce"]
+            print(
+                f"  XLA's compiled HLO runs {reduce['count']} all-reduce(s) per step, "
+                f"{reduce['bytes']:,} bytes"
+            )
+
+
+def show(args: Namespace) -> int:
+    step = select_step(Path(args.directory), args.step)
+    if args.diff:
+        before, after = (step.ir_after(name) for name in args.diff)
+        diff = difflib.unified_diff(
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            f"after {args.diff[0]}",
+            f"after {args.diff[1]}",
+        )
+        sys.stdout.writelines(diff)
+        return 0
+    text = step.ir_after(args.after)
+    if args.format == "text":
+        sys.stdout.write(text)
+    else:
+        graph = parse(text)
+        sys.stdout.write(to_dot(graph) if args.format == "dot" else to_json_text(graph))
+    return 0
+
+
+def opt(args: Namespace) -> int:
+    """Run passes on a textual IR file, like mlir-opt."""
+    from xla_strategies.topology import Topology
+
+    path = Path(args.file)
+    graph = parse(path.read_text())
+    topology = Topology.from_name(args.topology) if args.topology else None
+    mesh = topology.mesh_axes if topology else _mesh_from(args.mesh, graph)
+    pipeline = PassPipeline.from_spec(args.pipeline)
+    if args.print_ir_after_all:
+        pipeline = pipeline.with_instruments(IRPrinter(sys.stdout))
+    pipeline.run(graph, PassContext(mesh_axes=mesh, topology=topology))
+    if not args.print_ir_after_all:
+        sys.stdout.write(print_graph(graph))
+    return 0
+
+
+def _mesh_from(spec: str | None, graph) -> dict[str, int]:  # noqa: ANN001
+    """`--mesh x=4,y=4`; by default every axis the IR names, with 8 participants."""
+    if spec:
+        pairs = [item.split("=") for item in spec.split(",") if item]
+        return {name: int(size) for name, size in pairs}
+    axes = {a for n in graph.walk() for a in n.attrs.get("axes", [])} if graph else set()
+    axes |= {a for v in graph.inputs for a in v.varying_axes}
+    return dict.fromkeys(sorted(axes), 8)
+
+
+def ledger(args: Namespace) -> int:
+    step = select_step(Path(args.directory), args.step)
+    data = step.ledger()
+    if data is None:
+        print(f"{step.directory} has no ledger.json", file=sys.stderr)
+        return 1
+    for record in data["passes"]:
+        totals, delta = record["totals"], record["delta"]
+        print(
+            f"\n== after {record['pass']}: {totals['collectives_per_step']} collectives/step, "
+            f"{totals['bytes_per_step']:,} bytes/step "
+            f"(change: {delta['collectives_per_step']:+}, {delta['bytes_per_step']:+,} bytes)"
+        )
+        for c in record["collectives"]:
+            estimate = f"{c['estimated_s'] * 1e6:.1f} us" if c["estimated_s"] is not None else "n/a"
+            bucket = "" if c["bucket"] is None else f" bucket {c['bucket']}"
+            members = ", ".join(c["members"][:4]) + (" ..." if len(c["members"]) > 4 else "")
+            print(
+                f"  #{c['id']:<3} {c['op']} {c['reduce_op'] or ''} over {c['axes']} {c['dtype']} "
+                f"{c['bytes']:,} B x{c['per_step']}{bucket}  {estimate}  [{members}]"
+            )
+    return 0
+
+
+__all__ = ["DEFAULT_PIPELINE", "dump", "ledger", "opt", "show"]
