@@ -123,6 +123,7 @@ def unreduce(chain: ReducedChain, graph: Graph) -> set[str]:
 
 
 def make_all_reduce(source: Value, result: Value, like: Node, created_by: str) -> Node:
-    """A new all_reduce of `source` into `result`, with `like`'s axes and reduce_op."""
-    attrs = {k: like.attrs[k] for k in ("axes", "reduce_op", "origin") if k in like.attrs}
+    """A new all_reduce of `source` into `result`, with `like`'s axes, op and provenance."""
+    keys = ("axes", "reduce_op", "origin", "source", "param")
+    attrs = {k: like.attrs[k] for k in keys if k in like.attrs}
     return Node("all_reduce", [source], [result], attrs, created_by=created_by)
