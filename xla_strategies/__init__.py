@@ -6,6 +6,7 @@ strategy = xs.MirroredStrategy()
 def train_step(params, opt_state, batch): ...   # per-replica view
 """
 
+from xla_strategies import cluster as cluster_resolver
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import (
     ReplicaContext,
@@ -16,6 +17,7 @@ from xla_strategies.context import (
 )
 from xla_strategies.devices import emulate_cpu_devices
 from xla_strategies.mirrored import MirroredStrategy
+from xla_strategies.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
 from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.passes.insert_reductions import MirroredOutputError
 from xla_strategies.passes.jax_capture import UnknownAxisError
@@ -28,7 +30,10 @@ from xla_strategies.tpu import TPUStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicationOptions",
     "CompiledStep",
+    "MultiWorkerMirroredStrategy",
+    "cluster_resolver",
     "InputContext",
     "InputOptions",
     "MirroredOutputError",

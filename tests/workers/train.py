@@ -1,0 +1,90 @@
+"""A worker: trains the MLP and the transformer with MultiWorkerMirroredStrategy on
+per-host input, printing `STEP n`; the chief saves the final parameters atomically."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 4)
+sys.path.insert(0, str(Path(__file__).parents[2]))
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import xla_strategies as xs  # noqa: E402
+from tests import helpers  # noqa: E402
+from xla_strategies.demo import models  # noqa: E402
+
+
+def per_host(batches):
+    """dataset_fn: this host's contiguous slice of every global batch."""
+
+    def dataset_fn(ctx: xs.InputContext):
+        size = ctx.get_per_host_batch_size(len(jax.tree.leaves(batches[0])[0]))
+        start = ctx.input_pipeline_id * size
+        return [jax.tree.map(lambda a: a[start : start + size], b) for b in batches]
+
+    return dataset_fn
+
+
+def train(strategy, step_fn, params, tx, batches, tag):
+    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    step = strategy.compile(step_fn)
+    for n, batch in enumerate(strategy.distribute_datasets_from_function(per_host(batches))):
+        *state, _ = step(*state, batch)
+        jax.block_until_ready(state[0])
+        print(f"STEP {n}", flush=True)
+    return {
+        f"{tag}/{jax.tree_util.keystr(p)}": np.asarray(
+            jax.experimental.multihost_utils.process_allgather(x, tiled=True)
+        )
+        for p, x in jax.tree_util.tree_flatten_with_path(state[0])[0]
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--models", default="mlp,transformer")
+    args = parser.parse_args()
+    options = xs.CommunicationOptions(timeout_seconds=args.timeout)
+    strategy = xs.MultiWorkerMirroredStrategy(communication_options=options)
+    print(f"READY {strategy}", flush=True)
+    results = {}
+    tx = optax.sgd(0.1)
+    if "mlp" in args.models:
+        graphdef, params = helpers.mlp()
+        results |= train(
+            strategy,
+            models.mlp_train_step(graphdef, tx),
+            params,
+            tx,
+            helpers.mlp_batches(args.steps),
+            "mlp",
+        )
+    if "transformer" in args.models:
+        graphdef, params, cfg = helpers.transformer()
+        results |= train(
+            strategy,
+            models.lm_train_step(graphdef, tx),
+            params,
+            tx,
+            helpers.lm_batches(args.steps, cfg),
+            "transformer",
+        )
+    if strategy.cluster_resolver.is_chief:
+        out = Path(args.out)
+        partial = out.with_suffix(".partial.npz")
+        np.savez(partial, **results)
+        os.replace(partial, out)  # never a half-written result
+
+
+if __name__ == "__main__":
+    main()
