@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.gradient_sync --sweep
 	$(BIN)/python -m benchmarks.input_pipeline
 	$(BIN)/python -m benchmarks.pod_collectives
+	$(BIN)/python -m benchmarks.multi_worker
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

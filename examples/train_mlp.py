@@ -1,7 +1,7 @@
 """Train a flax MLP classifier with MirroredStrategy on synthetic data.
 
-    python examples/train_mlp.py --steps 200
-    xla-strategies dump --stop-after-compile -- python examples/train_mlp.py
+python examples/train_mlp.py --steps 200
+xla-strategies dump --stop-after-compile -- python examples/train_mlp.py
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ class AxisLink:
         latency: seconds per ring step (hop latency plus software overhead).
         bidirectional: whether a ring can use both directions (torus with wraparound).
         level: "ici", "dcn", "nvlink" or "infiniband"; lower levels are faster.
+        scatter_efficiency: the fraction of `bandwidth` a reduce-scatter or all-gather
+            reaches; 1 on accelerators, lower where the runtime implements them poorly
+            (gloo on CPU hosts).
     """
 
     name: str
@@ -52,6 +55,7 @@ class AxisLink:
     latency: float
     bidirectional: bool
     level: str
+    scatter_efficiency: float = 1.0
 
     @property
     def ring_bandwidth(self) -> float:
@@ -74,7 +78,8 @@ def ring_time(op: str, nbytes: float, axis: AxisLink) -> float:
     if p == 1 or nbytes == 0:
         return 0.0
     steps = (2 if op == "all_reduce" else 1) * (p - 1)
-    return steps * axis.latency + steps / p * nbytes / axis.ring_bandwidth
+    bandwidth = axis.ring_bandwidth * (1.0 if op == "all_reduce" else axis.scatter_efficiency)
+    return steps * axis.latency + steps / p * nbytes / bandwidth
 
 
 def flat_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:

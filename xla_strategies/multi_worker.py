@@ -16,10 +16,12 @@ import jax
 import numpy as np
 
 from xla_strategies.cluster import SimpleClusterResolver, TFConfigClusterResolver
+from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.combine_all_reduces import CombineAllReduces
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.strategy import Strategy
+from xla_strategies.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     """One replica per device of every worker; gradients reduced across all of them."""
 
     pipeline_label = "multi_worker"
+    default_pipeline = DEFAULT_PIPELINE + ",decompose-all-reduces"
 
     def __init__(
         self,
@@ -71,6 +74,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         return dataclasses.replace(pipeline, passes=tuple(passes))
 
     @property
+    def topology(self) -> Topology | None:
+        """On CPU hosts, the gloo profile fitted by benchmarks/multi_worker.py, when the
+        hosts have as many devices as it was fitted for; None elsewhere (no estimates)."""
+        if self.devices[0].platform != "cpu":
+            return None
+        topology = Topology.from_name(f"{jax.process_count()}xcpu-gloo")
+        return topology if topology.mesh_axes.get("local") == jax.local_device_count() else None
+
+    @property
     def worker_index(self) -> int:
         return jax.process_index()
 
@@ -79,8 +91,6 @@ class MultiWorkerMirroredStrategy(Strategy):
             f"MultiWorkerMirroredStrategy(workers={jax.process_count()}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
-
-
 
 
 def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOptions) -> None:

@@ -66,7 +66,7 @@ class Topology:
                 raise ValueError(
                     f"{name!r}: GPU nodes take a count prefix ('4x{found['hardware']}'), not a size"
                 )
-            axes = _gpu_axes(config, count)
+            axes = _node_axes(config, count)
         return cls(name, found["hardware"], tuple(axes))
 
     @property
@@ -123,22 +123,28 @@ def _tpu_axes(
     return axes
 
 
-def _gpu_axes(config: dict[str, Any], nodes: int) -> list[AxisLink]:
-    nvlink, network = config["nvlink"], config["network"]
-    local = AxisLink(
+# Per node kind: devices per host, the local table, the levels of the two axes, and the
+# bandwidth key. A CPU host's emulated devices talk through gloo, each its own rank.
+_NODE_KINDS = {
+    "gpu": ("gpus_per_host", "nvlink", ("nvlink", "infiniband"), "bandwidth_bytes_per_s_per_gpu"),
+    "cpu": ("devices_per_host", "local", ("shm", "dcn"), "bandwidth_bytes_per_s_per_device"),
+}
+
+
+def _node_axes(config: dict[str, Any], nodes: int) -> list[AxisLink]:
+    per_host, local_table, (local_level, host_level), bandwidth = _NODE_KINDS[config["kind"]]
+    local, network = config[local_table], config["network"]
+    efficiency = config.get("scatter_efficiency", 1.0)
+    local_axis = AxisLink(
         "local",
-        config["gpus_per_host"],
-        nvlink["bandwidth_bytes_per_s_per_gpu"],
-        nvlink["latency_s"],
+        config[per_host],
+        local[bandwidth],
+        local["latency_s"],
         False,
-        "nvlink",
+        local_level,
+        efficiency,
     )
-    host = AxisLink(
-        "host",
-        nodes,
-        network["bandwidth_bytes_per_s_per_gpu"],
-        network["latency_s"],
-        False,
-        "infiniband",
+    host_axis = AxisLink(
+        "host", nodes, network[bandwidth], network["latency_s"], False, host_level, efficiency
     )
-    return [host, local] if nodes > 1 else [local]
+    return [host_axis, local_axis] if nodes > 1 else [local_axis]
