@@ -36,7 +36,7 @@ def test_bad_names_say_what_is_known():
     with pytest.raises(ValueError, match="unknown slice 'v5e-300'; known v5e slices: v5e-1, v5e-4"):
         xs.Topology.from_name("v5e-300")
     with pytest.raises(
-        ValueError, match="unknown hardware 'v9'; known: dgx-h100, dgx-h200, v4, v5e"
+        ValueError, match="unknown hardware 'v9'; known: cpu-gloo, dgx-h100, dgx-h200, v4, v5e"
     ):
         xs.Topology.from_name("v9-8")
     with pytest.raises(ValueError, match="has no axis 'w'"):
