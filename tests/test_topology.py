@@ -99,3 +99,14 @@ def test_wraparound_doubles_ring_bandwidth():
     t_torus = torus.collective_time("all_reduce", one_axis, ("x",), algorithm="flat")
     # (p-1)/p differs: 7/8 against 15/16
     assert t_line / t_torus == pytest.approx(2 * (7 / 8) / (15 / 16), rel=0.01)
+
+
+def test_gloo_cpu_hosts_stay_flat_where_accelerators_decompose():
+    """The fitted cpu-gloo profile makes flat win at every size (decomposing measured
+    1.9-2.7x slower), while multislice TPUs and GPU clusters decompose."""
+    gloo = xs.Topology.from_name("2xcpu-gloo").axis_links()
+    for nbytes in (1 << 20, 8 << 20, 128 << 20):
+        assert cost_model.best_algorithm("all_reduce", nbytes, gloo)[0] == "flat"
+        for name in ("2xv5p-512", "4xdgx-h100"):
+            links = xs.Topology.from_name(name).axis_links()
+            assert cost_model.best_algorithm("all_reduce", nbytes, links)[0] != "flat"
