@@ -188,8 +188,11 @@ class DistributedIterator:
         self.close()
 
     def __del__(self) -> None:
-        for stage in getattr(self, "_stages", []):
-            stage.close()
+        try:
+            for stage in getattr(self, "_stages", []):
+                stage.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the modules may be gone
+            pass
 
 
 def _numbered(source: Iterator[Any], start: int) -> Iterator[tuple[int, Any, Any]]:

@@ -22,6 +22,7 @@ from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.passes.insert_reductions import MirroredOutputError
 from xla_strategies.passes.jax_capture import UnknownAxisError
 from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager
 from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
@@ -30,6 +31,8 @@ from xla_strategies.tpu import TPUStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointManager",
     "CommunicationOptions",
     "CompiledStep",
     "MultiWorkerMirroredStrategy",

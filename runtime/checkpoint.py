@@ -1,0 +1,177 @@
+"""`CheckpointManager`: strategy-aware checkpoints on orbax-checkpoint.
+
+A checkpoint holds the training state (any pytree of the strategy's arrays) and, when
+given, the input iterator's position. Saves are asynchronous by default and atomic: orbax
+writes into a temporary directory and renames it when complete, so a save that is
+interrupted never becomes the latest checkpoint. In multi-process runs every host writes
+its own shards and the primary host commits. Restoring places the state with the
+restoring strategy's shardings, so a checkpoint saved under one strategy restores under
+another (MirroredStrategy(8) to OneDeviceStrategy, or a different replica count).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xla_strategies.trees import map_arrays
+
+if TYPE_CHECKING:
+    from xla_strategies.strategy import Strategy
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the path."""
+
+
+class CheckpointManager:
+    """Save and restore training state every `save_interval_steps`, keeping `max_to_keep`.
+
+    Args:
+        directory: where the checkpoints live (created on the first save).
+        strategy: the strategy whose arrays are saved and whose shardings restore uses.
+        max_to_keep: how many recent checkpoints to keep.
+        save_interval_steps: `save(step, ...)` writes only on multiples of this (or `force`).
+        async_save: write in the background; `wait_until_finished()` waits for it.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        strategy: Strategy,
+        max_to_keep: int = 3,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+    ) -> None:
+        import orbax.checkpoint as ocp
+
+        if max_to_keep < 1 or save_interval_steps < 1:
+            raise ValueError(
+                f"max_to_keep and save_interval_steps must be at least 1, got {max_to_keep} "
+                f"and {save_interval_steps}"
+            )
+        self.directory = Path(directory).absolute()
+        self.strategy = strategy
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._ocp = ocp
+        handlers = {"state": ocp.StandardCheckpointHandler(), "input": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+
+    def save(
+        self, step: int, state: Any, dataset_iterator: Any = None, force: bool = False
+    ) -> bool:
+        """Write `state` (and the iterator's position) as checkpoint `step`. Returns whether
+        a save started (steps off the interval are skipped unless `force`)."""
+        map_arrays(lambda a, _: a, state, "save(state)")  # every leaf must be an array
+        items = {"state": self._ocp.args.StandardSave(state)}
+        if dataset_iterator is not None:
+            items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
+        try:
+            return self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
+        except OSError as exc:
+            raise CheckpointError(f"could not save step {step} to {self.directory}: {exc}") from exc
+
+    def wait_until_finished(self) -> None:
+        """Block until a background save has been committed (or raise its error)."""
+        try:
+            self._manager.wait_until_finished()
+        except OSError as exc:
+            raise CheckpointError(f"a save to {self.directory} failed: {exc}") from exc
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def restore(
+        self, step: int | None = None, target: Any = None, dataset_iterator: Any = None
+    ) -> Any:
+        """The state of checkpoint `step` (the latest by default), shaped like `target` and
+        placed mirrored on this strategy's devices; the iterator resumes where it was."""
+        if target is None:
+            raise ValueError("restore needs target=: a pytree shaped like the saved state")
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.all_steps():
+            known = ", ".join(map(str, self.all_steps())) or "none"
+            raise CheckpointError(
+                f"no checkpoint {'' if step is None else step} in {self.directory} (steps: {known})"
+            )
+        _check_structure(self._saved_tree(step), target, self.directory / str(step))
+        mirrored = NamedSharding(self.strategy.mesh, PartitionSpec())
+        abstract = map_arrays(
+            lambda a, _: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=mirrored), target, "target"
+        )
+        items = {"state": self._ocp.args.StandardRestore(abstract)}
+        if dataset_iterator is not None:
+            items["input"] = self._ocp.args.JsonRestore()
+        try:
+            restored = self._manager.restore(step, args=self._ocp.args.Composite(**items))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"could not restore {self.directory / str(step)}: {exc}") from exc
+        if dataset_iterator is not None:
+            dataset_iterator.set_state(restored["input"])
+        return restored["state"]
+
+    def _saved_tree(self, step: int) -> Any:
+        try:
+            return self._manager.item_metadata(step)["state"]
+        except Exception as exc:  # a corrupt or partial checkpoint
+            raise CheckpointError(
+                f"cannot read checkpoint {self.directory / str(step)}: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _plain(tree: Any) -> Any:
+    """Orbax's metadata tree as plain dicts and lists (its own classes may not flatten)."""
+    if hasattr(tree, "keys"):
+        return {str(k): _plain(tree[k]) for k in tree.keys()}
+    if isinstance(tree, list | tuple):
+        return [_plain(v) for v in tree]
+    return 0 if hasattr(tree, "shape") else None  # an array, or an empty node (optax's EmptyState)
+
+
+def _paths(tree: Any) -> set[tuple[str, ...]]:
+    """Leaf paths as plain key tokens: orbax's metadata stores tuples as lists and attribute
+    names as keys, and drops flax's `.value`, so `[0].count` and `['0']['count']` agree."""
+    tokens = re.compile(r"\[\'?([^\]\']+)\'?\]|\.(\w+)")
+    found = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = ["".join(m) for m in tokens.findall(jax.tree_util.keystr(path))]
+        found.add(tuple(p for p in parts if p != "value"))
+    return found
+
+
+def _check_structure(saved: Any, target: Any, where: Path) -> None:
+    """Name a pytree path where the checkpoint and the target differ."""
+    saved_paths, target_paths = _paths(_plain(saved)), _paths(target)
+    if saved_paths != target_paths:
+        missing = sorted(saved_paths - target_paths)
+        extra = sorted(target_paths - saved_paths)
+        show = lambda paths: ["/".join(p) for p in paths[:3]]  # noqa: E731
+        detail = (
+            f"only in the checkpoint: {show(missing)}"
+            if missing
+            else f"only in the target: {show(extra)}"
+        )
+        raise CheckpointError(f"the target's structure differs from checkpoint {where}; {detail}")
