@@ -44,7 +44,7 @@ class _Bucket:
 class CombineAllReduces(Pass):
     """Options:
     threshold_bytes: the most bytes per bucket; 0 (default) lets the topology's cost
-        model choose (the smallest bucket whose latency is under 5% of its transfer), or
+        model choose (the smallest bucket whose latency is under 2% of its transfer), or
         DEFAULT_THRESHOLD_BYTES when the strategy has no topology.
     first_bucket_bytes: a smaller cap for the first bucket of each kind, so the first
         reduction can start early (DDP's first bucket); 0 uses `threshold_bytes`.
@@ -57,8 +57,8 @@ class CombineAllReduces(Pass):
     def __post_init__(self) -> None:
         if self.threshold_bytes < 0 or self.first_bucket_bytes < 0:
             raise ValueError(
-                "combine-all-reduces: threshold-bytes and first-bucket-bytes must not be negative, "
-                f"non-negative, got {self.threshold_bytes} and {self.first_bucket_bytes}"
+                "combine-all-reduces: threshold-bytes and first-bucket-bytes must not be "
+                f"negative, got {self.threshold_bytes} and {self.first_bucket_bytes}"
             )
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
-
 from xla_strategies.passes.ir import Graph, Node, Value
 
 # Unary ops that are linear and act on each replica's value independently, so
@@ -45,27 +43,16 @@ def commutes_with_sum(node: Node, operand: Value) -> bool:
     """Whether `node`, read through `operand`, commutes with a cross-replica sum."""
     if node.op in _LINEAR_UNARY and node.inputs == [operand]:
         return True
-    if node.op == "jax.convert_element_type" and node.inputs == [operand]:
-        return _is_widening(operand.dtype, node.outputs[0].dtype)
     if (
         node.op in _SCALING | _DIVIDING
         and len(node.inputs) == 2
         and node.inputs.count(operand) == 1
     ):
         other = node.inputs[1 - node.inputs.index(operand)]
-        if node.op in _DIVIDING and other is node.inputs[0]:
-            return False  # c / x is not linear in x
+        if node.op in _DIVIDING and (other is node.inputs[0] or "int" in operand.dtype):
+            return False  # c / x is not linear in x, and integer division truncates
         return not other.varying_axes
     return False
-
-
-def _is_widening(src: str, dst: str) -> bool:
-    """Float to a float at least as wide: exact, so reducing before or after agrees."""
-    try:
-        a, b = np.dtype(src), np.dtype(dst)
-    except TypeError:
-        return src == "bfloat16" and dst in ("float32", "float64")
-    return a.kind == b.kind == "f" and b.itemsize >= a.itemsize
 
 
 @dataclass

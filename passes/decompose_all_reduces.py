@@ -35,6 +35,13 @@ class DecomposeAllReduces(Pass):
     name = "decompose-all-reduces"
     force: str = ""
 
+    def __post_init__(self) -> None:
+        if self.force not in ("", *cost_model.ALGORITHMS):
+            raise ValueError(
+                f"decompose-all-reduces: force must be one of {cost_model.ALGORITHMS} or empty, "
+                f"got {self.force!r}"
+            )
+
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if ctx.topology is None:
             ctx.remarks.append(f"{self.name}: no topology, nothing decomposed")

@@ -2,8 +2,9 @@
 
 A tied weight's gradient arrives in two parts, each reduced across replicas by autodiff;
 adding first and reducing once halves the traffic. The rewrite also looks through ops
-that commute with the reduction (transpose, reshape, widening convert, scaling by a
-replica-invariant value), and repeats until nothing changes, so sums of several collapse.
+that commute with the reduction (transpose, reshape, negation, scaling by a
+replica-invariant value; never a dtype conversion, since summing in another precision
+changes the numbers), and repeats until nothing changes, so sums of several collapse.
 
     Before:
       %3: f32[32,64] = all_reduce(%1) {"axes": ["replica"], "reduce_op": "mean"}

@@ -198,3 +198,34 @@ def test_gradient_reduction_must_be_mean_or_sum(mirrored):
         ValueError, match="gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got MAX"
     ):
         mirrored.compile(_sgd_step, gradient_reduction=xs.ReduceOp.MAX)
+
+
+def test_reduce_and_gather_of_a_distributed_batch(mirrored):
+    """A distributed batch (2 examples per replica) is per-replica data too."""
+    data = np.arange(64, dtype=np.float32).reshape(16, 4)
+    batch = _batch(mirrored)
+    np.testing.assert_allclose(mirrored.reduce("sum", batch, axis=0), data.sum(0) / 100, rtol=1e-6)
+    np.testing.assert_allclose(mirrored.gather(batch, axis=0), data / 100, rtol=1e-6)
+
+
+def test_only_state_at_its_own_position_is_donated(mirrored):
+    """eval(temperature, x) returns a scalar of the temperature's type: still not donated."""
+    temperature = mirrored.replicate(np.float32(2.0))
+    evaluate = mirrored.compile(lambda t, x: (jnp.mean(x) / t,))
+    evaluate(temperature, _batch(mirrored))
+    evaluate(temperature, _batch(mirrored))
+    assert not temperature.is_deleted()
+    train = mirrored.compile(_sgd_step)
+    w = mirrored.replicate(np.ones((4, 2), np.float32))
+    train(w, _batch(mirrored))
+    with pytest.raises(ValueError, match=r"args\[0\] was donated to an earlier call"):
+        train(w, _batch(mirrored))
+
+
+def test_a_pipeline_object_keeps_its_disabled_passes(mirrored):
+    from xla_strategies.passes import PassPipeline
+
+    pipeline = PassPipeline.from_spec(
+        "insert-reductions,combine-all-reduces", disabled=frozenset({"combine-all-reduces"})
+    )
+    assert mirrored.pipeline(xs.ReduceOp.MEAN, pipeline).disabled == {"combine-all-reduces"}

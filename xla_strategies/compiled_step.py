@@ -121,7 +121,13 @@ class CompiledStep:
         leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
         flat, avals = [], []
         for path, leaf in leaves:
-            array = as_array(leaf, f"{self.name} argument {_arg_path(path)}")
+            where = f"{self.name} argument {_arg_path(path)}"
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise ValueError(
+                    f"{where} was donated to an earlier call of a compiled step and deleted; "
+                    "pass the array that call returned (or compile with donate=False)"
+                )
+            array = as_array(leaf, where)
             flat.append(array)
             avals.append(
                 (tuple(array.shape), str(array.dtype), self.strategy.is_per_replica(array))
@@ -219,23 +225,25 @@ class CompiledStep:
         return Executable(graph, run, out_tree, donated, captured_stats, seconds)
 
     def _donated(self, signature: _Signature, out_tree: Any, graph: Graph) -> tuple[int, ...]:
-        """Flat indices of mirrored positional arguments that come back as a mirrored output
-        of the same structure and types: the step's state (params, optimizer state). Only
-        those are donated, so an evaluation step never invalidates its inputs."""
+        """Flat indices of the step's state: a mirrored positional argument that comes back
+        at the same position of a tuple of outputs, with the same structure and types
+        (`params, opt_state, ... = step(params, opt_state, ...)`), holding at least one
+        non-scalar array. Anything else, e.g. an evaluation step's inputs, is never donated."""
         out_types = [None if v.varying_axes else (v.shape, v.dtype) for v in graph.outputs]
         outputs = jax.tree.unflatten(out_tree, range(out_tree.num_leaves))
-        out_parts = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
+        if not isinstance(outputs, tuple | list):
+            return ()
         args = jax.tree.unflatten(signature.treedef, range(len(signature.avals)))[0]
         donated: list[int] = []
-        for arg in args:
+        for arg, part in zip(args, outputs, strict=False):
             flat = jax.tree.leaves(arg)
             if not flat or any(signature.avals[i][2] for i in flat):
                 continue
             types = [signature.avals[i][:2] for i in flat]
-            if any(
+            if (
                 jax.tree.structure(part) == jax.tree.structure(arg)
                 and types == [out_types[j] for j in jax.tree.leaves(part)]
-                for part in out_parts
+                and any(shape for shape, _ in types)
             ):
                 donated.extend(flat)
         return tuple(donated)

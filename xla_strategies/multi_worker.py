@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import jax
@@ -77,8 +78,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     def topology(self) -> Topology | None:
         """On CPU hosts, the gloo profile fitted by benchmarks/multi_worker.py, when the
         hosts have as many devices as it was fitted for; None elsewhere (no estimates)."""
-        if self.devices[0].platform != "cpu":
-            return None
+        if self.devices[0].platform != "cpu" or jax.process_count() == 1:
+            return None  # one worker: no network level to model
         topology = Topology.from_name(f"{jax.process_count()}xcpu-gloo")
         return topology if topology.mesh_axes.get("local") == jax.local_device_count() else None
 
@@ -100,7 +101,7 @@ def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOp
     if distributed.global_state.client is not None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeout = int(options.timeout_seconds) if options.timeout_seconds else 300
+    timeout = max(1, math.ceil(options.timeout_seconds)) if options.timeout_seconds else 300
     try:
         jax.distributed.initialize(
             coordinator_address=resolver.coordinator_address,
@@ -111,9 +112,9 @@ def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOp
             shutdown_timeout_seconds=timeout,
         )
     except Exception as exc:
-        raise TimeoutError(
+        raise RuntimeError(
             f"worker {resolver.process_id} of {resolver.num_processes} could not join the cluster "
-            f"at {resolver.coordinator_address} within {timeout} s: {str(exc).splitlines()[0]}"
+            f"at {resolver.coordinator_address} (timeout {timeout} s): {str(exc).splitlines()[0]}"
         ) from exc
     atexit.register(_shutdown)
 

@@ -8,6 +8,7 @@ and sharded over it, mirrored values are replicated. Their sharding says which i
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -44,7 +45,7 @@ class Strategy:
         if array.ndim != len(axis_names):
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
         self._mesh = Mesh(array, axis_names)
-        self._compiled_runs: dict[Callable[..., Any], CompiledStep] = {}
+        self._compiled_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # layout questions
 
@@ -87,16 +88,19 @@ class Strategy:
     ) -> PassPipeline:
         """The pass pipeline for a step, with the step's gradient reduction filled in."""
         if isinstance(spec, PassPipeline):
-            passes = list(spec.passes)
+            base, passes = spec, list(spec.passes)
         else:
-            passes = parse_spec(self.default_pipeline if spec is None else spec)
+            base, passes = (
+                PassPipeline(),
+                parse_spec(self.default_pipeline if spec is None else spec),
+            )
         passes = [
             dataclasses.replace(p, gradient_reduction=gradient_reduction.value)
             if isinstance(p, InsertReductions)
             else p
             for p in passes
         ]
-        return PassPipeline(passes=tuple(passes))
+        return dataclasses.replace(base, passes=tuple(passes))
 
     # tf.distribute's API
 
@@ -175,23 +179,35 @@ class Strategy:
     def _is_stacked(self, array: Any) -> bool:
         return self.is_per_replica(array) and array.shape[:1] == (self.num_replicas_in_sync,)
 
-    def _per_replica_parts(self, array: Any) -> list[Any]:
+    def _stacked(self, array: Any) -> Any | None:
+        """Per-replica data as [replicas, per-replica value...]: a step's stacked output as
+        it is; a distributed batch (k examples per replica) reshaped to [replicas, k, ...].
+        None for a mirrored value."""
         if self._is_stacked(array):
-            return [array[i] for i in range(self.num_replicas_in_sync)]
+            return jnp.asarray(array)
+        if not self.is_per_replica(array):
+            return None
+        n = self.num_replicas_in_sync
+        return jnp.reshape(jnp.asarray(array), (n, array.shape[0] // n, *array.shape[1:]))
+
+    def _per_replica_parts(self, array: Any) -> list[Any]:
+        stacked = self._stacked(array)
+        if stacked is not None:
+            return [stacked[i] for i in range(self.num_replicas_in_sync)]
         return [jnp.asarray(array)] * self.num_replicas_in_sync
 
     def _reduce_leaf(self, op: ReduceOp, array: Any, axis: int | None, where: str) -> Any:
-        stacked = self._is_stacked(array)
-        per_replica_ndim = array.ndim - 1 if stacked else array.ndim
+        stacked = self._stacked(array)
+        x = jnp.asarray(array) if stacked is None else stacked
+        per_replica_ndim = x.ndim - (stacked is not None)
         if axis is not None:
             _check_axis(axis, per_replica_ndim, where)
-        axes = ([0] if stacked else []) + (
-            [axis % per_replica_ndim + int(stacked)] if axis is not None else []
+        axes = ([0] if stacked is not None else []) + (
+            [axis % per_replica_ndim + (stacked is not None)] if axis is not None else []
         )
-        x = jnp.asarray(array)
         if op is ReduceOp.SUM:
             total = jnp.sum(x, axis=tuple(axes)) if axes else x
-            return total if stacked else total * self.num_replicas_in_sync
+            return total if stacked is not None else total * self.num_replicas_in_sync
         reducer = {ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}[op]
         return reducer(x, axis=tuple(axes)) if axes else x
 

@@ -76,3 +76,18 @@ func @step(%0: f32[4]{replica}, %1: f32[4]{replica}) {
     for text in cases:
         changed, after, _ = _run(text)
         assert not changed and after == print_graph(parse(text))
+
+
+def test_a_dtype_conversion_stops_the_rewrite():
+    """Summing f16 values in f32 instead of f16 changes the result (f16 overflows)."""
+    text = """\
+func @step(%0: f16[4]{replica}, %1: f32[4]{replica}) {
+  %2: f16[4] = all_reduce(%0) {"axes": ["replica"], "origin": "user", "reduce_op": "sum"}
+  %3: f32[4] = jax.convert_element_type(%2) {"new_dtype": "float32", "weak_type": false}
+  %4: f32[4] = all_reduce(%1) {"axes": ["replica"], "origin": "user", "reduce_op": "sum"}
+  %5: f32[4] = jax.add(%3, %4)
+  return %5
+}
+"""
+    changed, after, _ = _run(text)
+    assert not changed and after == text
