@@ -104,3 +104,17 @@ def test_bad_input_names_the_path(tmp_path):
             manager.restore(target=target)
     with pytest.raises(ValueError, match="max_to_keep and save_interval_steps must be at least 1"):
         CheckpointManager(tmp_path, strategy, max_to_keep=0)
+
+
+def test_a_save_killed_midway_never_becomes_the_latest(tmp_path):
+    from tests.multiprocess import run_workers
+
+    (worker,) = run_workers(
+        ["tests/workers/save_and_die.py", str(tmp_path), "1024"], count=1, kill=(0, 2), timeout=180
+    )
+    assert worker.killed_at == 2, worker.output[-2000:]
+    strategy = xs.OneDeviceStrategy()
+    with CheckpointManager(tmp_path, strategy) as manager:
+        assert manager.latest_step() == 1
+        restored = manager.restore(target={"w": np.zeros(4, np.float32)})
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones(4, np.float32))
