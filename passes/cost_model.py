@@ -125,8 +125,7 @@ PART_COUNTS = (1, 2, 4, 8)  # parts per rotation the `rotated` algorithm may use
 def rotations(axes: Sequence[AxisLink], repeats: int = 1) -> list[list[AxisLink]]:
     """Part orders of the `rotated` algorithm: the rotations of the fast axes, each used
     `repeats` times; slow levels last in every order."""
-    fast = [a for a in axes if a.level not in SLOW_LEVELS and a.size > 1]
-    slow = [a for a in axes if a.level in SLOW_LEVELS and a.size > 1]
+    fast, slow = split_levels(axes)
     turns = [fast[k:] + fast[:k] + slow for k in range(max(len(fast), 1))]
     return turns * repeats
 
@@ -197,7 +196,7 @@ def collective_time(
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     times = {
         "flat": lambda: flat_time(op, nbytes, axes),
-        "ordered": lambda: ordered_time(op, nbytes, _fast_first(axes)),
+        "ordered": lambda: ordered_time(op, nbytes, fast_first(axes)),
         "rotated": lambda: rotated_time(op, nbytes, axes),
     }
     if algorithm == "best":
@@ -219,8 +218,7 @@ def lower_bound(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
     """No algorithm beats this: per level, 2(p-1)/p of the data through all of that level's
     links (1(p-1)/p for scatter/gather); the slow level sees the fast levels' shard."""
     factor = 2 if op == "all_reduce" else 1
-    fast = [a for a in axes if a.level not in SLOW_LEVELS and a.size > 1]
-    slow = [a for a in axes if a.level in SLOW_LEVELS and a.size > 1]
+    fast, slow = split_levels(axes)
     bound = 0.0
     shard = float(nbytes)
     for group in (fast, slow):
@@ -236,8 +234,16 @@ def lower_bound(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
     return max(bound, latency)
 
 
-def _fast_first(axes: Sequence[AxisLink]) -> list[AxisLink]:
+def fast_first(axes: Sequence[AxisLink]) -> list[AxisLink]:
+    """The `ordered` algorithm's axis order: fast levels first, fastest first."""
     return sorted(axes, key=lambda a: (a.level in SLOW_LEVELS, -a.ring_bandwidth))
+
+
+def split_levels(axes: Sequence[AxisLink]) -> tuple[list[AxisLink], list[AxisLink]]:
+    """(fast axes, slow-level axes), leaving out axes of one participant."""
+    fast = [a for a in axes if a.level not in SLOW_LEVELS and a.size > 1]
+    slow = [a for a in axes if a.level in SLOW_LEVELS and a.size > 1]
+    return fast, slow
 
 
 def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.02, cap: int = 1 << 30) -> int:

@@ -77,14 +77,10 @@ class DecomposeAllReduces(Pass):
             if choice == "rotated":
                 orders = cost_model.rotated_plan("all_reduce", nbytes, links)[1]
             else:
-                orders = [_fast_first(links)]
+                orders = [cost_model.fast_first(links)]
             sizes = {a: ctx.mesh_axes[a] for a in axes}
             _rewrite(graph, node, [[a.name for a in order] for order in orders], sizes, self.name)
         return {"bytes": nbytes, "axes": list(axes), "algorithm": choice, "estimates_s": estimates}
-
-
-def _fast_first(links: list[cost_model.AxisLink]) -> list[cost_model.AxisLink]:
-    return sorted(links, key=lambda a: (a.level in cost_model.SLOW_LEVELS, -a.ring_bandwidth))
 
 
 def _rewrite(

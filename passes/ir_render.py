@@ -6,34 +6,14 @@ import json
 from typing import Any
 
 from xla_strategies.passes.ir import Graph, Node, Value
-from xla_strategies.passes.ir_text import format_type
+from xla_strategies.passes.ir_text import format_type, value_names
 
 _COLLECTIVE_STYLE = 'style=filled fillcolor="#f4a261"'
 _KNOWN_STYLE = 'style=filled fillcolor="#e9f5db"'
 
 
-def _value_ids(graph: Graph) -> dict[Value, str]:
-    """The printer's numbering: inputs, then each node's outputs before its regions."""
-    ids: dict[Value, str] = {}
-
-    def visit(g: Graph, top: bool) -> None:
-        if top:
-            for v in g.inputs:
-                ids[v] = f"%{len(ids)}"
-        for node in g.nodes:
-            for v in node.outputs:
-                ids[v] = f"%{len(ids)}"
-            for region in node.regions:
-                for v in region.inputs:
-                    ids[v] = f"%{len(ids)}"
-                visit(region, top=False)
-
-    visit(graph, top=True)
-    return ids
-
-
 def to_json(graph: Graph) -> dict[str, Any]:
-    ids = _value_ids(graph)
+    ids = value_names(graph)
 
     def value(v: Value) -> dict[str, Any]:
         out = {"id": ids[v], "type": format_type(v)}
@@ -65,7 +45,7 @@ def to_json(graph: Graph) -> dict[str, Any]:
 
 def to_dot(graph: Graph) -> str:
     """Graphviz source: one box per node, edges along values, regions as clusters."""
-    ids = _value_ids(graph)
+    ids = value_names(graph)
     lines = [
         f'digraph "{graph.name}" {{',
         "  rankdir=TB;",

@@ -72,14 +72,23 @@ class _Printer:
         self.lines.append(f"{pad}return {', '.join(returns)}".rstrip())
 
 
-def print_graph(graph: Graph) -> str:
-    """The text form of `graph`, ending in a newline."""
+def _printed(graph: Graph) -> _Printer:
     printer = _Printer()
     params = ", ".join(printer.define(v) + _loc(v.name) for v in graph.inputs)
     printer.lines.append(f"func @{graph.name}({params}) {{")
     printer.body(graph, 1)
     printer.lines.append("}")
-    return "\n".join(printer.lines) + "\n"
+    return printer
+
+
+def print_graph(graph: Graph) -> str:
+    """The text form of `graph`, ending in a newline."""
+    return "\n".join(_printed(graph).lines) + "\n"
+
+
+def value_names(graph: Graph) -> dict[Value, str]:
+    """Each value's name in the text form (`%3`), so other renderings agree with it."""
+    return _printed(graph).names
 
 
 # parsing

@@ -118,21 +118,26 @@ class CompiledStep:
     # building
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[list[Any], _Signature]:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        # Runs on every call: leaf paths are formatted only for an error message.
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         flat, avals = [], []
-        for path, leaf in leaves:
-            where = f"{self.name} argument {_arg_path(path)}"
+        for index, leaf in enumerate(leaves):
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise ValueError(
-                    f"{where} was donated to an earlier call of a compiled step and deleted; "
-                    "pass the array that call returned (or compile with donate=False)"
+                    f"{self._where(args, kwargs, index)} was donated to an earlier call of a "
+                    "compiled step and deleted; pass the array that call returned (or compile "
+                    "with donate=False)"
                 )
-            array = as_array(leaf, where)
+            array = as_array(leaf, lambda i=index: self._where(args, kwargs, i))
             flat.append(array)
             avals.append(
                 (tuple(array.shape), str(array.dtype), self.strategy.is_per_replica(array))
             )
         return flat, _Signature(treedef, tuple(avals))
+
+    def _where(self, args: tuple, kwargs: dict, index: int) -> str:
+        path = jax.tree_util.tree_flatten_with_path((args, kwargs))[0][index][0]
+        return f"{self.name} argument {_arg_path(path)}"
 
     def _place(self, flat: list[Any], signature: _Signature) -> list[Any]:
         mirrored = NamedSharding(self.strategy.mesh, PartitionSpec())

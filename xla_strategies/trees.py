@@ -14,12 +14,14 @@ def path_str(prefix: str, path: tuple[Any, ...]) -> str:
     return prefix + jax.tree_util.keystr(path)
 
 
-def as_array(leaf: Any, where: str) -> Any:
-    """Return `leaf` as an array (jax.Array kept as is); raise TypeError naming `where`."""
+def as_array(leaf: Any, where: str | Callable[[], str]) -> Any:
+    """Return `leaf` as an array (jax.Array kept as is); raise TypeError naming `where`
+    (a string, or a function making it, so hot paths format it only on error)."""
     if isinstance(leaf, jax.Array | np.ndarray | np.generic):
         return leaf
     if isinstance(leaf, bool | int | float | complex):
         return np.asarray(leaf)
+    where = where() if callable(where) else where
     raise TypeError(
         f"{where} is a {type(leaf).__name__}, not an array; only arrays (jax.Array, "
         "numpy arrays or Python numbers) can be passed to replicas"
