@@ -57,9 +57,11 @@ def run_workers(
     timeout: float = 240,
     kill: tuple[int, int] | None = None,
     start: list[int] | None = None,
+    kill_signal: int = signal.SIGKILL,
 ) -> list[Worker]:
-    """Run `python argv...` as `count` workers (only those in `start`, if given); kill
-    worker `kill[0]` when it prints `STEP kill[1]`. Returns when all have exited."""
+    """Run `python argv...` as `count` workers (only those in `start`, if given); send
+    `kill_signal` to worker `kill[0]` when it prints `STEP kill[1]`. Returns when all have
+    exited."""
     configs = tf_configs(count)
     workers = []
     for index in start if start is not None else range(count):
@@ -73,7 +75,9 @@ def run_workers(
             stderr=subprocess.STDOUT,
         )
         workers.append(Worker(index, process))
-    readers = [threading.Thread(target=_read, args=(w, kill), daemon=True) for w in workers]
+    readers = [
+        threading.Thread(target=_read, args=(w, kill, kill_signal), daemon=True) for w in workers
+    ]
     for reader in readers:
         reader.start()
     deadline = time.monotonic() + timeout
@@ -90,11 +94,11 @@ def run_workers(
     return workers
 
 
-def _read(worker: Worker, kill: tuple[int, int] | None) -> None:
+def _read(worker: Worker, kill: tuple[int, int] | None, kill_signal: int) -> None:
     for line in worker.process.stdout:
         worker.lines.append(line)
         if kill and worker.index == kill[0] and line.strip() == f"STEP {kill[1]}":
-            os.kill(worker.process.pid, signal.SIGKILL)
+            os.kill(worker.process.pid, kill_signal)
             worker.killed_at = kill[1]
 
 

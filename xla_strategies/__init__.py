@@ -24,6 +24,7 @@ from xla_strategies.passes.jax_capture import UnknownAxisError
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager
 from xla_strategies.runtime.input_options import InputContext, InputOptions
+from xla_strategies.runtime.preemption import PREEMPTION_EXIT_CODE, PreemptionCheckpointHandler
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
 from xla_strategies.tpu import TPUStrategy
@@ -42,6 +43,8 @@ __all__ = [
     "MirroredOutputError",
     "MirroredStrategy",
     "OneDeviceStrategy",
+    "PREEMPTION_EXIT_CODE",
+    "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
