@@ -11,6 +11,8 @@ another (MirroredStrategy(8) to OneDeviceStrategy, or a different replica count)
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +63,7 @@ class CheckpointManager:
             save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save,
             create=True,
+            cleanup_tmp_directories=True,  # what an interrupted save left behind
         )
         self._ocp = ocp
         handlers = {"state": ocp.StandardCheckpointHandler(), "input": ocp.JsonCheckpointHandler()}
@@ -79,15 +82,34 @@ class CheckpointManager:
             items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
         try:
             return self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
-        except OSError as exc:
-            raise CheckpointError(f"could not save step {step} to {self.directory}: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise self._write_error(f"could not save step {step}", exc) from exc
 
     def wait_until_finished(self) -> None:
         """Block until a background save has been committed (or raise its error)."""
         try:
             self._manager.wait_until_finished()
-        except OSError as exc:
-            raise CheckpointError(f"a save to {self.directory} failed: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise self._write_error("a background save failed", exc) from exc
+
+    def _write_error(self, what: str, exc: Exception) -> Exception:
+        """A failed write as a `CheckpointError` that says what the OS refused (tensorstore
+        reports it as a ValueError carrying the errno); other ValueErrors stay as they are."""
+        code = getattr(exc, "errno", None)
+        if code is None:
+            found = re.search(r"os_error_code='(\d+)'", str(exc))
+            if found is None:
+                return exc
+            code = int(found.group(1))
+        reason = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+        if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            reason += " (the disk is full or a file size limit was reached)"
+        kept = self.latest_step()
+        return CheckpointError(
+            f"{what} in {self.directory}: the file system refused a write ({reason}); "
+            f"the latest complete checkpoint is still "
+            f"{'none' if kept is None else f'step {kept}'}\n{exc}"
+        )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()

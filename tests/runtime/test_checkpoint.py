@@ -1,6 +1,13 @@
-"""Checkpoints: exact resume, restore under another strategy or replica count, bad input."""
+"""Checkpoints: exact resume, restore under another strategy or replica count, bad input,
+interrupted and refused saves."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -117,4 +124,24 @@ def test_a_save_killed_midway_never_becomes_the_latest(tmp_path):
     with CheckpointManager(tmp_path, strategy) as manager:
         assert manager.latest_step() == 1
         restored = manager.restore(target={"w": np.zeros(4, np.float32)})
+        manager.save(3, restored)  # the restarted run carries on
+        manager.wait_until_finished()
+    assert not list(tmp_path.glob("*tmp*")), "the half-written save was left behind"
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones(4, np.float32))
+
+
+def test_a_refused_write_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.workers.disk_full", str(tmp_path / "ckpt")],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"] is not None, "the refused save did not raise CheckpointError"
+    assert "the file system refused a write (EFBIG: File too large" in result["error"]
+    assert "the latest complete checkpoint is still step 1" in result["error"]
+    assert result["latest"] == 1 and result["intact"]
