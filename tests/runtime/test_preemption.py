@@ -67,7 +67,9 @@ def test_sigterm_saves_the_step_and_the_restart_finishes_exactly(tmp_path):
 def test_handler_rejects_no_signals(tmp_path):
     strategy = xs.OneDeviceStrategy()
     with pytest.raises(ValueError, match="signals must name at least one signal"):
-        xs.PreemptionCheckpointHandler(strategy, xs.CheckpointManager(tmp_path, strategy), signals=())
+        xs.PreemptionCheckpointHandler(
+            strategy, xs.CheckpointManager(tmp_path, strategy), signals=()
+        )
 
 
 def _steps(worker) -> list[int]:
