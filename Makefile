@@ -25,6 +25,8 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.input_pipeline
 	$(BIN)/python -m benchmarks.pod_collectives
 	$(BIN)/python -m benchmarks.multi_worker
+	$(BIN)/python -m benchmarks.checkpoint
+	$(BIN)/python -m benchmarks.checkpoint
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

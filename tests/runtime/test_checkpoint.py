@@ -75,7 +75,8 @@ def test_restore_under_another_strategy_or_replica_count(tmp_path):
     _, params, tx = _setup()
     mirrored = xs.MirroredStrategy()
     state = {"params": mirrored.replicate(params), "opt": mirrored.replicate(tx.init(params))}
-    with CheckpointManager(tmp_path, mirrored, async_save=False) as manager:
+    packed = {"async_save": False, "ocdbt": True, "compression": True}  # not the default format
+    with CheckpointManager(tmp_path, mirrored, **packed) as manager:
         manager.save(1, state)
     expected = jax.tree.map(np.asarray, state)
     for strategy in (xs.OneDeviceStrategy(), xs.MirroredStrategy(devices=[0, 1, 2, 3])):
