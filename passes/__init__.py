@@ -12,6 +12,7 @@ from xla_strategies.passes.ir import Graph, Node, Value
 from xla_strategies.passes.ir_text import IRParseError, parse, print_graph
 from xla_strategies.passes.pipeline import PassPipeline, PipelineSpecError
 from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
+from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
 from xla_strategies.passes.verifier import VerificationError, verify
 
 PASS_REGISTRY: dict[str, type[Pass]] = {
@@ -22,6 +23,7 @@ PASS_REGISTRY: dict[str, type[Pass]] = {
         ReassociateAllReduces,
         CombineAllReduces,
         DecomposeAllReduces,
+        ReduceToOneDevice,
     )
 }
 
@@ -37,6 +39,7 @@ __all__ = [
     "DecomposeAllReduces",
     "HoistAllReduces",
     "ReassociateAllReduces",
+    "ReduceToOneDevice",
     "Graph",
     "IRParseError",
     "InsertReductions",

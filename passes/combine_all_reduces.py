@@ -7,6 +7,8 @@ overlap the rest of the backward pass), and lowers each bucket as one flat buffe
 flatten, concatenate, one all_reduce, slice and reshape back. A flat buffer was measured
 faster than XLA's tuple-shaped combined all-reduce on CPU. A reduction joins a bucket only
 if no member's result is read before it, which also keeps dependent reductions apart.
+CentralStorageStrategy's `reduce_to_one` and `broadcast` are bucketed the same way, each
+kind (and root) apart.
 
     Before:
       %2: f32[4,3] = all_reduce(%0) {"axes": ["replica"], "reduce_op": "mean"}
@@ -90,7 +92,7 @@ class CombineAllReduces(Pass):
             ]
             for bucket in tainting:
                 bucket.tainted.update(node.outputs)
-            if node.op != "all_reduce" or len(node.inputs) != 1 or _is_combined(node):
+            if node.op not in COMBINABLE or len(node.inputs) != 1 or _is_combined(node):
                 continue
             key, size = _key(node), node.inputs[0].nbytes
             first = self.first_bucket_bytes and key not in started
@@ -107,6 +109,11 @@ class CombineAllReduces(Pass):
         return done + list(open_buckets.values())
 
 
+# Collectives whose members can share one flat buffer; `_key` keeps the kinds apart.
+COMBINABLE = ("all_reduce", "reduce_to_one", "broadcast")
+_KEPT_ATTRS = ("axes", "reduce_op", "origin", "root", "size")
+
+
 def _threshold_for(ctx: PassContext) -> int:
     if ctx.topology is None:
         return DEFAULT_THRESHOLD_BYTES
@@ -116,12 +123,19 @@ def _threshold_for(ctx: PassContext) -> int:
 
 
 def _key(node: Node) -> tuple:
-    source = node.inputs[0]
-    return (tuple(node.attrs["axes"]), node.attrs["reduce_op"], source.dtype, source.varying_axes)
+    source, attrs = node.inputs[0], node.attrs
+    return (
+        node.op,
+        tuple(attrs["axes"]),
+        attrs.get("reduce_op"),
+        attrs.get("root"),
+        source.dtype,
+        source.varying_axes,
+    )
 
 
 def _is_combined(node: Node) -> bool:
-    return node.op == "all_reduce" and "bucket" in node.attrs
+    return node.op in COMBINABLE and "bucket" in node.attrs
 
 
 def _label(node: Node) -> str:
@@ -150,9 +164,9 @@ def _combine(graph: Graph, bucket: _Bucket, index: int, created_by: str) -> None
     ]
     total = sum(f.size for f in flats)
     buffer = emit("concatenate", flats, Value((total,), dtype, varying), dimension=0)
-    attrs = {k: first.attrs[k] for k in ("axes", "reduce_op", "origin") if k in first.attrs}
+    attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}
     reduced = emit(
-        "all_reduce",
+        first.op,
         [buffer],
         Value((total,), dtype, frozenset(varying - axes)),
         **attrs,

@@ -19,7 +19,16 @@ import numpy as np
 
 # Collectives over named mesh axes. Their `axes` attribute names the axes.
 COLLECTIVE_OPS = frozenset(
-    {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute"}
+    {
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "all_to_all",
+        "collective_permute",
+        # A result correct on replica `root` only, and that replica's value sent to all.
+        "reduce_to_one",
+        "broadcast",
+    }
 )
 # Data movement and arithmetic that passes create around collectives.
 DATA_OPS = frozenset({"concatenate", "slice", "reshape", "add", "scale", "convert", "constant"})

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_strategies.passes import tree_collectives
 from xla_strategies.passes.ir import Graph, Node, Value
 
 
@@ -101,6 +102,14 @@ def _all_reduce(node: Node, args: list[Any]) -> list[Any]:
     return [reducer(x, tuple(node.attrs["axes"])) for x in args]
 
 
+def _reduce_to_one(node: Node, args: list[Any]) -> list[Any]:
+    a = node.attrs
+    mean = a["reduce_op"] == "mean"
+    return [
+        tree_collectives.reduce_to_one(x, a["axes"][0], a["size"], a["root"], mean) for x in args
+    ]
+
+
 def _scan(node: Node, args: list[Any]) -> list[Any]:
     a, region = node.attrs, node.regions[0]
     consts, carry, xs = (
@@ -155,6 +164,10 @@ _RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
     "constant": _constant,
     "pvary": lambda node, args: list(args),
     "all_reduce": _all_reduce,
+    "reduce_to_one": _reduce_to_one,
+    "broadcast": lambda n, a: [
+        tree_collectives.broadcast(a[0], n.attrs["axes"][0], n.attrs["size"], n.attrs["root"])
+    ],
     "reduce_scatter": lambda n, a: [
         lax.psum_scatter(
             a[0], tuple(n.attrs["axes"]), scatter_dimension=n.attrs["dimension"], tiled=True

@@ -165,6 +165,8 @@ def _check_slice(node: Node, mesh: Mapping[str, int]) -> str | None:
 
 _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
     "all_reduce": _check_all_reduce,
+    "reduce_to_one": _check_all_reduce,
+    "broadcast": _check_elementwise,
     "reduce_scatter": lambda n, m: _check_resize(n, m, grow=False),
     "all_gather": lambda n, m: _check_resize(n, m, grow=True),
     "concatenate": _check_concatenate,

@@ -7,6 +7,7 @@ def train_step(params, opt_state, batch): ...   # per-replica view
 """
 
 from xla_strategies import cluster as cluster_resolver
+from xla_strategies.central_storage import CentralStorageStrategy
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import (
     ReplicaContext,
@@ -32,6 +33,7 @@ from xla_strategies.tpu import TPUStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CentralStorageStrategy",
     "CheckpointError",
     "CheckpointManager",
     "CommunicationOptions",

@@ -1,0 +1,103 @@
+"""CentralStorageStrategy: equal to MirroredStrategy on the same data, gradients reduced to
+the parameter device (no all-reduce in the compiled program), the tree collectives on their
+own, and the pass on IR text."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+import xla_strategies as xs
+from tests import helpers
+from tests.passes.pass_testing import run_pass
+from tests.test_equivalence import STEPS, TOLERANCES, _setup
+from xla_strategies.passes import ReduceToOneDevice, tree_collectives
+
+
+@pytest.mark.parametrize(("devices", "parameter_device"), [(8, None), (4, 3)])
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_central_storage_matches_mirrored(model, devices, parameter_device):
+    with jax.enable_x64(True):
+        make_step, params, tx, batches = _setup(model, np.float64)
+        compute = list(range(devices))
+        central = xs.CentralStorageStrategy(compute, parameter_device)
+        got = helpers.train(central, make_step, params, tx, batches)
+        want = helpers.train(xs.MirroredStrategy(compute), make_step, params, tx, batches)
+    assert len(got) == len(want) == STEPS
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        check = partial(
+            np.testing.assert_allclose, err_msg=f"after step {step + 1}", **TOLERANCES[np.float64]
+        )
+        jax.tree.map(check, a, b)
+
+
+def test_the_program_reduces_to_one_device_and_broadcasts():
+    make_step, params, tx, batches = _setup("mlp", np.float32)
+    strategy = xs.CentralStorageStrategy(parameter_device=5)
+    assert strategy.parameter_device == jax.devices()[5] and strategy.num_replicas_in_sync == 8
+    step = strategy.compile(make_step)
+    args = (strategy.replicate(params), strategy.replicate(tx.init(params)))
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    graph = step.graph(*args, batch, after="combine-all-reduces")
+    assert graph.count_ops("all_reduce") == 0
+    # one bucket of gradients in, one bucket of parameters and Adam state out
+    assert graph.count_ops("reduce_to_one") == 1 and graph.count_ops("broadcast") == 1
+    hlo = step.lower(*args, batch).compile().as_text()
+    assert "all-reduce(" not in hlo
+    assert hlo.count("collective-permute(") == 2 * 3  # log2(8) rounds each way
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+def test_tree_collectives_reduce_to_and_broadcast_from_every_root(size):
+    mesh = Mesh(np.array(jax.devices()[:size]), ("r",))
+    x = np.arange(size * 3, dtype=np.float32).reshape(size, 3) + 1
+    for root in range(size):
+
+        @partial(
+            jax.shard_map, mesh=mesh, in_specs=PartitionSpec("r"), out_specs=PartitionSpec("r")
+        )
+        def run(block, root=root):
+            reduced = tree_collectives.reduce_to_one(block, "r", size, root, mean=True)
+            return tree_collectives.broadcast(reduced, "r", size, root)
+
+        out = np.asarray(jax.jit(run)(x))
+        np.testing.assert_allclose(out, np.broadcast_to(x.mean(0), x.shape), err_msg=f"{root=}")
+
+
+def test_parameter_device_must_be_a_compute_device():
+    with pytest.raises(ValueError, match=r"parameter_device=.*7 is not one of the compute devices"):
+        xs.CentralStorageStrategy(compute_devices=[0, 1], parameter_device=7)
+
+
+BEFORE = """\
+func @step(%0: f32[4], %1: f32[4]{replica}, %2: f32[4]{replica}) {
+  %3: f32[4] = all_reduce(%1) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
+  %4: f32[4] = jax.sub(%0, %3)
+  %5: f32[4]{replica} = jax.mul(%4, %2)
+  %6: f32[4] = all_reduce(%5) {"axes": ["replica"], "origin": "user", "reduce_op": "sum"}
+  return %4 loc("output[0]"), %5 loc("output[1]"), %6 loc("output[2]")
+}
+"""
+
+AFTER = """\
+func @step(%0: f32[4], %1: f32[4]{replica}, %2: f32[4]{replica}) {
+  %3: f32[4] = reduce_to_one(%1) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean", "root": 2, "size": 8}  // by reduce-to-one-device
+  %4: f32[4] = jax.sub(%0, %3)
+  %5: f32[4] = broadcast(%4) {"axes": ["replica"], "root": 2, "size": 8}  // by reduce-to-one-device
+  %6: f32[4]{replica} = jax.mul(%5, %2)
+  %7: f32[4] = all_reduce(%6) {"axes": ["replica"], "origin": "user", "reduce_op": "sum"}
+  return %5 loc("output[0]"), %6 loc("output[1]"), %7 loc("output[2]")
+}
+"""
+
+
+def test_pass_broadcasts_where_rooted_values_leave():
+    changed, after, ctx = run_pass(ReduceToOneDevice(root=2), BEFORE)
+    assert changed and after == AFTER  # one broadcast serves the output and the per-replica use
+    assert ctx.stats["reduce-to-one-device"] == {"reduced_to_one": 1, "broadcasts": 1}
+    unchanged, same, _ = run_pass(ReduceToOneDevice(), BEFORE, mesh={"replica": 1})
+    assert not unchanged and same == BEFORE
