@@ -7,6 +7,7 @@ def train_step(params, opt_state, batch): ...   # per-replica view
 """
 
 from xla_strategies import cluster as cluster_resolver
+from xla_strategies import errors, partitioners
 from xla_strategies.central_storage import CentralStorageStrategy
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import (
@@ -20,11 +21,13 @@ from xla_strategies.devices import emulate_cpu_devices
 from xla_strategies.mirrored import MirroredStrategy
 from xla_strategies.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
 from xla_strategies.one_device import OneDeviceStrategy
+from xla_strategies.parameter_server import ParameterServerStrategy
 from xla_strategies.passes.insert_reductions import MirroredOutputError
 from xla_strategies.passes.jax_capture import UnknownAxisError
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager
 from xla_strategies.runtime.input_options import InputContext, InputOptions
+from xla_strategies.runtime.parameter_server.coordinator import ClusterCoordinator, RemoteValue
 from xla_strategies.runtime.preemption import PREEMPTION_EXIT_CODE, PreemptionCheckpointHandler
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
@@ -34,6 +37,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CentralStorageStrategy",
+    "ClusterCoordinator",
+    "ParameterServerStrategy",
+    "RemoteValue",
+    "errors",
+    "partitioners",
     "CheckpointError",
     "CheckpointManager",
     "CommunicationOptions",

@@ -1,0 +1,1 @@
+"""Parameter-server training on Ray: variable layout, PS shards, workers, the coordinator."""

@@ -1,0 +1,56 @@
+"""A parameter-server task: holds its pieces of the variables and applies the optimizer to
+them as gradients arrive, one push at a time (a Ray actor runs one call at a time)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+
+class ParameterShard:
+    """PS task `task_id`: pull the current pieces, push gradients for them.
+
+    Each push names the closure that computed it, so a closure retried after its worker
+    died updates the variables at most once. Staleness is how many updates were applied
+    between the pull a gradient was computed from and its own application.
+    """
+
+    def __init__(self, task_id: int, pieces: dict[str, np.ndarray], optimizer: Any) -> None:
+        import jax
+        import optax
+
+        self.task_id = task_id
+        self.params = {k: jax.numpy.asarray(v) for k, v in pieces.items()}
+        self.optimizer = optimizer
+        self.opt_state = optimizer.init(self.params)
+        self.version = 0
+        self.staleness: Counter[int] = Counter()
+        self.applied: set[Any] = set()
+
+        def update(grads, opt_state, params):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        self._update = jax.jit(update)
+
+    def pull(self) -> tuple[int, dict[str, np.ndarray]]:
+        return self.version, {k: np.asarray(v) for k, v in self.params.items()}
+
+    def push(self, grads: dict[str, np.ndarray], pulled_version: int, closure_id: Any) -> bool:
+        """Apply `grads`; False when this closure's gradients were applied already."""
+        if closure_id in self.applied:
+            return False
+        self.params, self.opt_state = self._update(grads, self.opt_state, self.params)
+        self.staleness[self.version - pulled_version] += 1
+        self.version += 1
+        self.applied.add(closure_id)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "version": self.version, "staleness": dict(self.staleness)}
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,94 @@
+"""A worker task: runs scheduled functions; a step pulls the variables, computes gradients
+on the worker's local devices (synchronously, with the compiler's passes) and pushes them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from xla_strategies.errors import UnavailableError
+
+_running: tuple[Worker, Any] | None = None  # (worker, closure id) while a closure runs
+
+
+class Worker:
+    """Worker task `index`. `shards` are the PS actors, `layout` says which piece is where."""
+
+    def __init__(self, index: int, shards: list[Any], layout: Any) -> None:
+        from xla_strategies.mirrored import MirroredStrategy
+
+        self.index, self.shards, self.layout = index, shards, layout
+        self.strategy = MirroredStrategy()
+        self.iterators: dict[str, Any] = {}
+        self._steps: dict[str, Any] = {}
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, closure_id: Any) -> Any:
+        global _running
+        _running = (self, closure_id)
+        try:
+            return fn(
+                *(self.local(a) for a in args), **{k: self.local(v) for k, v in kwargs.items()}
+            )
+        finally:
+            _running = None
+
+    def local(self, value: Any) -> Any:
+        """This worker's own object for a per-worker value (its dataset iterator)."""
+        return value.local(self) if hasattr(value, "local") else value
+
+    def gradient_step(self, uid: str, grad_fn: Callable[..., Any], batch: Any) -> Any:
+        import jax
+        from jax.sharding import NamedSharding
+
+        closure_id = _running[1] if _running else None
+        versions, parts = zip(*self._call_shards("pull", [()] * len(self.shards)), strict=True)
+        if uid not in self._steps:
+            self._steps[uid] = self.strategy.compile(grad_fn, donate=False)
+        params = self.strategy.replicate(self.layout.join(list(parts)))
+        split = NamedSharding(self.strategy.mesh, self.strategy.input_spec(True))
+        grads, aux = self._steps[uid](params, jax.device_put(batch, split))
+        grad_parts = self.layout.split(jax.tree.map(np.asarray, grads))
+        self._call_shards(
+            "push", [(g, v, closure_id) for g, v in zip(grad_parts, versions, strict=True)]
+        )
+        return jax.tree.map(np.asarray, aux)
+
+    def _call_shards(self, method: str, args: list[tuple]) -> list[Any]:
+        import ray
+
+        refs = [getattr(s, method).remote(*a) for s, a in zip(self.shards, args, strict=True)]
+        results = []
+        for task, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                raise UnavailableError(
+                    f"parameter server task ps:{task} is unavailable ({type(exc).__name__})"
+                ) from None
+        return results
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class PSStep:
+    """What `ParameterServerStrategy.compile(grad_fn)` returns: call it with a batch inside a
+    scheduled function. `grad_fn(params, batch) -> (grads, aux)` is a per-replica step, as
+    for MirroredStrategy; `grads` is shaped like the variables."""
+
+    def __init__(self, grad_fn: Callable[..., Any]) -> None:
+        import uuid
+
+        self.grad_fn = grad_fn
+        self.uid = uuid.uuid4().hex  # workers cache their compiled program under it
+
+    def __call__(self, batch: Any) -> Any:
+        if _running is None:
+            raise RuntimeError(
+                "a ParameterServerStrategy step runs on a worker: call it inside a function "
+                "given to coordinator.schedule"
+            )
+        return _running[0].gradient_step(self.uid, self.grad_fn, batch)

@@ -1,0 +1,164 @@
+"""ParameterServerStrategy on a local Ray cluster: layout and partitioners, convergence
+with 2 workers and 2 PS tasks, a worker killed mid-step (and restarted), a PS task killed,
+and a user error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import xla_strategies as xs
+from xla_strategies.runtime.parameter_server.layout import Layout
+
+ray = pytest.importorskip("ray")
+
+FEATURES = 16
+TRUE_W = np.random.default_rng(0).normal(size=(FEATURES, 1)).astype(np.float32)
+
+
+def _resolver(workers=2, ps=2):
+    cluster = {"chief": ["127.0.0.1:1"], "worker": [f"127.0.0.1:{10 + i}" for i in range(workers)]}
+    if ps:
+        cluster["ps"] = [f"127.0.0.1:{20 + i}" for i in range(ps)]
+    return xs.cluster_resolver.SimpleClusterResolver(cluster, "chief", 0)
+
+
+def _loss(p, batch):
+    return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+
+def _grad_step(p, batch):
+    loss, grads = jax.value_and_grad(_loss)(p, batch)
+    return grads, loss
+
+
+def _regression(delay=0.0):
+    def dataset_fn():
+        rng = np.random.default_rng(os.getpid())
+        while True:
+            time.sleep(delay)
+            x = rng.normal(size=(32, FEATURES)).astype(np.float32)
+            yield {"x": x, "y": x @ TRUE_W + 0.5}
+
+    return dataset_fn
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield
+    ray.shutdown()
+
+
+def _setup(partitioner=None, delay=0.0):
+    strategy = xs.ParameterServerStrategy(_resolver(), partitioner, devices_per_worker=2)
+    params = {"w": np.zeros((FEATURES, 1), np.float32), "b": np.zeros((1,), np.float32)}
+    strategy.create_variables(params, optax.sgd(0.1))
+    step = strategy.compile(_grad_step)
+    coordinator = xs.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(_regression(delay)))
+
+    def worker_fn(it):
+        return float(np.mean(step(next(it)))), os.getpid()
+
+    return strategy, coordinator, iterator, worker_fn
+
+
+def test_partitioners_split_large_variables_and_placement_balances():
+    params = {"big": np.zeros((100, 10), np.float32), "small": np.zeros(3, np.float32)}
+    layout = Layout.build(params, 2, xs.partitioners.MinSizePartitioner(1000, 4))
+    big = [p for p in layout.pieces if p.name.startswith("['big']")]
+    assert [p.stop - p.start for p in sorted(big, key=lambda p: p.start)] == [25, 25, 25, 25]
+    assert layout.elements_per_ps() == [503, 500] or layout.elements_per_ps() == [500, 503]
+    tree = {"big": np.arange(1000.0).reshape(100, 10), "small": np.arange(3.0)}
+    jax.tree.map(np.testing.assert_array_equal, layout.join(layout.split(tree)), tree)
+    assert xs.partitioners.FixedShardsPartitioner(3)((2, 5), np.float32) == [2, 1]
+    with pytest.raises(ValueError, match="max_shards must be a positive integer, got 0"):
+        xs.partitioners.MinSizePartitioner(10, 0)
+
+
+def test_cluster_needs_workers_and_ps():
+    with pytest.raises(ValueError, match="at least one 'worker' and one 'ps' task.*got 2 and 0"):
+        xs.ParameterServerStrategy(_resolver(ps=0))
+
+
+def test_two_workers_two_ps_converge_with_exact_counts(cluster):
+    strategy, coordinator, iterator, worker_fn = _setup(xs.partitioners.FixedShardsPartitioner(2))
+    steps = 120
+    results = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(steps)]
+    coordinator.join()
+    losses = [r.fetch()[0] for r in results]
+    assert losses[-1] < 1e-3 < losses[0], (losses[0], losses[-1])
+    assert len({r.fetch()[1] for r in results}) == 2  # both workers took part
+    assert coordinator.completed == steps and strategy.versions() == [steps, steps]
+    staleness = strategy.staleness()
+    assert sum(staleness.values()) == 2 * steps  # every push recorded, on both PS tasks
+    final = strategy.variables()
+    np.testing.assert_allclose(final["w"], TRUE_W, atol=1e-2)
+    coordinator.shutdown()
+    strategy.shutdown()
+
+
+def test_a_killed_worker_is_retried_elsewhere_and_restarted(cluster):
+    strategy, coordinator, iterator, worker_fn = _setup(delay=0.05)
+    victim = ray.get(coordinator.workers[0].pid.remote())
+    steps = 60
+    results = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(steps)]
+    while coordinator.completed < 10:
+        time.sleep(0.01)
+    os.kill(victim, signal.SIGKILL)  # mid-step: every step waits in its dataset
+    coordinator.join(timeout=180)
+    assert coordinator.retried >= 1
+    assert coordinator.completed == steps and all(r.done() for r in results)
+    assert strategy.versions() == [steps, steps]  # a retried closure is applied once
+    restarted = ray.get(coordinator.workers[0].pid.remote(), timeout=120)
+    assert restarted != victim
+    more = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(30)]
+    coordinator.join(timeout=120)
+    assert restarted in {r.fetch()[1] for r in more}, "the restarted worker was not used again"
+    coordinator.shutdown()
+    strategy.shutdown()
+
+
+def test_a_user_error_comes_back_and_cancels_the_queue(cluster):
+    strategy, coordinator, iterator, worker_fn = _setup(delay=0.02)
+
+    def failing(it, n):
+        if n == 5:
+            raise ValueError("bad example in batch 5")
+        return worker_fn(it)
+
+    results = [coordinator.schedule(failing, args=(iterator, n)) for n in range(40)]
+    with pytest.raises(ValueError, match="bad example in batch 5"):
+        coordinator.join(timeout=120)
+    with pytest.raises(ValueError, match="bad example in batch 5"):
+        results[5].fetch()
+    cancelled = [r for r in results if r._error is not None and r is not results[5]]
+    assert cancelled, "nothing queued was cancelled"
+    with pytest.raises(xs.errors.CancelledError, match="an earlier function failed"):
+        cancelled[-1].fetch()
+    assert coordinator.schedule(worker_fn, args=(iterator,)).fetch(timeout=60)[0] >= 0
+    coordinator.shutdown()
+    strategy.shutdown()
+
+
+def test_a_killed_ps_task_is_a_clear_error_and_nothing_hangs(cluster):
+    strategy, coordinator, iterator, worker_fn = _setup(delay=0.02)
+    coordinator.schedule(worker_fn, args=(iterator,)).fetch(timeout=120)
+    os.kill(ray.get(strategy.shards[1].pid.remote()), signal.SIGKILL)
+    results = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(10)]
+    with pytest.raises(xs.errors.UnavailableError, match="parameter server task ps:1"):
+        coordinator.join(timeout=120)
+    with pytest.raises(xs.errors.UnavailableError, match="ps:1"):
+        results[-1].fetch(timeout=60)
+    with pytest.raises(xs.errors.UnavailableError, match="ps:1"):
+        coordinator.schedule(worker_fn, args=(iterator,))
+    with pytest.raises(xs.errors.UnavailableError, match="ps:1"):
+        strategy.variables(timeout=30)
+    coordinator.shutdown()
