@@ -26,7 +26,9 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.pod_collectives
 	$(BIN)/python -m benchmarks.multi_worker
 	$(BIN)/python -m benchmarks.checkpoint
+	$(BIN)/python -m benchmarks.parameter_server
 	$(BIN)/python -m benchmarks.checkpoint
+	$(BIN)/python -m benchmarks.parameter_server
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
