@@ -110,7 +110,9 @@ def test_a_killed_worker_is_retried_elsewhere_and_restarted(cluster):
     victim = ray.get(coordinator.workers[0].pid.remote())
     steps = 60
     results = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(steps)]
+    deadline = time.monotonic() + 120
     while coordinator.completed < 10:
+        assert time.monotonic() < deadline, "no progress before the kill"
         time.sleep(0.01)
     os.kill(victim, signal.SIGKILL)  # mid-step: every step waits in its dataset
     coordinator.join(timeout=180)
