@@ -4,9 +4,13 @@ and a user error."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -164,3 +168,17 @@ def test_a_killed_ps_task_is_a_clear_error_and_nothing_hangs(cluster):
     with pytest.raises(xs.errors.UnavailableError, match="ps:1"):
         strategy.variables(timeout=30)
     coordinator.shutdown()
+
+
+def test_the_example_trains_on_its_own_ray_instance():
+    done = subprocess.run(
+        [sys.executable, "examples/parameter_server.py", "--steps", "60"],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["completed"] == 60 and summary["updates_per_ps"] == [60, 60]
+    assert summary["last_loss"] < 0.5 * summary["first_loss"]
