@@ -87,6 +87,17 @@ def test_restore_under_another_strategy_or_replica_count(tmp_path):
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), expected)
 
 
+def test_a_tuple_state_round_trips(tmp_path):
+    _, params, tx = _setup()
+    strategy = xs.MirroredStrategy()
+    state = (strategy.replicate(params), strategy.replicate(tx.init(params)))
+    with CheckpointManager(tmp_path, strategy, async_save=False) as manager:
+        manager.save(7, state)
+        restored = manager.restore(target=(params, tx.init(params)))
+    assert isinstance(restored, tuple) and len(restored) == 2
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), state)
+
+
 def test_bad_input_names_the_path(tmp_path):
     _, params, tx = _setup()
     strategy = xs.OneDeviceStrategy()
