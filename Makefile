@@ -26,8 +26,10 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.pod_collectives
 	$(BIN)/python -m benchmarks.multi_worker
 	$(BIN)/python -m benchmarks.checkpoint
+	$(BIN)/python -m benchmarks.preemption
 	$(BIN)/python -m benchmarks.parameter_server
 	$(BIN)/python -m benchmarks.checkpoint
+	$(BIN)/python -m benchmarks.preemption
 	$(BIN)/python -m benchmarks.parameter_server
 
 lint: $(STAMP)

@@ -2,8 +2,8 @@
 
 Cloud TPU VMs (and most schedulers) send SIGTERM some seconds before taking a machine
 away. The handler only records the signal; the training loop stays in charge. After
-each step the workers agree whether any of them was signalled (one tiny all-gather in
-multi-process runs, a flag read otherwise), so all of them stop after the same step, save
+each step the workers agree whether any of them was signalled (a 4-byte reduction among
+one device per process in multi-process runs, a flag read otherwise), so all of them stop after the same step, save
 that step, and exit with `PREEMPTION_EXIT_CODE`. A restarted run restores that checkpoint
 and carries on: no step is lost and none is repeated.
 
@@ -65,6 +65,7 @@ class PreemptionCheckpointHandler:
         self._previous: dict[int, Any] = {}
         self.total_run_calls = 0
         self.preempted_at: int | None = None
+        self._agree: Callable[[bool], bool] | None = None
         for signum in self.signals:  # from construction on, as tf.distribute's handler does
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
@@ -105,10 +106,9 @@ class PreemptionCheckpointHandler:
         if jax.process_count() == 1:
             return self._signalled
         # Every process calls this after the same step, so all of them see the same answer.
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.int32(self._signalled))
-        return bool(np.asarray(flags).any())
+        if self._agree is None:
+            self._agree = _agreement()
+        return self._agree(self._signalled)
 
     # -- signals --------------------------------------------------------------------------
 
@@ -126,3 +126,22 @@ class PreemptionCheckpointHandler:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _agreement() -> Callable[[bool], bool]:
+    """`agree(flag)`: whether any process's flag is set. One device per process takes part,
+    so the collective has as many members as there are processes, not devices."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    firsts = {}
+    for device in jax.devices():
+        firsts.setdefault(device.process_index, device)
+    mesh = Mesh(np.array([firsts[p] for p in sorted(firsts)]), ("process",))
+    spread = NamedSharding(mesh, PartitionSpec("process"))
+    any_set = jax.jit(lambda flags: flags.max(), out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def agree(flag: bool) -> bool:
+        local = np.full((1,), int(flag), np.int32)
+        return bool(any_set(jax.make_array_from_process_local_data(spread, local)))
+
+    return agree
