@@ -3,9 +3,9 @@
 Cloud TPU VMs (and most schedulers) send SIGTERM some seconds before taking a machine
 away. The handler only records the signal; the training loop stays in charge. After
 each step the workers agree whether any of them was signalled (a 4-byte reduction among
-one device per process in multi-process runs, a flag read otherwise), so all of them stop after the same step, save
-that step, and exit with `PREEMPTION_EXIT_CODE`. A restarted run restores that checkpoint
-and carries on: no step is lost and none is repeated.
+one device per process in multi-process runs, a flag read otherwise), so all of them stop
+after the same step, save that step, and exit with `PREEMPTION_EXIT_CODE`. A restarted
+run restores that checkpoint and carries on: no step is lost and none is repeated.
 
     with xs.PreemptionCheckpointHandler(strategy, manager, dataset_iterator=it) as handler:
         state = handler.restore(initial_state)
