@@ -3,6 +3,7 @@
 (a) xla_strategies, default pipeline        (d) xla_strategies, every optimisation disabled
 (b) jax.shard_map(check_vma=True), psums    (e) compute only: no cross-replica reductions
 (c) jax.jit, batch sharded by NamedSharding (automatic SPMD)
+(f) CentralStorageStrategy: gradients reduced to one device, update there, broadcast back
 
 Run: `python -m benchmarks.train_step` (or `make bench`). Writes results/train_step.json.
 """
@@ -28,6 +29,7 @@ VARIANTS = {
     "c": "jax.jit, sharded batch (SPMD)",
     "d": "xla_strategies, passes disabled",
     "e": "compute only (no reductions)",
+    "f": "CentralStorageStrategy",
 }
 
 
@@ -91,6 +93,7 @@ def build(
         "c": spmd,
         "d": strategy.compile(step, pipeline="insert-reductions"),
         "e": manual(check_vma=False),
+        "f": xs.CentralStorageStrategy().compile(step),
     }
     for threshold in thresholds:  # (a) with another bucket threshold, for the sweep
         spec = DEFAULT_PIPELINE.replace(
@@ -116,12 +119,14 @@ def hlo_report(fn: Any, args: tuple) -> dict[str, Any]:
     from xla_strategies.hlo import executed_collectives
 
     compiled = fn.lower(*args).compile()
-    reduce = executed_collectives(compiled.as_text())["all-reduce"]
+    executed = executed_collectives(compiled.as_text())
+    reduce = executed["all-reduce"]
     memory = compiled.memory_analysis()
     peak = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
     return {
         "all_reduce_per_step": reduce["count"],
         "all_reduce_bytes_per_step": reduce["bytes"],
+        "collective_permute_per_step": executed.get("collective-permute", {}).get("count", 0),
         "peak_bytes": peak - memory.alias_size_in_bytes,
     }
 
@@ -163,6 +168,7 @@ def measure(
         "speedup_a_vs_b": report["b"]["step_ms"] / a,
         "speedup_a_vs_c": report["c"]["step_ms"] / a,
         "a_over_e": a / report["e"]["step_ms"],
+        "central_storage_over_a": report["f"]["step_ms"] / a,
         "targets": {"speedup_vs_b_and_c": 2.0, "a_over_e": 1.3},
     }
 
@@ -184,6 +190,12 @@ def print_table(result: dict) -> None:
         f"(a) vs (b): {result['speedup_a_vs_b']:.2f}x faster, "
         f"vs (c): {result['speedup_a_vs_c']:.2f}x; "
         f"(a)/(e) = {result['a_over_e']:.2f}"
+    )
+    f = result["variants"]["f"]
+    print(
+        f"(f) CentralStorage: {result['central_storage_over_a']:.2f}x the step time of (a), "
+        f"{f['collective_permute_per_step']} collective-permutes and "
+        f"{f['all_reduce_per_step']} all-reduces per step"
     )
 
 
