@@ -20,8 +20,8 @@ state), and where it feeds a per-replica computation, a region or a user collect
 
 Both collectives are lowered as binomial trees of collective permutes (log2 N rounds), so
 the root receives (and sends) each byte once per round, as tf.distribute's reduce to one
-device and its broadcast do. Reductions inside loop bodies, or over several mesh axes, stay
-all-reduces, with a remark.
+device and its broadcast do. Reductions inside loop bodies stay all-reduces, with a remark;
+the pass needs a one-axis mesh (CentralStorageStrategy's).
 """
 
 from __future__ import annotations
@@ -44,13 +44,16 @@ class ReduceToOneDevice(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if ctx.num_replicas == 1:
             return False
+        if len(ctx.mesh_axes) != 1:  # one root on one axis; a 2-d mesh would need one per row
+            ctx.remarks.append(f"{self.name}: needs a one-axis mesh, not {dict(ctx.mesh_axes)}")
+            return False
         if not 0 <= self.root < ctx.num_replicas:
             raise ValueError(
                 f"reduce-to-one-device: root={self.root} is not a replica of {ctx.num_replicas}"
             )
         rooted: set[Value] = set()
         for node in graph.nodes:
-            if _is_gradient_reduction(node) and len(node.attrs["axes"]) == 1:
+            if _is_gradient_reduction(node):
                 node.op = "reduce_to_one"
                 node.attrs |= {"root": self.root, "size": ctx.mesh_axes[node.attrs["axes"][0]]}
                 node.created_by = self.name
@@ -81,7 +84,7 @@ class ReduceToOneDevice(Pass):
 
         nodes: list[Node] = []
         for node in graph.nodes:
-            if node.op != "reduce_to_one" and any(v in rooted for v in node.inputs):
+            if any(v in rooted for v in node.inputs):  # a reduce_to_one's too (collective)
                 if _stays_rooted(node):
                     rooted.update(node.outputs)
                 else:
@@ -99,12 +102,6 @@ class ReduceToOneDevice(Pass):
                         f"{self.name}: a gradient reduction inside {outer.op} stays an "
                         "all_reduce (hoist it out of the loop to reduce it to one device)"
                     )
-        for node in graph.nodes:
-            if _is_gradient_reduction(node) and len(node.attrs["axes"]) != 1:
-                ctx.remarks.append(
-                    f"{self.name}: a reduction over axes {node.attrs['axes']} stays an "
-                    "all_reduce (one axis only)"
-                )
 
 
 def _is_gradient_reduction(node: Node) -> bool:

@@ -92,26 +92,34 @@ class CheckpointManager:
         items = {"state": self._ocp.args.PyTreeSave(state)}
         if dataset_iterator is not None:
             items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
+        if force or self._manager.should_save(step):
+            self.wait_until_finished()  # a failure of the previous save is reported as such
         try:
             return self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
         except (OSError, ValueError) as exc:
-            raise self._write_error(f"could not save step {step}", exc) from exc
+            error = self._write_error(f"could not save step {step}", exc)
+            if error is None:
+                raise
+            raise error from exc
 
     def wait_until_finished(self) -> None:
         """Block until a background save has been committed (or raise its error)."""
         try:
             self._manager.wait_until_finished()
         except (OSError, ValueError) as exc:
-            raise self._write_error("a background save failed", exc) from exc
+            error = self._write_error("a background save failed", exc)
+            if error is None:
+                raise
+            raise error from exc
 
-    def _write_error(self, what: str, exc: Exception) -> Exception:
+    def _write_error(self, what: str, exc: Exception) -> CheckpointError | None:
         """A failed write as a `CheckpointError` that says what the OS refused (tensorstore
-        reports it as a ValueError carrying the errno); other ValueErrors stay as they are."""
+        reports it as a ValueError carrying the errno); None for other errors."""
         code = getattr(exc, "errno", None)
         if code is None:
             found = re.search(r"os_error_code='(\d+)'", str(exc))
             if found is None:
-                return exc
+                return None
             code = int(found.group(1))
         reason = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
         if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):

@@ -10,7 +10,7 @@ run restores that checkpoint and carries on: no step is lost and none is repeate
     with xs.PreemptionCheckpointHandler(strategy, manager, dataset_iterator=it) as handler:
         state = handler.restore(initial_state)
         while handler.total_run_calls < total_steps:
-            state, loss = handler.run(train_step, state, next(it))
+            state, loss = handler.run(train_step, state, next(it))  # (new_state, outputs)
 """
 
 from __future__ import annotations
@@ -84,11 +84,16 @@ class PreemptionCheckpointHandler:
         )
 
     def run(self, step_fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> Any:
-        """`step_fn(state, *args, **kwargs)`, which returns the new state or a tuple whose
-        first element is it; then, if any worker was signalled, save and exit."""
+        """`step_fn(state, *args, **kwargs)`, which returns `(new_state, outputs)`; then, if
+        any worker was signalled, save `new_state` and exit. Returns what `step_fn` did."""
         out = step_fn(state, *args, **kwargs)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "step_fn must return a pair (new_state, outputs), got "
+                f"{type(out).__name__}{f' of {len(out)}' if isinstance(out, tuple) else ''}"
+            )
         self.total_run_calls += 1
-        self.save_checkpoint_if_preempted(out[0] if isinstance(out, tuple) else out)
+        self.save_checkpoint_if_preempted(out[0])
         return out
 
     def save_checkpoint_if_preempted(self, state: Any) -> None:
@@ -96,10 +101,13 @@ class PreemptionCheckpointHandler:
         state and `total_run_calls` already advanced."""
         if not self._any_worker_signalled():
             return
-        self.preempted_at = self.total_run_calls
+        self._signalled = False  # handled, if exit_fn returns
+        self.preempted_at = step = self.total_run_calls
         manager = self.checkpoint_manager
-        manager.save(self.total_run_calls, state, self.dataset_iterator, force=True)
         manager.wait_until_finished()
+        if step not in manager.all_steps():  # a periodic save may have written it already
+            manager.save(step, state, self.dataset_iterator, force=True)
+            manager.wait_until_finished()
         self._exit_fn()
 
     def _any_worker_signalled(self) -> bool:

@@ -101,3 +101,12 @@ def test_pass_broadcasts_where_rooted_values_leave():
     assert ctx.stats["reduce-to-one-device"] == {"reduced_to_one": 1, "broadcasts": 1}
     unchanged, same, _ = run_pass(ReduceToOneDevice(), BEFORE, mesh={"replica": 1})
     assert not unchanged and same == BEFORE
+
+
+def test_pass_leaves_a_two_axis_mesh_alone_with_a_remark():
+    text = BEFORE.replace("{replica}", "{host,replica}").replace(
+        '["replica"]', '["replica", "host"]'
+    )
+    changed, after, ctx = run_pass(ReduceToOneDevice(), text, mesh={"replica": 4, "host": 2})
+    assert not changed and after == text
+    assert any("needs a one-axis mesh" in r for r in ctx.remarks)

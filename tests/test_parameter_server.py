@@ -182,3 +182,30 @@ def test_the_example_trains_on_its_own_ray_instance():
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["completed"] == 60 and summary["updates_per_ps"] == [60, 60]
     assert summary["last_loss"] < 0.5 * summary["first_loss"]
+
+
+def test_every_step_of_a_closure_counts_and_a_new_coordinator_keeps_updating(cluster):
+    strategy, coordinator, iterator, worker_fn = _setup()
+
+    def two_steps(it):
+        return worker_fn(it), worker_fn(it)
+
+    for _ in range(5):
+        coordinator.schedule(two_steps, args=(iterator,))
+    coordinator.join(timeout=120)
+    assert strategy.versions() == [10, 10]  # both steps of every closure were applied
+    coordinator.shutdown()
+    second = xs.ClusterCoordinator(strategy)  # the PS tasks outlive the first coordinator
+    second.schedule(worker_fn, args=(iter(second.create_per_worker_dataset(_regression())),))
+    second.join(timeout=120)
+    assert strategy.versions() == [11, 11]
+    unpicklable = (x for x in range(3))
+    failed = second.schedule(worker_fn, args=(unpicklable,))
+    with pytest.raises(TypeError, match="pickle"):
+        second.join(timeout=60)
+    with pytest.raises(TypeError, match="pickle"):
+        failed.fetch(timeout=10)
+    second.shutdown()
+    with pytest.raises(xs.errors.CancelledError, match="shut down"):
+        second.schedule(worker_fn, args=(iterator,))
+    strategy.shutdown()

@@ -8,7 +8,6 @@ from typing import Any
 from xla_strategies.devices import resolve_device, resolve_devices
 from xla_strategies.strategy import Strategy
 
-
 BUCKET_BYTES = 32 << 20
 
 

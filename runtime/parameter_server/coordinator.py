@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,8 @@ class _Closure:
     args: tuple
     kwargs: dict
     result: RemoteValue = field(default_factory=RemoteValue)
-    id: int = 0
+    # Unique across coordinators: the PS tasks outlive a coordinator and deduplicate by it.
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
     attempts: int = 0
 
 
@@ -100,6 +102,10 @@ class PerWorkerIterator:
         return worker.iterators[self.id]
 
 
+# A worker that fails this many closures in a row without running one is given up on.
+MAX_RESTARTS = 5
+
+
 class ClusterCoordinator:
     """Schedule functions on `strategy`'s workers. See the module docstring for failures."""
 
@@ -109,9 +115,9 @@ class ClusterCoordinator:
         self._queue: queue.Queue[_Closure | None] = queue.Queue()
         self._lock = threading.Condition()
         self._pending = 0
-        self._ids = itertools.count()
         self._error: BaseException | None = None
-        self._fatal: UnavailableError | None = None
+        self._fatal: BaseException | None = None  # lost PS task, no worker left, shut down
+        self._alive = len(self.workers)
         self.completed = 0
         self.retried = 0
         self._threads = [
@@ -132,7 +138,7 @@ class ClusterCoordinator:
         with self._lock:
             if self._fatal is not None:
                 raise self._fatal
-            closure = _Closure(fn, tuple(args), dict(kwargs or {}), id=next(self._ids))
+            closure = _Closure(fn, tuple(args), dict(kwargs or {}))
             self._pending += 1
         self._queue.put(closure)
         return closure.result
@@ -173,9 +179,12 @@ class ClusterCoordinator:
         )
 
     def shutdown(self) -> None:
-        """Stop the dispatchers and the worker actors (the PS tasks stay)."""
+        """Stop the dispatchers and the worker actors (the PS tasks stay). Closures that
+        have not run fail with `CancelledError`."""
         import ray
 
+        with self._lock:
+            self._fatal = self._fatal or CancelledError("the coordinator was shut down")
         for _ in self._threads:
             self._queue.put(None)
         for worker in self.workers:
@@ -186,6 +195,7 @@ class ClusterCoordinator:
     def _dispatch(self, index: int) -> None:
         import ray
 
+        failures_in_a_row = 0
         while (closure := self._queue.get()) is not None:
             if self._cancelled(closure):
                 continue
@@ -195,16 +205,44 @@ class ClusterCoordinator:
                 value = ray.get(
                     worker.run.remote(closure.fn, closure.args, closure.kwargs, closure.id)
                 )
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as exc:
+                if self._cancelled(closure):  # shut down, or the cluster is lost
+                    continue
+                failures_in_a_row += 1
                 with self._lock:
                     self.retried += 1
                 self._queue.put(closure)  # at least once: run it again elsewhere
+                if getattr(exc, "actor_init_failed", False) or failures_in_a_row >= MAX_RESTARTS:
+                    self._lose_worker(index, exc)
+                    return
                 continue
             except ray.exceptions.RayTaskError as exc:
                 self._fail(closure, exc.as_instanceof_cause())
-                continue
-            closure.result._set(value)
-            self._finish(completed=True)
+            except BaseException as exc:  # noqa: BLE001 - unpicklable arguments, Ray errors
+                self._fail(closure, exc)
+            else:
+                closure.result._set(value)
+                self._finish(completed=True)
+            failures_in_a_row = 0
+
+    def _lose_worker(self, index: int, exc: BaseException) -> None:
+        """Worker `index` cannot be restarted; with none left, everything fails."""
+        with self._lock:
+            self._alive -= 1
+            if self._alive == 0:
+                self._fatal = self._fatal or UnavailableError(
+                    f"every worker task is lost; the last, worker:{index}, with "
+                    f"{type(exc).__name__}"
+                )
+                self._lock.notify_all()
+        if self._alive == 0:  # nobody else will drain the queue
+            while True:
+                try:
+                    closure = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if closure is not None:
+                    self._cancelled(closure)
 
     def _cancelled(self, closure: _Closure) -> bool:
         with self._lock:

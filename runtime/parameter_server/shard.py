@@ -13,9 +13,10 @@ import numpy as np
 class ParameterShard:
     """PS task `task_id`: pull the current pieces, push gradients for them.
 
-    Each push names the closure that computed it, so a closure retried after its worker
-    died updates the variables at most once. Staleness is how many updates were applied
-    between the pull a gradient was computed from and its own application.
+    Each push names the closure step that computed it, so a closure retried after its
+    worker died updates the variables at most once per step it runs. Staleness is how many
+    updates were applied between the pull a gradient was computed from and its own
+    application.
     """
 
     def __init__(self, task_id: int, pieces: dict[str, np.ndarray], optimizer: Any) -> None:
@@ -39,14 +40,14 @@ class ParameterShard:
     def pull(self) -> tuple[int, dict[str, np.ndarray]]:
         return self.version, {k: np.asarray(v) for k, v in self.params.items()}
 
-    def push(self, grads: dict[str, np.ndarray], pulled_version: int, closure_id: Any) -> bool:
-        """Apply `grads`; False when this closure's gradients were applied already."""
-        if closure_id in self.applied:
+    def push(self, grads: dict[str, np.ndarray], pulled_version: int, push_id: Any) -> bool:
+        """Apply `grads`; False when this push was applied already (a retried closure)."""
+        if push_id in self.applied:
             return False
         self.params, self.opt_state = self._update(grads, self.opt_state, self.params)
         self.staleness[self.version - pulled_version] += 1
         self.version += 1
-        self.applied.add(closure_id)
+        self.applied.add(push_id)
         return True
 
     def stats(self) -> dict[str, Any]:

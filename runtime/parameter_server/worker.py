@@ -11,7 +11,12 @@ import numpy as np
 
 from xla_strategies.errors import UnavailableError
 
-_running: tuple[Worker, Any] | None = None  # (worker, closure id) while a closure runs
+# While a closure runs: (worker, closure id, how many steps it has pushed so far).
+_running: list[Any] | None = None
+
+
+# A PS task that does not answer a pull or a push within this long counts as lost.
+PS_TIMEOUT_SECONDS = 300
 
 
 class Worker:
@@ -27,7 +32,7 @@ class Worker:
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, closure_id: Any) -> Any:
         global _running
-        _running = (self, closure_id)
+        _running = [self, closure_id, 0]
         try:
             return fn(
                 *(self.local(a) for a in args), **{k: self.local(v) for k, v in kwargs.items()}
@@ -43,7 +48,10 @@ class Worker:
         import jax
         from jax.sharding import NamedSharding
 
-        closure_id = _running[1] if _running else None
+        # Each step of each closure updates the variables once, however often it is retried.
+        push_id = f"{_running[1]}/{_running[2]}" if _running else None
+        if _running:
+            _running[2] += 1
         versions, parts = zip(*self._call_shards("pull", [()] * len(self.shards)), strict=True)
         if uid not in self._steps:
             self._steps[uid] = self.strategy.compile(grad_fn, donate=False)
@@ -52,7 +60,7 @@ class Worker:
         grads, aux = self._steps[uid](params, jax.device_put(batch, split))
         grad_parts = self.layout.split(jax.tree.map(np.asarray, grads))
         self._call_shards(
-            "push", [(g, v, closure_id) for g, v in zip(grad_parts, versions, strict=True)]
+            "push", [(g, v, push_id) for g, v in zip(grad_parts, versions, strict=True)]
         )
         return jax.tree.map(np.asarray, aux)
 
@@ -63,8 +71,8 @@ class Worker:
         results = []
         for task, ref in enumerate(refs):
             try:
-                results.append(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
+                results.append(ray.get(ref, timeout=PS_TIMEOUT_SECONDS))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 raise UnavailableError(
                     f"parameter server task ps:{task} is unavailable ({type(exc).__name__})"
                 ) from None

@@ -64,6 +64,23 @@ def test_sigterm_saves_the_step_and_the_restart_finishes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_step_must_return_a_pair_and_an_existing_step_is_not_saved_again(tmp_path):
+    strategy = xs.OneDeviceStrategy()
+    state = strategy.replicate({"w": np.zeros(3, np.float32)})
+    manager = xs.CheckpointManager(tmp_path, strategy, async_save=False)
+    exits = []
+    with xs.PreemptionCheckpointHandler(strategy, manager, exit_fn=lambda: exits.append(1)) as h:
+        with pytest.raises(TypeError, match=r"must return a pair \(new_state, outputs\), got dict"):
+            h.run(lambda s: s, state)
+        h.total_run_calls = 4
+        manager.save(4, state)  # the loop's own periodic save of this step
+        os.kill(os.getpid(), signal.SIGTERM)
+        h.save_checkpoint_if_preempted(state)
+        h.save_checkpoint_if_preempted(state)  # handled once, not on every later step
+    assert exits == [1] and h.preempted_at == 4 and manager.all_steps() == [4]
+    manager.close()
+
+
 def test_handler_rejects_no_signals(tmp_path):
     strategy = xs.OneDeviceStrategy()
     with pytest.raises(ValueError, match="signals must name at least one signal"):
