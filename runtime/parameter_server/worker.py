@@ -4,6 +4,7 @@ on the worker's local devices (synchronously, with the compiler's passes) and pu
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,10 @@ from xla_strategies.errors import UnavailableError
 _running: list[Any] | None = None
 
 
-# A PS task that does not answer a pull or a push within this long counts as lost.
+# A PS task that does not answer a pull or a push within this long counts as lost; one that
+# Ray reports temporarily unavailable is asked again this many times (1, 2, 4 s apart).
 PS_TIMEOUT_SECONDS = 300
+UNAVAILABLE_RETRIES = 3
 
 
 class Worker:
@@ -69,14 +72,25 @@ class Worker:
 
         refs = [getattr(s, method).remote(*a) for s, a in zip(self.shards, args, strict=True)]
         results = []
-        for task, ref in enumerate(refs):
-            try:
-                results.append(ray.get(ref, timeout=PS_TIMEOUT_SECONDS))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                raise UnavailableError(
-                    f"parameter server task ps:{task} is unavailable ({type(exc).__name__})"
-                ) from None
+        for task, (ref, call_args) in enumerate(zip(refs, args, strict=True)):
+            for attempt in range(UNAVAILABLE_RETRIES + 1):
+                try:
+                    results.append(ray.get(ref, timeout=PS_TIMEOUT_SECONDS))
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    # Ray's word for "maybe back soon"; pulls and (deduplicated) pushes can
+                    # be sent again.
+                    if attempt == UNAVAILABLE_RETRIES:
+                        raise self._lost(task, "ActorUnavailableError") from None
+                    time.sleep(2**attempt)
+                    ref = getattr(self.shards[task], method).remote(*call_args)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                    raise self._lost(task, type(exc).__name__) from None
         return results
+
+    @staticmethod
+    def _lost(task: int, why: str) -> UnavailableError:
+        return UnavailableError(f"parameter server task ps:{task} is unavailable ({why})")
 
     def pid(self) -> int:
         return os.getpid()
