@@ -150,7 +150,7 @@ class Graph:
 
     `output_names` gives each output position its pytree path; `declared_mirrored` holds
     the output positions the user declared mirrored, which a pass must reject if they still
-    vary across replicas.
+    vary across replicas; `rooted_outputs` those only the root replica holds correctly.
     """
 
     inputs: list[Value]
@@ -159,6 +159,9 @@ class Graph:
     name: str = "main"
     output_names: list[str | None] = field(default_factory=list)
     declared_mirrored: frozenset[int] = frozenset()
+    # Outputs correct on the root replica only (reduce-to-one-device); the runtime keeps
+    # the root's copy.
+    rooted_outputs: frozenset[int] = frozenset()
 
     def output_name(self, index: int) -> str:
         """The pytree path of output `index`, or a positional fallback."""

@@ -67,6 +67,7 @@ class _Printer:
         returns = []
         for index, value in enumerate(graph.outputs):
             flag = " mirrored" if index in graph.declared_mirrored else ""
+            flag += " rooted" if index in graph.rooted_outputs else ""
             name = graph.output_names[index] if index < len(graph.output_names) else None
             returns.append(f"{self.use(value)}{flag}{_loc(name)}")
         self.lines.append(f"{pad}return {', '.join(returns)}".rstrip())
@@ -229,14 +230,18 @@ class _Parser:
             graph.nodes.append(self.node(scope))
         self.cur.expect("return")
         mirrored: set[int] = set()
+        rooted: set[int] = set()
         while not self.cur.accept("}"):
             if graph.outputs:
                 self.cur.expect(",")
             graph.outputs.append(self.use(scope))
             if self.cur.accept("mirrored"):
                 mirrored.add(len(graph.outputs) - 1)
+            if self.cur.accept("rooted"):
+                rooted.add(len(graph.outputs) - 1)
             graph.output_names.append(self.loc())
         graph.declared_mirrored = frozenset(mirrored)
+        graph.rooted_outputs = frozenset(rooted)
         if not any(graph.output_names):
             graph.output_names = []
         return graph

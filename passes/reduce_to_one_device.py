@@ -36,10 +36,14 @@ from xla_strategies.passes.ir import Graph, Node, Value
 class ReduceToOneDevice(Pass):
     """Options:
     root: the replica (position on the mesh axis) that holds the parameters.
+    broadcast_outputs: broadcast rooted outputs from the root; when false they are marked
+        `rooted` instead and the runtime keeps only the root's copy (CentralStorageStrategy:
+        the new state stays on the parameter device until the next step reads it).
     """
 
     name = "reduce-to-one-device"
     root: int = 0
+    broadcast_outputs: bool = True
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if ctx.num_replicas == 1:
@@ -90,7 +94,14 @@ class ReduceToOneDevice(Pass):
                 else:
                     node.inputs = [broadcast(v, nodes) if v in rooted else v for v in node.inputs]
             nodes.append(node)
-        graph.outputs = [broadcast(v, nodes) if v in rooted else v for v in graph.outputs]
+        if self.broadcast_outputs:
+            graph.outputs = [broadcast(v, nodes) if v in rooted else v for v in graph.outputs]
+        else:
+            # Every mirrored output: the state computed without the gradients (Adam's step
+            # count) belongs on the parameter device with the rest of it.
+            graph.rooted_outputs = frozenset(
+                i for i, v in enumerate(graph.outputs) if not v.varying_axes
+            )
         graph.nodes = nodes
         return len(made)
 

@@ -8,6 +8,7 @@ from functools import partial
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
@@ -15,7 +16,8 @@ import xla_strategies as xs
 from tests import helpers
 from tests.passes.pass_testing import run_pass
 from tests.test_equivalence import STEPS, TOLERANCES, _setup
-from xla_strategies.passes import ReduceToOneDevice, tree_collectives
+from xla_strategies.demo import models
+from xla_strategies.passes import ReduceToOneDevice, parse, print_graph, tree_collectives
 
 
 @pytest.mark.parametrize(("devices", "parameter_device"), [(8, None), (4, 3)])
@@ -35,20 +37,27 @@ def test_central_storage_matches_mirrored(model, devices, parameter_device):
         jax.tree.map(check, a, b)
 
 
-def test_the_program_reduces_to_one_device_and_broadcasts():
-    make_step, params, tx, batches = _setup("mlp", np.float32)
+def test_the_state_lives_on_the_parameter_device_and_gradients_are_reduced_to_it():
+    _, params, _, batches = _setup("mlp", np.float32)
+    tx = optax.adam(1e-2)  # with optimizer state
     strategy = xs.CentralStorageStrategy(parameter_device=5)
     assert strategy.parameter_device == jax.devices()[5] and strategy.num_replicas_in_sync == 8
-    step = strategy.compile(make_step)
-    args = (strategy.replicate(params), strategy.replicate(tx.init(params)))
+    step = strategy.compile(models.mlp_train_step(helpers.mlp()[0], tx))
+    state = (strategy.replicate(params), strategy.replicate(tx.init(params)))
+    on_parameter_device = {strategy.parameter_device}
+    assert all(leaf.devices() == on_parameter_device for leaf in jax.tree.leaves(state))
     batch = next(iter(strategy.experimental_distribute_dataset(batches)))
-    graph = step.graph(*args, batch, after="combine-all-reduces")
-    assert graph.count_ops("all_reduce") == 0
-    # one bucket of gradients in, one bucket of parameters and Adam state out
-    assert graph.count_ops("reduce_to_one") == 1 and graph.count_ops("broadcast") == 1
-    hlo = step.lower(*args, batch).compile().as_text()
+    graph = step.graph(*state, batch, after="combine-all-reduces")
+    assert graph.count_ops("all_reduce") == 0 and graph.count_ops("reduce_to_one") == 1
+    assert graph.count_ops("broadcast") == 0  # the new state stays where it was computed
+    hlo = step.lower(*state, batch).compile().as_text()
     assert "all-reduce(" not in hlo
-    assert hlo.count("collective-permute(") == 2 * 3  # log2(8) rounds each way
+    assert hlo.count("collective-permute(") == 3  # log2(8) rounds to the parameter device
+    *state, loss = step(*state, batch)
+    assert all(leaf.devices() == on_parameter_device for leaf in jax.tree.leaves(state))
+    assert loss.shape == (8, 2) and len(loss.devices()) == 8  # per-replica outputs stay put
+    *again, _ = step(*state, batch)  # the next step reads the state from there
+    assert all(leaf.devices() == on_parameter_device for leaf in jax.tree.leaves(again))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
@@ -110,3 +119,12 @@ def test_pass_leaves_a_two_axis_mesh_alone_with_a_remark():
     changed, after, ctx = run_pass(ReduceToOneDevice(), text, mesh={"replica": 4, "host": 2})
     assert not changed and after == text
     assert any("needs a one-axis mesh" in r for r in ctx.remarks)
+
+
+def test_rooted_outputs_are_marked_instead_of_broadcast_and_round_trip():
+    changed, after, _ = run_pass(ReduceToOneDevice(root=2, broadcast_outputs=False), BEFORE)
+    assert changed
+    # the per-replica use still gets the broadcast; the mirrored output is kept on the root
+    assert after.count("= broadcast(") == 1
+    assert 'return %4 rooted loc("output[0]"), %6 loc("output[1]")' in after
+    assert print_graph(parse(after)) == after

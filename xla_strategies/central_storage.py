@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+from jax.sharding import SingleDeviceSharding
+
 from xla_strategies.devices import resolve_device, resolve_devices
 from xla_strategies.strategy import Strategy
+from xla_strategies.trees import copy_to, map_arrays
 
 BUCKET_BYTES = 32 << 20
 
@@ -14,11 +18,12 @@ BUCKET_BYTES = 32 << 20
 class CentralStorageStrategy(Strategy):
     """Synchronous training with the update on one parameter device.
 
-    Each step, every compute device runs the forward and backward pass on its slice of the
-    batch. The gradients are reduced *to* the parameter device (a tree of point-to-point
-    sends, not an all-reduce), the optimizer update runs there, and the new parameters and
-    optimizer state are broadcast back, all inside one XLA program. The results equal
-    `MirroredStrategy`'s on the same data.
+    The parameters and optimizer state live on the parameter device between steps
+    (`replicate` puts them there, and a step's new state comes back there). Each step
+    copies them to the compute devices, every compute device runs the forward and backward
+    pass on its slice of the batch, the gradients are reduced *to* the parameter device (a
+    tree of point-to-point sends, not an all-reduce) and the optimizer update runs there,
+    inside one XLA program. The results equal `MirroredStrategy`'s on the same data.
 
     Args:
         compute_devices: the replicas (default: all local devices).
@@ -54,13 +59,23 @@ class CentralStorageStrategy(Strategy):
         # benchmarks/README.md).
         self.default_pipeline = (
             "insert-reductions,hoist-all-reduces,reassociate-all-reduces,"
-            f"reduce-to-one-device{{root={self.root}}},"
+            f"reduce-to-one-device{{root={self.root} broadcast-outputs=false}},"
             f"combine-all-reduces{{threshold-bytes={BUCKET_BYTES}}}"
         )
 
     @property
     def compute_devices(self) -> tuple[Any, ...]:
         return self.devices
+
+    def replicate(self, tree: Any) -> Any:
+        """Copy every array of `tree` to the parameter device, where the state lives; each
+        step copies it to the compute devices."""
+        sharding = SingleDeviceSharding(self.parameter_device)
+        return map_arrays(lambda a, _: copy_to(a, sharding), tree, "replicate(tree)")
+
+    def root_copy(self, array: jax.Array) -> jax.Array:
+        """The parameter device's copy of a step's new state (the others are stale)."""
+        return next(s.data for s in array.addressable_shards if s.device == self.parameter_device)
 
     def __repr__(self) -> str:
         return (

@@ -92,6 +92,11 @@ class CompiledStep:
         flat, signature = self._flatten(args, kwargs)
         executable = self._executable(signature)
         outs = executable.run(*self._place(flat, signature))
+        if executable.graph.rooted_outputs:  # only the root replica's copy is right
+            outs = [
+                self.strategy.root_copy(o) if i in executable.graph.rooted_outputs else o
+                for i, o in enumerate(outs)
+            ]
         return jax.tree.unflatten(executable.out_tree, outs)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

@@ -113,6 +113,10 @@ class Strategy:
         sharding = NamedSharding(self._mesh, PartitionSpec())
         return map_arrays(lambda a, _: copy_to(a, sharding), tree, "replicate(tree)")
 
+    def root_copy(self, array: jax.Array) -> jax.Array:
+        """The correct copy of a step output that only one replica holds (`rooted`)."""
+        raise NotImplementedError(f"{type(self).__name__} produces no rooted outputs")
+
     def compile(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
         """Compile a per-replica step; use as `@strategy.compile` or `@strategy.compile(...)`.
 
