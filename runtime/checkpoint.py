@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from xla_strategies.trees import map_arrays
 
@@ -141,7 +140,8 @@ class CheckpointManager:
         self, step: int | None = None, target: Any = None, dataset_iterator: Any = None
     ) -> Any:
         """The state of checkpoint `step` (the latest by default), shaped like `target` and
-        placed mirrored on this strategy's devices; the iterator resumes where it was."""
+        placed where this strategy keeps state (`strategy.state_sharding()`: mirrored, or
+        CentralStorageStrategy's parameter device); the iterator resumes where it was."""
         if target is None:
             raise ValueError("restore needs target=: a pytree shaped like the saved state")
         step = self.latest_step() if step is None else step
@@ -151,9 +151,9 @@ class CheckpointManager:
                 f"no checkpoint {'' if step is None else step} in {self.directory} (steps: {known})"
             )
         _check_structure(self._saved_tree(step), target, self.directory / str(step))
-        mirrored = NamedSharding(self.strategy.mesh, PartitionSpec())
+        placed = self.strategy.state_sharding()
         abstract = map_arrays(
-            lambda a, _: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=mirrored), target, "target"
+            lambda a, _: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), target, "target"
         )
         restore_args = self._ocp.checkpoint_utils.construct_restore_args(abstract)
         items = {"state": self._ocp.args.PyTreeRestore(abstract, restore_args=restore_args)}

@@ -10,7 +10,6 @@ from jax.sharding import SingleDeviceSharding
 
 from xla_strategies.devices import resolve_device, resolve_devices
 from xla_strategies.strategy import Strategy
-from xla_strategies.trees import copy_to, map_arrays
 
 BUCKET_BYTES = 32 << 20
 
@@ -67,11 +66,9 @@ class CentralStorageStrategy(Strategy):
     def compute_devices(self) -> tuple[Any, ...]:
         return self.devices
 
-    def replicate(self, tree: Any) -> Any:
-        """Copy every array of `tree` to the parameter device, where the state lives; each
-        step copies it to the compute devices."""
-        sharding = SingleDeviceSharding(self.parameter_device)
-        return map_arrays(lambda a, _: copy_to(a, sharding), tree, "replicate(tree)")
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """The state lives on the parameter device; each step copies it out."""
+        return SingleDeviceSharding(self.parameter_device)
 
     def root_copy(self, array: jax.Array) -> jax.Array:
         """The parameter device's copy of a step's new state (the others are stale)."""

@@ -108,9 +108,14 @@ class Strategy:
         """Inside it, `xs.get_strategy()` returns this strategy."""
         return strategy_scope(self)
 
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """Where state (parameters, optimizer state) lives between steps: on every replica."""
+        return NamedSharding(self._mesh, PartitionSpec())
+
     def replicate(self, tree: Any) -> Any:
-        """Copy every array of `tree` to all replicas (mirrored)."""
-        sharding = NamedSharding(self._mesh, PartitionSpec())
+        """Copy every array of `tree` to where this strategy keeps state (mirrored on all
+        replicas, except for CentralStorageStrategy's parameter device)."""
+        sharding = self.state_sharding()
         return map_arrays(lambda a, _: copy_to(a, sharding), tree, "replicate(tree)")
 
     def root_copy(self, array: jax.Array) -> jax.Array:

@@ -79,11 +79,16 @@ def test_restore_under_another_strategy_or_replica_count(tmp_path):
     with CheckpointManager(tmp_path, mirrored, **packed) as manager:
         manager.save(1, state)
     expected = jax.tree.map(np.asarray, state)
-    for strategy in (xs.OneDeviceStrategy(), xs.MirroredStrategy(devices=[0, 1, 2, 3])):
+    strategies = (
+        xs.OneDeviceStrategy(),
+        xs.MirroredStrategy(devices=[0, 1, 2, 3]),
+        xs.CentralStorageStrategy(parameter_device=2),
+    )
+    for strategy in strategies:
         with CheckpointManager(tmp_path, strategy) as manager:
             restored = manager.restore(target={"params": params, "opt": tx.init(params)})
-        leaf = jax.tree.leaves(restored)[0]
-        assert leaf.sharding.mesh.devices.size == strategy.num_replicas_in_sync
+        for leaf in jax.tree.leaves(restored):
+            assert leaf.sharding == strategy.state_sharding(), strategy
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), expected)
 
 
