@@ -42,7 +42,6 @@ def _dataset_fn():
 
 
 def run(workers: int, steps: int) -> dict[str, Any]:
-    import jax
     import optax
     from flax import nnx
 
@@ -56,14 +55,7 @@ def run(workers: int, steps: int) -> dict[str, Any]:
     graphdef, params = nnx.split(models.MLP((64, 256, 256, 10), rngs=nnx.Rngs(0)), nnx.Param)
     strategy.create_variables(params, optax.adam(1e-3))
 
-    @strategy.compile
-    def grad_step(p, batch):
-        def loss_fn(p):
-            logits = nnx.merge(graphdef, p)(batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        return grads, loss
+    grad_step = strategy.compile(models.mlp_grad_step(graphdef))  # (grads, loss) per replica
 
     coordinator = xs.ClusterCoordinator(strategy)
     iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn()))

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -64,14 +63,7 @@ def main() -> None:
     graphdef, params = nnx.split(models.MLP((12, 64, 64, 5), rngs=nnx.Rngs(0)), nnx.Param)
     strategy.create_variables(params, optax.adam(1e-2))
 
-    @strategy.compile
-    def grad_step(params, batch):
-        def loss_fn(p):
-            logits = nnx.merge(graphdef, p)(batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        return grads, loss
+    grad_step = strategy.compile(models.mlp_grad_step(graphdef))  # (grads, loss) per replica
 
     coordinator = xs.ClusterCoordinator(strategy)
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))

@@ -146,3 +146,18 @@ def mlp_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> 
         return optax.apply_updates(params, updates), opt_state, per_example
 
     return step
+
+
+def mlp_grad_step(graphdef: nnx.GraphDef) -> Callable[..., Any]:
+    """A per-replica gradient step for `MLP` classification, as ParameterServerStrategy
+    compiles it: `(params, batch) -> (grads, mean loss)`; the PS tasks apply the update."""
+
+    def step(params: Any, batch: dict[str, jax.Array]) -> tuple[Any, jax.Array]:
+        def loss_fn(p: Any) -> jax.Array:
+            logits = nnx.merge(graphdef, p)(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return grads, loss
+
+    return step
