@@ -20,7 +20,7 @@ from xla_strategies.demo import models
 from xla_strategies.passes import ReduceToOneDevice, parse, print_graph, tree_collectives
 
 
-@pytest.mark.parametrize(("devices", "parameter_device"), [(8, None), (4, 3)])
+@pytest.mark.parametrize(("devices", "parameter_device"), [(8, None), (4, 3), (4, 7)])
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_central_storage_matches_mirrored(model, devices, parameter_device):
     with jax.enable_x64(True):
@@ -77,9 +77,18 @@ def test_tree_collectives_reduce_to_and_broadcast_from_every_root(size):
         np.testing.assert_allclose(out, np.broadcast_to(x.mean(0), x.shape), err_msg=f"{root=}")
 
 
-def test_parameter_device_must_be_a_compute_device():
-    with pytest.raises(ValueError, match=r"parameter_device=.*7 is not one of the compute devices"):
-        xs.CentralStorageStrategy(compute_devices=[0, 1], parameter_device=7)
+def test_a_parameter_device_outside_the_compute_devices_holds_the_state():
+    _, params, _, batches = _setup("mlp", np.float32)
+    tx = optax.adam(1e-2)
+    strategy = xs.CentralStorageStrategy(compute_devices=[0, 1, 2, 3], parameter_device=7)
+    assert strategy.update_device == jax.devices()[0] and strategy.root == 0
+    step = strategy.compile(models.mlp_train_step(helpers.mlp()[0], tx))
+    state = (strategy.replicate(params), strategy.replicate(tx.init(params)))
+    for batch in strategy.experimental_distribute_dataset(batches[:2]):
+        *state, _ = step(*state, batch)
+        assert {d for leaf in jax.tree.leaves(state) for d in leaf.devices()} == {jax.devices()[7]}
+    with pytest.raises(ValueError, match=r"parameter_device=9 is out of range: there are 8"):
+        xs.CentralStorageStrategy(parameter_device=9)
 
 
 BEFORE = """\

@@ -15,21 +15,23 @@ BUCKET_BYTES = 32 << 20
 
 
 class CentralStorageStrategy(Strategy):
-    """Synchronous training with the update on one parameter device.
+    """Synchronous training with the parameters on one device.
 
     The parameters and optimizer state live on the parameter device between steps
     (`replicate` puts them there, and a step's new state comes back there). Each step
     copies them to the compute devices, every compute device runs the forward and backward
-    pass on its slice of the batch, the gradients are reduced *to* the parameter device (a
-    tree of point-to-point sends, not an all-reduce) and the optimizer update runs there,
-    inside one XLA program. The results equal `MirroredStrategy`'s on the same data.
+    pass on its slice of the batch, the gradients are reduced *to* one device (a tree of
+    point-to-point sends, not an all-reduce) and the optimizer update runs there, inside
+    one XLA program. The results equal `MirroredStrategy`'s on the same data.
 
     Args:
         compute_devices: the replicas (default: all local devices).
-        parameter_device: where the parameters live and the update is computed (default:
-            the first compute device). It must be one of the compute devices, so that the
-            step stays one XLA program: one program cannot span the host CPU and the
-            accelerators.
+        parameter_device: where the state lives. Default: the host CPU when the compute
+            devices are accelerators, else the first compute device. When it is one of the
+            compute devices, the gradients are reduced to it and the update runs on it.
+            Otherwise (the host CPU beside GPUs or TPUs) they are reduced to the first
+            compute device, which runs the update, and the new state is copied to the
+            parameter device: one XLA program cannot span the CPU and the accelerators.
     """
 
     pipeline_label = "central_storage"
@@ -38,23 +40,19 @@ class CentralStorageStrategy(Strategy):
         self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None
     ) -> None:
         devices = resolve_devices(compute_devices, "compute_devices")
-        chosen = (
-            devices[0]
-            if parameter_device is None
-            else resolve_device(parameter_device, "parameter_device")
-        )
-        if chosen not in devices:
-            raise ValueError(
-                f"parameter_device={chosen} is not one of the compute devices "
-                f"({', '.join(map(str, devices))}); the step is one XLA program over the "
-                "compute devices, so the parameters must live on one of them"
-            )
+        if parameter_device is None:
+            on_cpu = devices[0].platform == "cpu"
+            chosen = devices[0] if on_cpu else jax.local_devices(backend="cpu")[0]
+        else:
+            chosen = resolve_device(parameter_device, "parameter_device")
         super().__init__(devices)
         self.parameter_device = chosen
-        self.root = devices.index(chosen)
-        # Rewrite the reductions before bucketing, so the broadcasts are bucketed too. Big
+        # The replica that receives the gradients and computes the update.
+        self.update_device = chosen if chosen in devices else devices[0]
+        self.root = devices.index(self.update_device)
+        # Rewrite the reductions before bucketing, so any broadcasts are bucketed too. Big
         # buckets: XLA combines all-reduces but not collective permutes, and every bucket
-        # costs 2 log2(N) rounds (one bucket: 79.8 ms a step, 64 KiB buckets: 85.5 ms,
+        # costs log2(N) rounds (one bucket: 79.8 ms a step, 64 KiB buckets: 85.5 ms,
         # benchmarks/README.md).
         self.default_pipeline = (
             "insert-reductions,hoist-all-reduces,reassociate-all-reduces,"
@@ -71,8 +69,12 @@ class CentralStorageStrategy(Strategy):
         return SingleDeviceSharding(self.parameter_device)
 
     def root_copy(self, array: jax.Array) -> jax.Array:
-        """The parameter device's copy of a step's new state (the others are stale)."""
-        return next(s.data for s in array.addressable_shards if s.device == self.parameter_device)
+        """The new state as the update device computed it (the other replicas' copies are
+        stale), on the parameter device."""
+        new = next(s.data for s in array.addressable_shards if s.device == self.update_device)
+        if self.update_device == self.parameter_device:
+            return new
+        return jax.device_put(new, self.parameter_device)
 
     def __repr__(self) -> str:
         return (
