@@ -8,13 +8,14 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from xla_strategies.passes.ir import itemsize
+
 _COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"=\s*(.*?)\s([a-z\-]+)\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"(?:body|calls|to_apply)=%([\w.\-]+)")
-_BITS = re.compile(r"(\d+)")
 
 
 @dataclass
@@ -27,9 +28,7 @@ class _Computation:
 def _bytes(types: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(types):
-        bits = _BITS.search(dtype)
-        size = math.prod(int(d) for d in dims.split(",") if d)
-        total += size * max(1, int(bits.group(1)) // 8 if bits else 1)
+        total += math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
     return total
 
 
