@@ -11,9 +11,11 @@ another (MirroredStrategy(8) to OneDeviceStrategy, or a different replica count)
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,20 +95,21 @@ class CheckpointManager:
             items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
         if force or self._manager.should_save(step):
             self.wait_until_finished()  # a failure of the previous save is reported as such
-        try:
+        with self._refused_writes(f"could not save step {step}"):
             return self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
-        except (OSError, ValueError) as exc:
-            error = self._write_error(f"could not save step {step}", exc)
-            if error is None:
-                raise
-            raise error from exc
 
     def wait_until_finished(self) -> None:
         """Block until a background save has been committed (or raise its error)."""
-        try:
+        with self._refused_writes("a background save failed"):
             self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _refused_writes(self, what: str) -> Iterator[None]:
+        """Raise a write the OS refused as a `CheckpointError`; other errors as they are."""
+        try:
+            yield
         except (OSError, ValueError) as exc:
-            error = self._write_error("a background save failed", exc)
+            error = self._write_error(what, exc)
             if error is None:
                 raise
             raise error from exc
