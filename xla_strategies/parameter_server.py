@@ -32,9 +32,8 @@ import jax
 import numpy as np
 
 from xla_strategies.cluster import TFConfigClusterResolver
-from xla_strategies.errors import UnavailableError
 from xla_strategies.runtime.parameter_server.layout import Layout
-from xla_strategies.runtime.parameter_server.shard import ParameterShard
+from xla_strategies.runtime.parameter_server.shard import ParameterShard, call_shards
 from xla_strategies.runtime.parameter_server.worker import PSStep, Worker
 
 
@@ -126,18 +125,8 @@ class ParameterServerStrategy:
         return [s["version"] for s in self._from_shards("stats", timeout)]
 
     def _from_shards(self, method: str, timeout: float) -> list[Any]:
-        import ray
-
         self._layout()
-        results = []
-        for task, shard in enumerate(self.shards):
-            try:
-                results.append(ray.get(getattr(shard, method).remote(), timeout=timeout))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                raise UnavailableError(
-                    f"parameter server task ps:{task} is unavailable ({type(exc).__name__})"
-                ) from None
-        return results
+        return call_shards(self.shards, method, timeout=timeout)
 
     def _layout(self) -> Layout:
         if self.layout is None:

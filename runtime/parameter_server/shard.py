@@ -4,10 +4,18 @@ them as gradients arrive, one push at a time (a Ray actor runs one call at a tim
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from typing import Any
 
 import numpy as np
+
+from xla_strategies.errors import UnavailableError
+
+# A PS task that does not answer within this long counts as lost; one that Ray reports
+# temporarily unavailable is asked again this many times (1, 2, 4 s apart).
+PS_TIMEOUT_SECONDS = 300
+UNAVAILABLE_RETRIES = 3
 
 
 class ParameterShard:
@@ -55,3 +63,37 @@ class ParameterShard:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def call_shards(
+    shards: list[Any],
+    method: str,
+    args: list[tuple] | None = None,
+    timeout: float = PS_TIMEOUT_SECONDS,
+) -> list[Any]:
+    """`method(*args[i])` on every PS task `shards[i]` at once; their results in order. A
+    task that is gone or silent is an `UnavailableError` naming it."""
+    import ray
+
+    args = args if args is not None else [()] * len(shards)
+    refs = [getattr(s, method).remote(*a) for s, a in zip(shards, args, strict=True)]
+    results = []
+    for task, (ref, call_args) in enumerate(zip(refs, args, strict=True)):
+        for attempt in range(UNAVAILABLE_RETRIES + 1):
+            try:
+                results.append(ray.get(ref, timeout=timeout))
+                break
+            except ray.exceptions.ActorUnavailableError:
+                # Ray's word for "maybe back soon"; pulls and (deduplicated) pushes can be
+                # sent again.
+                if attempt == UNAVAILABLE_RETRIES:
+                    raise _lost(task, "ActorUnavailableError") from None
+                time.sleep(2**attempt)
+                ref = getattr(shards[task], method).remote(*call_args)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                raise _lost(task, type(exc).__name__) from None
+    return results
+
+
+def _lost(task: int, why: str) -> UnavailableError:
+    return UnavailableError(f"parameter server task ps:{task} is unavailable ({why})")

@@ -4,22 +4,15 @@ on the worker's local devices (synchronously, with the compiler's passes) and pu
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from xla_strategies.errors import UnavailableError
+from xla_strategies.runtime.parameter_server.shard import call_shards
 
 # While a closure runs: (worker, closure id, how many steps it has pushed so far).
 _running: list[Any] | None = None
-
-
-# A PS task that does not answer a pull or a push within this long counts as lost; one that
-# Ray reports temporarily unavailable is asked again this many times (1, 2, 4 s apart).
-PS_TIMEOUT_SECONDS = 300
-UNAVAILABLE_RETRIES = 3
 
 
 class Worker:
@@ -52,45 +45,19 @@ class Worker:
         from jax.sharding import NamedSharding
 
         # Each step of each closure updates the variables once, however often it is retried.
-        push_id = f"{_running[1]}/{_running[2]}" if _running else None
-        if _running:
-            _running[2] += 1
-        versions, parts = zip(*self._call_shards("pull", [()] * len(self.shards)), strict=True)
+        _, closure_id, index = _running  # set by `run`; PSStep refuses calls outside it
+        _running[2] += 1
+        push_id = f"{closure_id}/{index}"
+        versions, parts = zip(*call_shards(self.shards, "pull"), strict=True)
         if uid not in self._steps:
             self._steps[uid] = self.strategy.compile(grad_fn, donate=False)
         params = self.strategy.replicate(self.layout.join(list(parts)))
         split = NamedSharding(self.strategy.mesh, self.strategy.input_spec(True))
         grads, aux = self._steps[uid](params, jax.device_put(batch, split))
         grad_parts = self.layout.split(jax.tree.map(np.asarray, grads))
-        self._call_shards(
-            "push", [(g, v, push_id) for g, v in zip(grad_parts, versions, strict=True)]
-        )
+        pushes = [(g, v, push_id) for g, v in zip(grad_parts, versions, strict=True)]
+        call_shards(self.shards, "push", pushes)
         return jax.tree.map(np.asarray, aux)
-
-    def _call_shards(self, method: str, args: list[tuple]) -> list[Any]:
-        import ray
-
-        refs = [getattr(s, method).remote(*a) for s, a in zip(self.shards, args, strict=True)]
-        results = []
-        for task, (ref, call_args) in enumerate(zip(refs, args, strict=True)):
-            for attempt in range(UNAVAILABLE_RETRIES + 1):
-                try:
-                    results.append(ray.get(ref, timeout=PS_TIMEOUT_SECONDS))
-                    break
-                except ray.exceptions.ActorUnavailableError:
-                    # Ray's word for "maybe back soon"; pulls and (deduplicated) pushes can
-                    # be sent again.
-                    if attempt == UNAVAILABLE_RETRIES:
-                        raise self._lost(task, "ActorUnavailableError") from None
-                    time.sleep(2**attempt)
-                    ref = getattr(self.shards[task], method).remote(*call_args)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                    raise self._lost(task, type(exc).__name__) from None
-        return results
-
-    @staticmethod
-    def _lost(task: int, why: str) -> UnavailableError:
-        return UnavailableError(f"parameter server task ps:{task} is unavailable ({why})")
 
     def pid(self) -> int:
         return os.getpid()
