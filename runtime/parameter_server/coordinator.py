@@ -5,8 +5,10 @@ worker actor and records the result in the closure's `RemoteValue`. Failures:
 
 - A worker that dies (its actor's process is killed, say) puts its closure back on the
   queue; another worker, or the same one once Ray has restarted it, runs it again. A
-  closure may therefore run more than once (at-least-once), but a PS task applies each
-  closure's gradients at most once.
+  closure may therefore run more than once (at-least-once), but a PS task applies the
+  gradients of each step of a closure at most once. A worker that fails
+  `MAX_FAILURES_IN_A_ROW` closures without finishing one is given up; with none left,
+  everything fails with `UnavailableError`.
 - A lost PS task fails every pending closure with `xs.errors.UnavailableError`, which
   `schedule`, `join` and `fetch` raise from then on.
 - An exception raised by a scheduled function comes back from `join` and from its
@@ -61,7 +63,6 @@ class _Closure:
     result: RemoteValue = field(default_factory=RemoteValue)
     # Unique across coordinators: the PS tasks outlive a coordinator and deduplicate by it.
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    attempts: int = 0
 
 
 class PerWorkerDataset:
@@ -103,7 +104,7 @@ class PerWorkerIterator:
 
 
 # A worker that fails this many closures in a row without running one is given up on.
-MAX_RESTARTS = 5
+MAX_FAILURES_IN_A_ROW = 5
 
 
 class ClusterCoordinator:
@@ -199,7 +200,6 @@ class ClusterCoordinator:
         while (closure := self._queue.get()) is not None:
             if self._cancelled(closure):
                 continue
-            closure.attempts += 1
             worker = self.workers[index]
             try:
                 value = ray.get(
@@ -212,7 +212,8 @@ class ClusterCoordinator:
                 with self._lock:
                     self.retried += 1
                 self._queue.put(closure)  # at least once: run it again elsewhere
-                if getattr(exc, "actor_init_failed", False) or failures_in_a_row >= MAX_RESTARTS:
+                given_up = failures_in_a_row >= MAX_FAILURES_IN_A_ROW
+                if given_up or getattr(exc, "actor_init_failed", False):
                     self._lose_worker(index, exc)
                     return
                 continue
@@ -221,21 +222,20 @@ class ClusterCoordinator:
             except BaseException as exc:  # noqa: BLE001 - unpicklable arguments, Ray errors
                 self._fail(closure, exc)
             else:
-                closure.result._set(value)
-                self._finish(completed=True)
+                self._settle(closure, value=value)
             failures_in_a_row = 0
 
     def _lose_worker(self, index: int, exc: BaseException) -> None:
         """Worker `index` cannot be restarted; with none left, everything fails."""
         with self._lock:
             self._alive -= 1
-            if self._alive == 0:
+            last = self._alive == 0
+            if last:
                 self._fatal = self._fatal or UnavailableError(
                     f"every worker task is lost; the last, worker:{index}, with "
                     f"{type(exc).__name__}"
                 )
-                self._lock.notify_all()
-        if self._alive == 0:  # nobody else will drain the queue
+        if last:  # nobody else will drain the queue
             while True:
                 try:
                     closure = self._queue.get_nowait()
@@ -252,8 +252,7 @@ class ClusterCoordinator:
         reason = self._fatal or CancelledError(
             f"cancelled because an earlier function failed: {error}"
         )
-        closure.result._set(error=reason)
-        self._finish(completed=False)
+        self._settle(closure, error=reason)
         return True
 
     def _fail(self, closure: _Closure, error: BaseException) -> None:
@@ -262,11 +261,14 @@ class ClusterCoordinator:
                 self._fatal = self._fatal or error
             elif self._error is None:
                 self._error = error
-        closure.result._set(error=error)
-        self._finish(completed=False)
+        self._settle(closure, error=error)
 
-    def _finish(self, completed: bool) -> None:
+    def _settle(
+        self, closure: _Closure, value: Any = None, error: BaseException | None = None
+    ) -> None:
+        """Give the closure its result (or error); `join` may be waiting for the last."""
+        closure.result._set(value, error)
         with self._lock:
             self._pending -= 1
-            self.completed += completed
+            self.completed += error is None
             self._lock.notify_all()
