@@ -55,17 +55,19 @@ class ReduceToOneDevice(Pass):
             raise ValueError(
                 f"reduce-to-one-device: root={self.root} is not a replica of {ctx.num_replicas}"
             )
+        ((axis, size),) = ctx.mesh_axes.items()
+        tree = {"axes": [axis], "root": self.root, "size": size}  # both collectives' attrs
         rooted: set[Value] = set()
         for node in graph.nodes:
             if _is_gradient_reduction(node):
                 node.op = "reduce_to_one"
-                node.attrs |= {"root": self.root, "size": ctx.mesh_axes[node.attrs["axes"][0]]}
+                node.attrs |= tree
                 node.created_by = self.name
                 rooted.update(node.outputs)
         self._remark_skipped(graph, ctx)
         if not rooted:
             return False
-        broadcasts = self._broadcast_where_rooted_values_leave(graph, rooted, ctx)
+        broadcasts = self._broadcast_where_rooted_values_leave(graph, rooted, tree)
         ctx.stats[self.name] = {
             "reduced_to_one": graph.count_ops("reduce_to_one"),
             "broadcasts": broadcasts,
@@ -73,10 +75,8 @@ class ReduceToOneDevice(Pass):
         return True
 
     def _broadcast_where_rooted_values_leave(
-        self, graph: Graph, rooted: set[Value], ctx: PassContext
+        self, graph: Graph, rooted: set[Value], attrs: dict
     ) -> int:
-        axis = next(n.attrs["axes"][0] for n in graph.nodes if n.op == "reduce_to_one")
-        attrs = {"axes": [axis], "root": self.root, "size": ctx.mesh_axes[axis]}
         made: dict[Value, Value] = {}
 
         def broadcast(value: Value, into: list[Node]) -> Value:
