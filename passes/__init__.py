@@ -6,6 +6,7 @@
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.combine_all_reduces import CombineAllReduces
 from xla_strategies.passes.decompose_all_reduces import DecomposeAllReduces
+from xla_strategies.passes.fold_invariant_reductions import FoldInvariantReductions
 from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.insert_reductions import InsertReductions, MirroredOutputError
 from xla_strategies.passes.ir import Graph, Node, Value
@@ -19,6 +20,7 @@ PASS_REGISTRY: dict[str, type[Pass]] = {
     cls.name: cls
     for cls in (
         InsertReductions,
+        FoldInvariantReductions,
         HoistAllReduces,
         ReassociateAllReduces,
         CombineAllReduces,
@@ -28,15 +30,19 @@ PASS_REGISTRY: dict[str, type[Pass]] = {
 }
 
 # What every synchronous strategy runs by default, in this order: give autodiff's
-# reductions their meaning, move them out of loops, merge the parts of tied weights, then
-# bucket what is left.
-DEFAULT_PIPELINE = "insert-reductions,hoist-all-reduces,reassociate-all-reduces,combine-all-reduces"
+# reductions their meaning, drop reductions of values already the same everywhere, move
+# reductions out of loops, merge the parts of tied weights, then bucket what is left.
+DEFAULT_PIPELINE = (
+    "insert-reductions,fold-invariant-reductions,hoist-all-reduces,reassociate-all-reduces,"
+    "combine-all-reduces"
+)
 
 __all__ = [
     "DEFAULT_PIPELINE",
     "PASS_REGISTRY",
     "CombineAllReduces",
     "DecomposeAllReduces",
+    "FoldInvariantReductions",
     "HoistAllReduces",
     "ReassociateAllReduces",
     "ReduceToOneDevice",

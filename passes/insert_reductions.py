@@ -7,10 +7,25 @@ batch give the same parameters as one device on the whole batch. Collectives the
 keep their meaning. It also classifies outputs: invariant ones come back mirrored, varying
 ones per replica, and an output the user declared mirrored that still varies is an error.
 
+Outputs declared aggregated (`compile(mirrored_outputs=(True, xs.ReduceOp.MEAN))`,
+tf.distribute's `VariableAggregation`) get their reduction here, as an `all_reduce` with
+origin `aggregation` placed right after the value is computed, so that combine-all-reduces
+can put it into the same bucket as the gradients (BatchNorm statistics ride the gradient
+all-reduce). The aggregate of a value that is already the same on every replica follows
+`lax.psum`: a SUM is N times the value, MEAN, MAX and MIN leave it as it is.
+
     Before:
       %3: f32[4,3] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
     After (gradient-reduction=mean):
       %3: f32[4,3] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
+
+    Before (an output declared aggregated):
+      %1: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}
+      return %1 aggregate=mean
+    After:
+      %1: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}
+      %2: f32[3] = all_reduce(%1) {"axes": ["replica"], "origin": "aggregation", ...}
+      return %2
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.ir import Graph, Node, Value
 
 
 class MirroredOutputError(ValueError):
@@ -49,6 +64,7 @@ class InsertReductions(Pass):
                     node.attrs["reduce_op"] = self.gradient_reduction
                     node.created_by = self.name
                     changed = True
+        changed |= _aggregate_outputs(graph, ctx, self.name)
         _check_declared_mirrored(graph)
         per_replica = sum(1 for v in graph.outputs if v.varying_axes)
         ctx.stats[self.name] = {
@@ -69,3 +85,45 @@ def _check_declared_mirrored(graph: Graph) -> None:
             f"outputs declared mirrored still differ across replicas: {names}. Reduce them "
             "in the step (e.g. xs.get_replica_context().all_reduce) or declare them per-replica."
         )
+
+
+def _aggregate_outputs(graph: Graph, ctx: PassContext, created_by: str) -> bool:
+    """Reduce each output declared aggregated, right after its value is computed."""
+    if not graph.output_aggregation:
+        return False
+    position = {v: i + 1 for i, n in enumerate(graph.nodes) for v in n.outputs}
+    made: dict[tuple[Value, str], Value] = {}
+    for index, op in sorted(graph.output_aggregation.items()):
+        value = graph.outputs[index]
+        key = (value, op)
+        if key not in made:
+            node = _aggregation(value, op, ctx, created_by)
+            if node is None:
+                made[key] = value
+            else:
+                made[key] = node.outputs[0]
+                at = position.get(value, 0)
+                graph.nodes.insert(at, node)
+                position = {v: i + 1 for i, n in enumerate(graph.nodes) for v in n.outputs}
+        graph.outputs[index] = made[key]
+    graph.output_aggregation = {}
+    return True
+
+
+def _aggregation(value: Value, op: str, ctx: PassContext, created_by: str) -> Node | None:
+    """The node that makes `value` mirrored under `op`; None when nothing is to be done."""
+    if value.varying_axes:
+        axes = [a for a in ctx.mesh_axes if a in value.varying_axes]
+        attrs = {"axes": axes, "origin": "aggregation", "reduce_op": op}
+        return Node(
+            "all_reduce",
+            [value],
+            [value.like(varying_axes=frozenset())],
+            attrs,
+            created_by=created_by,
+        )
+    if op == "sum" and ctx.num_replicas > 1:
+        return Node(
+            "scale", [value], [value.like()], {"factor": ctx.num_replicas}, created_by=created_by
+        )
+    return None

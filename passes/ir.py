@@ -150,7 +150,11 @@ class Graph:
 
     `output_names` gives each output position its pytree path; `declared_mirrored` holds
     the output positions the user declared mirrored, which a pass must reject if they still
-    vary across replicas; `rooted_outputs` those only the root replica holds correctly.
+    vary across replicas; `output_aggregation` maps output positions the user declared
+    aggregated to the reduction (`sum`, `mean`, `max`, `min`) that makes them mirrored;
+    `rooted_outputs` those only the root replica holds correctly. `stacked_inputs` are the
+    input positions that hold one value per replica (stacked on a leading replica axis
+    outside the step) rather than a split batch.
     """
 
     inputs: list[Value]
@@ -159,6 +163,8 @@ class Graph:
     name: str = "main"
     output_names: list[str | None] = field(default_factory=list)
     declared_mirrored: frozenset[int] = frozenset()
+    output_aggregation: dict[int, str] = field(default_factory=dict)
+    stacked_inputs: frozenset[int] = frozenset()
     # Outputs correct on the root replica only (reduce-to-one-device); the runtime keeps
     # the root's copy.
     rooted_outputs: frozenset[int] = frozenset()

@@ -10,6 +10,10 @@
       return %3 mirrored loc("out[0]")
     }
 
+Flags after a value: on a function input, `stacked` (one value per replica, stacked outside
+the step, rather than a split batch); on a returned value, `mirrored` (declared so),
+`aggregate=<op>` (declared aggregated) and `rooted` (correct on the root replica only).
+
 Values are renumbered in definition order on printing, so `print(parse(text)) == text` for
 any printed text. Attributes are JSON. `// by <pass>` records the pass that made a node.
 """
@@ -67,6 +71,8 @@ class _Printer:
         returns = []
         for index, value in enumerate(graph.outputs):
             flag = " mirrored" if index in graph.declared_mirrored else ""
+            if index in graph.output_aggregation:
+                flag += f" aggregate={graph.output_aggregation[index]}"
             flag += " rooted" if index in graph.rooted_outputs else ""
             name = graph.output_names[index] if index < len(graph.output_names) else None
             returns.append(f"{self.use(value)}{flag}{_loc(name)}")
@@ -75,7 +81,10 @@ class _Printer:
 
 def _printed(graph: Graph) -> _Printer:
     printer = _Printer()
-    params = ", ".join(printer.define(v) + _loc(v.name) for v in graph.inputs)
+    params = ", ".join(
+        printer.define(v) + (" stacked" if i in graph.stacked_inputs else "") + _loc(v.name)
+        for i, v in enumerate(graph.inputs)
+    )
     printer.lines.append(f"func @{graph.name}({params}) {{")
     printer.body(graph, 1)
     printer.lines.append("}")
@@ -201,23 +210,29 @@ class _Parser:
         self.cur.expect(")")
         return name
 
-    def params(self, scope: dict[str, Value]) -> list[Value]:
+    def params(self, scope: dict[str, Value]) -> tuple[list[Value], frozenset[int]]:
+        """The values a function or region takes, and which of them are `stacked`."""
         self.cur.expect("(")
         values: list[Value] = []
+        stacked: set[int] = set()
         while not self.cur.accept(")"):
             if values:
                 self.cur.expect(",")
             value = self.define(scope)
+            if self.cur.accept("stacked"):
+                stacked.add(len(values))
             value.name = self.loc()
             values.append(value)
-        return values
+        return values, frozenset(stacked)
 
     def graph(self) -> Graph:
         self.cur.expect("func")
         self.cur.expect("@")
         name = self.cur.match(_IDENT, "a function name").group(0)
         scope: dict[str, Value] = {}
-        graph = self.body(self.params(scope), scope, name)
+        inputs, stacked = self.params(scope)
+        graph = self.body(inputs, scope, name)
+        graph.stacked_inputs = stacked
         self.cur.skip()
         if self.cur.pos != len(self.cur.text):
             raise self.cur.error("unexpected text after the function")
@@ -237,6 +252,9 @@ class _Parser:
             graph.outputs.append(self.use(scope))
             if self.cur.accept("mirrored"):
                 mirrored.add(len(graph.outputs) - 1)
+            if self.cur.accept("aggregate="):
+                op = self.cur.match(_IDENT, "a reduction such as mean").group(0)
+                graph.output_aggregation[len(graph.outputs) - 1] = op
             if self.cur.accept("rooted"):
                 rooted.add(len(graph.outputs) - 1)
             graph.output_names.append(self.loc())
@@ -269,7 +287,7 @@ class _Parser:
         node = Node(op, inputs, outputs, attrs, created_by=created_by)
         while self.cur.accept("region"):
             region_scope: dict[str, Value] = {}
-            params = self.params(region_scope)
+            params, _ = self.params(region_scope)
             name = f"{op}.region{len(node.regions)}"
             node.regions.append(self.body(params, region_scope, name))
         return node

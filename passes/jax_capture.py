@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,46 +36,43 @@ class UnknownAxisError(ValueError):
     """The step uses a collective over an axis the strategy's mesh does not have."""
 
 
-@dataclass
-class CapturedStep:
-    graph: Graph
-    out_tree: Any
-
-
 def capture(
-    fn: Callable[..., Any],
+    fn: Callable[..., Sequence[Any]],
     flat_args: Sequence[jax.ShapeDtypeStruct],
-    in_tree: Any,
     mesh: Mesh,
     per_replica: Sequence[bool],
     *,
+    stacked: Sequence[bool] = (),
+    rename: Mapping[str, Sequence[str]] | None = None,
     input_names: Sequence[str] = (),
-    output_prefix: str = "out",
+    output_names: Callable[[], Sequence[str]] | None = None,
     name: str = "step",
-) -> CapturedStep:
-    """Trace `fn(*tree_unflatten(in_tree, flat_args))` per replica and import it.
+) -> Graph:
+    """Trace `fn(*flat_args)` per replica and import it.
 
     Args:
-        fn: the user's per-replica step.
+        fn: the user's per-replica step on flat arrays, returning a flat sequence of arrays.
         flat_args: global shapes and dtypes of the flattened arguments.
-        in_tree: the treedef of the arguments.
-        mesh: the concrete mesh; all of its axes together form the replica axis.
-        per_replica: per flat argument, whether it is split across replicas on dim 0.
+        mesh: the capture mesh; all of its axes together form the replica axis.
+        per_replica: per flat argument, whether it differs across replicas.
+        stacked: per flat argument, whether it is stacked (one row per replica, which the
+            step sees without the leading axis) rather than a batch split on dim 0.
+        rename: capture-mesh axis name -> the strategy's axes it stands for (a step
+            compiled with `axis_name=`); the IR only ever names the strategy's axes.
         input_names: pytree paths of the flat arguments, for the IR and errors.
-        output_prefix: prefix for output pytree paths.
+        output_names: called after tracing, the pytree path of each output.
         name: the graph's name.
     """
     _tag_autodiff_reductions()
     axes = tuple(mesh.axis_names)
     replica_spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
     specs = tuple(replica_spec if split else PartitionSpec() for split in per_replica)
+    squeeze = list(stacked) or [False] * len(flat_args)
     box: dict[str, Any] = {}
 
-    def flat_step(*flat):
-        return fn(*jax.tree.unflatten(in_tree, flat))
-
     def body(*flat):
-        box["jaxpr"], box["out_shape"] = jax.make_jaxpr(flat_step, return_shape=True)(*flat)
+        views = [x[0] if s else x for x, s in zip(flat, squeeze, strict=True)]
+        box["jaxpr"] = jax.make_jaxpr(lambda *a: list(fn(*a)))(*views)
         return ()
 
     traced = jax.shard_map(
@@ -88,14 +84,49 @@ def capture(
         _diagnose_unknown_axis(lambda: jax.make_jaxpr(traced)(*flat_args), axes, exc)
         raise
     closed = box["jaxpr"]
-    leaves_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(box["out_shape"])
-    importer = _Importer()
+    importer = _Importer(_AxisRenamer(rename or {}))
     graph = importer.graph(closed.jaxpr, closed.consts, name)
     for value, label in zip(graph.inputs, input_names, strict=False):
         value.name = label
     importer.name_parameters()
-    graph.output_names = [output_prefix + jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
-    return CapturedStep(graph, out_tree)
+    graph.stacked_inputs = frozenset(i for i, s in enumerate(squeeze) if s)
+    if output_names is not None:
+        graph.output_names = list(output_names())
+    return graph
+
+
+class _AxisRenamer:
+    """Maps the capture mesh's axis names to the strategy's, in IR values, collective
+    attributes and the parameters of foreign equations (`axis_index`, grouped `psum`)."""
+
+    _PARAM_KEYS = ("axes", "axis_name")
+
+    def __init__(self, rename: Mapping[str, Sequence[str]]) -> None:
+        self._rename = {k: tuple(v) for k, v in rename.items()}
+
+    def names(self, names: Sequence[str]) -> list[str]:
+        out: list[str] = []
+        for n in names:
+            out.extend(a for a in self._rename.get(n, (n,)) if a not in out)
+        return out
+
+    def value(self, value: Value) -> Value:
+        if self._rename and value.varying_axes:
+            value.varying_axes = frozenset(self.names(sorted(value.varying_axes)))
+        return value
+
+    def equation(self, eqn: jex.JaxprEqn) -> jex.JaxprEqn:
+        if not self._rename:
+            return eqn
+        changes = {}
+        for key in self._PARAM_KEYS:
+            names = eqn.params.get(key)
+            if isinstance(names, str) and names in self._rename:
+                renamed = self._rename[names]
+                changes[key] = renamed[0] if len(renamed) == 1 else renamed
+            elif isinstance(names, tuple) and any(n in self._rename for n in names):
+                changes[key] = tuple(self.names(names))
+        return eqn.replace(params={**eqn.params, **changes}) if changes else eqn
 
 
 @functools.cache
@@ -141,8 +172,9 @@ def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...], original: 
                 if unknown:
                     raise UnknownAxisError(
                         f"the step uses a collective over axis {unknown[0]!r}, but the strategy's "
-                        f"mesh has only the axes {list(axes)}; use xs.get_replica_context()"
-                        ".all_reduce(...) or the strategy's axis names"
+                        f"mesh has only the axes {list(axes)}; name the replica axis with "
+                        f"compile(axis_name={unknown[0]!r}), or use "
+                        "xs.get_replica_context().all_reduce(...)"
                     ) from original
         tb = tb.tb_next
 
@@ -198,9 +230,16 @@ def _source(eqn: jex.JaxprEqn) -> str | None:
 class _Importer:
     """Turns a jaxpr into IR, one region per nested loop or branch body."""
 
-    def __init__(self) -> None:
+    def __init__(self, renamer: _AxisRenamer) -> None:
+        self._renamer = renamer
         self._uses: dict[tuple, list[Value]] = {}  # call stack -> parameters made varying there
         self._reductions: list[tuple[tuple, Node]] = []
+
+    def value(self, aval: Any) -> Value:
+        return self._renamer.value(_value(aval))
+
+    def axes(self, params: dict[str, Any]) -> list[str]:
+        return self._renamer.names(_axes(params))
 
     def name_parameters(self) -> None:
         """Give each autodiff reduction the pytree path of its parameter, when exactly one
@@ -213,7 +252,7 @@ class _Importer:
 
     def graph(self, jaxpr: jex.Jaxpr, consts: Sequence[Any], name: str) -> Graph:
         graph = Graph(
-            inputs=[_value(v.aval) for v in jaxpr.invars], nodes=[], outputs=[], name=name
+            inputs=[self.value(v.aval) for v in jaxpr.invars], nodes=[], outputs=[], name=name
         )
         graph.outputs = self.emit(graph, jaxpr, consts, graph.inputs)
         return graph
@@ -253,11 +292,11 @@ class _Importer:
         if prim in _INLINE:
             sub = params.get("jaxpr", params.get("call_jaxpr", params.get("fun_jaxpr")))
             return self.emit(graph, sub.jaxpr, sub.consts, inputs)
-        outputs = [_value(v.aval) for v in eqn.outvars]
+        outputs = [self.value(v.aval) for v in eqn.outvars]
         node = self.known_node(eqn, inputs, outputs) or self.region_node(eqn, inputs, outputs)
         if node is None:
             attrs = {k: j for k, v in params.items() if (j := _jsonable(v)) is not None}
-            node = Node("jax." + prim, inputs, outputs, attrs, payload=eqn)
+            node = Node("jax." + prim, inputs, outputs, attrs, payload=self._renamer.equation(eqn))
         graph.nodes.append(node)
         return outputs
 
@@ -269,7 +308,7 @@ class _Importer:
             return None  # grouped collectives stay opaque
         if prim in _REDUCE:
             origin = "autodiff" if AUTODIFF_SCOPE in str(eqn.source_info.name_stack) else "user"
-            attrs = {"axes": _axes(params), "reduce_op": _REDUCE[prim], "origin": origin}
+            attrs = {"axes": self.axes(params), "reduce_op": _REDUCE[prim], "origin": origin}
             source = _source(eqn)
             if source:
                 attrs["source"] = source
@@ -279,23 +318,23 @@ class _Importer:
             return node
         if prim == "pvary":
             self._uses.setdefault(_frames(eqn), []).extend(inputs)
-            return Node("pvary", inputs, outputs, {"axes": _axes(params)})
+            return Node("pvary", inputs, outputs, {"axes": self.axes(params)})
         if prim == "all_gather" and params.get("tiled"):
-            attrs = {"axes": _axes(params), "dimension": params["all_gather_dimension"]}
+            attrs = {"axes": self.axes(params), "dimension": params["all_gather_dimension"]}
             return Node("all_gather", inputs, outputs, attrs)
         if prim == "reduce_scatter" and params.get("tiled"):
             attrs = {
-                "axes": _axes(params),
+                "axes": self.axes(params),
                 "dimension": params["scatter_dimension"],
                 "reduce_op": "sum",
             }
             return Node("reduce_scatter", inputs, outputs, attrs)
         if prim == "ppermute":
-            attrs = {"axes": _axes(params), "perm": _jsonable(params["perm"])}
+            attrs = {"axes": self.axes(params), "perm": _jsonable(params["perm"])}
             return Node("collective_permute", inputs, outputs, attrs)
         if prim == "all_to_all" and params.get("tiled"):
             attrs = {
-                "axes": _axes(params),
+                "axes": self.axes(params),
                 "split_axis": params["split_axis"],
                 "concat_axis": params["concat_axis"],
             }

@@ -9,7 +9,8 @@ on a new leading replica axis; mirrored outputs come back replicated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -26,32 +27,62 @@ class LoweringError(RuntimeError):
     """The graph cannot be turned into a JAX program."""
 
 
-def output_spec(value: Value, mesh: Mesh) -> PartitionSpec:
-    """Per-replica (varying) outputs are stacked on the replica axis; mirrored ones are whole."""
-    if not value.varying_axes:
-        return PartitionSpec()
+def _replica_spec(mesh: Mesh) -> PartitionSpec:
     axes = tuple(mesh.axis_names)
     return PartitionSpec(axes if len(axes) > 1 else axes[0])
 
 
+def value_spec(value: Value, mesh: Mesh) -> PartitionSpec:
+    """The `shard_map` spec of a graph input or output: varying values are split (or
+    stacked) on dim 0 over the replica axes; invariant ones are whole."""
+    return _replica_spec(mesh) if value.varying_axes else PartitionSpec()
+
+
+def input_shardings(graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None) -> list[Any]:
+    """The global sharding of each graph input: stacked inputs live on `stacked_mesh`."""
+    return [
+        NamedSharding(stacked_mesh, _replica_spec(stacked_mesh))
+        if i in graph.stacked_inputs and stacked_mesh is not None
+        else NamedSharding(mesh, value_spec(v, mesh))
+        for i, v in enumerate(graph.inputs)
+    ]
+
+
 def lower(
-    graph: Graph, mesh: Mesh, in_specs: Sequence[PartitionSpec], donate_argnums: Sequence[int] = ()
+    graph: Graph,
+    mesh: Mesh,
+    donate_argnums: Sequence[int] = (),
+    stacked_mesh: Mesh | None = None,
 ) -> Callable[..., tuple[jax.Array, ...]]:
-    """A jitted function of the flat global arguments that runs `graph` on every replica."""
-    out_specs = tuple(output_spec(v, mesh) for v in graph.outputs)
-    stacked = [bool(v.varying_axes) for v in graph.outputs]
+    """A jitted function of the flat global arguments that runs `graph` on every replica.
+
+    Inputs and outputs take their layout from the graph: invariant values are replicated,
+    varying inputs are split on dim 0 unless the graph marks them stacked (one row per
+    replica, squeezed before the graph sees them), and varying outputs come back stacked.
+    Stacked values live on `stacked_mesh` (the same devices under reserved axis names), so
+    their sharding tells them apart from a split batch.
+    """
+    in_specs = tuple(value_spec(v, mesh) for v in graph.inputs)
+    out_specs = tuple(value_spec(v, mesh) for v in graph.outputs)
+    stacked_in = [i in graph.stacked_inputs for i in range(len(graph.inputs))]
+    stacked_out = [bool(v.varying_axes) for v in graph.outputs]
+    out_mesh = stacked_mesh or mesh
 
     def body(*flat):
+        flat = [x[0] if s else x for x, s in zip(flat, stacked_in, strict=True)]
         outs = evaluate(graph, flat)
-        return tuple(o[None] if s else o for o, s in zip(outs, stacked, strict=True))
+        return tuple(o[None] if s else o for o, s in zip(outs, stacked_out, strict=True))
 
     program = jax.shard_map(
-        body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
     return jax.jit(
         program,
-        in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs),
-        out_shardings=tuple(NamedSharding(mesh, s) for s in out_specs),
+        in_shardings=tuple(input_shardings(graph, mesh, stacked_mesh)),
+        out_shardings=tuple(
+            NamedSharding(out_mesh, _replica_spec(out_mesh)) if s else NamedSharding(mesh, spec)
+            for s, spec in zip(stacked_out, out_specs, strict=True)
+        ),
         donate_argnums=tuple(donate_argnums),
     )
 
@@ -83,9 +114,43 @@ def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
             "(graphs parsed from text can be optimised and printed, not run)"
         )
     eqn = node.payload
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+    with _equation_context(eqn.ctx) as params:
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params(eqn.params)))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
+    """The captured equation's context, moved to the mesh being lowered to, and a function
+    that moves its parameters' shardings there too. A step compiled with `axis_name=` was
+    traced on a mesh of that name, and its equations remember it. Inside the fully manual
+    `shard_map` body a sharding's spec names no mesh axis, so only its mesh changes."""
+    from jax._src import core
+    from jax._src import mesh as mesh_lib
+
+    current = mesh_lib.get_abstract_mesh()
+    if ctx.cur_abstract_mesh == current:
+        with ctx.manager:
+            yield lambda params: params
+        return
+    moved = core.JaxprEqnContext._create(
+        ctx.compute_type,
+        ctx.threefry_partitionable,
+        current,
+        ctx.remove_size_one_mesh_axis,
+        ctx.xla_metadata,
+    )
+
+    def move(params: dict) -> dict:
+        return {
+            k: NamedSharding(current, v.spec)
+            if isinstance(v, NamedSharding) and v.mesh == ctx.cur_abstract_mesh
+            else v
+            for k, v in params.items()
+        }
+
+    with moved.manager:
+        yield move
 
 
 def _constant(node: Node, args: list[Any]) -> list[Any]:

@@ -38,7 +38,7 @@ def test_opt_matches_golden_output(source, options, expected, capsys):
 def test_opt_print_ir_after_all_shows_every_pass(capsys):
     assert main(["opt", str(GOLDEN / "tied_weight.ir"), "--print-ir-after-all"]) == 0
     out = capsys.readouterr().out
-    assert out.count("// -----// IR Dump After") == 5  # capture + four passes
+    assert out.count("// -----// IR Dump After") == 6  # capture + five passes
 
 
 def test_opt_errors(tmp_path, capsys):

@@ -111,12 +111,7 @@ def test_indivisible_global_batch_names_path_and_sizes(mirrored):
         next(iter(uneven))
 
 
-def test_non_array_leaves_are_rejected(mirrored):
-    step = mirrored.compile(_sgd_step)
-    with pytest.raises(
-        TypeError, match=r"_sgd_step argument args\[1\]\['lr'\] is a str, not an array"
-    ):
-        step(np.ones((4, 2), np.float32), {"lr": "fast"})
+def test_replicate_rejects_non_array_leaves(mirrored):
     with pytest.raises(TypeError, match=r"replicate\(tree\)\['w'\] is a object"):
         mirrored.replicate({"w": object()})
 
@@ -183,9 +178,10 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
     assert names == [
         "0000.mirrored.after_capture.txt",
         "0001.mirrored.after_insert-reductions.txt",
-        "0002.mirrored.after_hoist-all-reduces.txt",
-        "0003.mirrored.after_reassociate-all-reduces.txt",
-        "0004.mirrored.after_combine-all-reduces.txt",
+        "0002.mirrored.after_fold-invariant-reductions.txt",
+        "0003.mirrored.after_hoist-all-reduces.txt",
+        "0004.mirrored.after_reassociate-all-reduces.txt",
+        "0005.mirrored.after_combine-all-reduces.txt",
         "compiled.hlo.txt",
         "ledger.json",
         "stablehlo.mlir",

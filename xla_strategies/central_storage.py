@@ -55,7 +55,8 @@ class CentralStorageStrategy(Strategy):
         # costs log2(N) rounds (one bucket: 79.8 ms a step, 64 KiB buckets: 85.5 ms,
         # benchmarks/README.md).
         self.default_pipeline = (
-            "insert-reductions,hoist-all-reduces,reassociate-all-reduces,"
+            "insert-reductions,fold-invariant-reductions,hoist-all-reduces,"
+            "reassociate-all-reduces,"
             f"reduce-to-one-device{{root={self.root} broadcast-outputs=false}},"
             f"combine-all-reduces{{threshold-bytes={BUCKET_BYTES}}}"
         )

@@ -1,20 +1,29 @@
 """`strategy.compile`: capture a per-replica step, run the pass pipeline, lower it to XLA.
 
-Executables are cached per input signature (tree structure, shapes, dtypes, and which leaves
-are per-replica), like `jax.jit`: a new structure or shape retraces.
+Executables are cached per input signature (tree structure, shapes, dtypes, each array's
+layout, and the static values), like `jax.jit`: a new structure, shape or static value
+retraces.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_strategies.arguments import (
+    Layout,
+    Outputs,
+    Signature,
+    argument_paths,
+    flatten_arguments,
+)
 from xla_strategies.context import ReplicaContext, replica_scope
 from xla_strategies.dumping import (
     STOP_AFTER_COMPILE,
@@ -28,11 +37,12 @@ from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.dump import IRDumper, IRPrinter
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_capture import capture
-from xla_strategies.passes.jax_lowering import lower
+from xla_strategies.passes.jax_lowering import input_shardings, lower
 from xla_strategies.passes.ledger import LedgerRecorder
 from xla_strategies.passes.pipeline import PassPipeline, PassTimer
 from xla_strategies.reduce_op import ReduceOp
-from xla_strategies.trees import as_array, copy_to, path_str
+from xla_strategies.state import declared_outputs, donated_state
+from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
@@ -44,16 +54,10 @@ class Executable:
 
     graph: Graph
     run: Callable[..., tuple[jax.Array, ...]]
-    out_tree: Any
+    outputs: Outputs
     donated: tuple[int, ...]
     captured_text_stats: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Signature:
-    treedef: Any
-    avals: tuple[tuple[tuple[int, ...], str, bool], ...]
 
 
 class CompiledStep:
@@ -66,23 +70,33 @@ class CompiledStep:
         *,
         gradient_reduction: ReduceOp | str = ReduceOp.MEAN,
         mirrored_outputs: Any = None,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        axis_name: str | None = None,
         pipeline: str | PassPipeline | None = None,
         donate: bool = True,
         name: str | None = None,
     ) -> None:
+        if not callable(fn):
+            raise TypeError(f"strategy.compile needs a function, got a {type(fn).__name__}")
         op = ReduceOp.of(gradient_reduction, "gradient_reduction")
         if op not in (ReduceOp.MEAN, ReduceOp.SUM):
             raise ValueError(
                 f"gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got {op.name}"
             )
+        if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+            raise TypeError(f"axis_name must be a non-empty string, got {axis_name!r}")
         self.strategy = strategy
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "step")
         self.gradient_reduction = op
         self.mirrored_outputs = mirrored_outputs
+        self.static_argnums = _int_set(static_argnums, "static_argnums")
+        self.static_argnames = _name_set(static_argnames, fn)
+        self.axis_name = axis_name
         self.pipeline = strategy.pipeline(op, pipeline)
         self.donate = donate
-        self._cache: dict[_Signature, Executable] = {}
+        self._cache: dict[Signature, Executable] = {}
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -97,7 +111,7 @@ class CompiledStep:
                 self.strategy.root_copy(o) if i in executable.graph.rooted_outputs else o
                 for i, o in enumerate(outs)
             ]
-        return jax.tree.unflatten(executable.out_tree, outs)
+        return executable.outputs.join(outs)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The `jax.stages.Lowered` program for these arguments."""
@@ -122,36 +136,24 @@ class CompiledStep:
 
     # building
 
-    def _flatten(self, args: tuple, kwargs: dict) -> tuple[list[Any], _Signature]:
-        # Runs on every call: leaf paths are formatted only for an error message.
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        flat, avals = [], []
-        for index, leaf in enumerate(leaves):
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
-                raise ValueError(
-                    f"{self._where(args, kwargs, index)} was donated to an earlier call of a "
-                    "compiled step and deleted; pass the array that call returned (or compile "
-                    "with donate=False)"
-                )
-            array = as_array(leaf, lambda i=index: self._where(args, kwargs, i))
-            flat.append(array)
-            avals.append(
-                (tuple(array.shape), str(array.dtype), self.strategy.is_per_replica(array))
-            )
-        return flat, _Signature(treedef, tuple(avals))
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[list[Any], Signature]:
+        return flatten_arguments(
+            args,
+            kwargs,
+            self.strategy.layout,
+            self.static_argnums,
+            self.static_argnames,
+            lambda path: f"{self.name} argument {path}",
+        )
 
-    def _where(self, args: tuple, kwargs: dict, index: int) -> str:
-        path = jax.tree_util.tree_flatten_with_path((args, kwargs))[0][index][0]
-        return f"{self.name} argument {_arg_path(path)}"
-
-    def _place(self, flat: list[Any], signature: _Signature) -> list[Any]:
+    def _place(self, flat: list[Any], signature: Signature) -> list[Any]:
         mirrored = NamedSharding(self.strategy.mesh, PartitionSpec())
         return [
-            leaf if per_replica else _put(leaf, mirrored)
-            for leaf, (_, _, per_replica) in zip(flat, signature.avals, strict=True)
+            _put(leaf, mirrored) if spec.layout is Layout.MIRRORED else leaf
+            for leaf, spec in zip(flat, signature.arrays, strict=True)
         ]
 
-    def _executable(self, signature: _Signature) -> Executable:
+    def _executable(self, signature: Signature) -> Executable:
         cached = self._cache.get(signature)
         if cached is None:
             cached = self._cache[signature] = self._build(signature)
@@ -162,45 +164,60 @@ class CompiledStep:
             mesh_axes=dict(self.strategy.mesh.shape), topology=self.strategy.topology
         )
 
-    def _capture(self, signature: _Signature) -> tuple[Graph, Any]:
+    def _capture_mesh(self) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
+        """The mesh the step is traced on, and how its axis names map to the strategy's:
+        with `axis_name`, one axis of that name over all the strategy's devices."""
+        mesh = self.strategy.mesh
+        if self.axis_name is None or mesh.axis_names == (self.axis_name,):
+            return mesh, {}
+        flat = Mesh(mesh.devices.reshape(-1), (self.axis_name,))
+        return flat, {self.axis_name: tuple(mesh.axis_names)}
+
+    def _capture(self, signature: Signature) -> tuple[Graph, Outputs]:
         strategy = self.strategy
-        in_specs = [strategy.input_spec(per_replica) for _, _, per_replica in signature.avals]
+        mesh, rename = self._capture_mesh()
+        specs = signature.arrays
+        split = PartitionSpec(mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0])
         flat_args = [
-            jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(strategy.mesh, spec))
-            for (shape, dtype, _), spec in zip(signature.avals, in_specs, strict=True)
+            jax.ShapeDtypeStruct(
+                spec.shape,
+                spec.dtype,
+                sharding=NamedSharding(
+                    mesh, PartitionSpec() if spec.layout is Layout.MIRRORED else split
+                ),
+            )
+            for spec in specs
         ]
-        context = ReplicaContext(tuple(strategy.mesh.axis_names), strategy.num_replicas_in_sync)
+        context = ReplicaContext(tuple(mesh.axis_names), strategy.num_replicas_in_sync)
+        outputs = Outputs()
 
-        def step(args: tuple, kwargs: dict) -> Any:
+        def step(*arrays: Any) -> list[Any]:
+            args, kwargs = signature.rebuild(arrays)
             with replica_scope(strategy, context):
-                return self.fn(*args, **kwargs)
+                return outputs.split(self.fn(*args, **kwargs))
 
-        names = [
-            _arg_path(p)
-            for p, _ in jax.tree_util.tree_flatten_with_path(
-                jax.tree.unflatten(signature.treedef, range(len(signature.avals)))
-            )[0]
-        ]
-        captured = capture(
+        graph = capture(
             step,
             flat_args,
-            signature.treedef,
-            strategy.mesh,
-            [per_replica for _, _, per_replica in signature.avals],
-            input_names=names,
-            output_prefix="output",
+            mesh,
+            [spec.layout is not Layout.MIRRORED for spec in specs],
+            stacked=[spec.layout is Layout.STACKED for spec in specs],
+            rename=rename,
+            input_names=argument_paths(signature),
+            output_names=lambda: outputs.names,
             name=self.name,
         )
-        graph = captured.graph
         if self.mirrored_outputs is not None:
-            graph.declared_mirrored = _declared_mirrored(self.mirrored_outputs, captured.out_tree)
-        return graph, captured.out_tree
+            declared = declared_outputs(self.mirrored_outputs, outputs)
+            graph.declared_mirrored = frozenset(i for i, op in declared.items() if op is None)
+            graph.output_aggregation = {i: op for i, op in declared.items() if op is not None}
+        return graph, outputs
 
-    def _build(self, signature: _Signature) -> Executable:
+    def _build(self, signature: Signature) -> Executable:
         options = DumpOptions.from_env()
         seconds: dict[str, float] = {}
         start = time.perf_counter()
-        graph, out_tree = self._capture(signature)
+        graph, outputs = self._capture(signature)
         seconds["capture"] = time.perf_counter() - start
         captured_stats = _reduction_stats(graph)
         pipeline = self.pipeline
@@ -219,12 +236,12 @@ class CompiledStep:
         start = time.perf_counter()
         pipeline.run(graph, self._pass_context())
         seconds["pipeline"] = time.perf_counter() - start
-        donated = self._donated(signature, out_tree, graph) if self.donate else ()
-        in_specs = [self.strategy.input_spec(per_replica) for _, _, per_replica in signature.avals]
-        run = lower(graph, self.strategy.mesh, in_specs, donated)
+        donated = donated_state(signature, outputs, graph) if self.donate else ()
+        mesh, stacked_mesh = self.strategy.mesh, self.strategy.stacked_mesh
+        run = lower(graph, mesh, donated, stacked_mesh)
         if directory is not None:
-            shardings = [NamedSharding(self.strategy.mesh, spec) for spec in in_specs]
-            args = abstract([(s, d) for s, d, _ in signature.avals], shardings)
+            shardings = input_shardings(graph, mesh, stacked_mesh)
+            args = abstract([(s.shape, s.dtype) for s in signature.arrays], shardings)
             write_artifacts(directory, graph, run, args, ledger, self.strategy.topology)
         if options.stop_after_compile:
             print(
@@ -232,31 +249,7 @@ class CompiledStep:
                 file=sys.stderr,
             )
             raise SystemExit(STOPPED_EXIT_CODE)
-        return Executable(graph, run, out_tree, donated, captured_stats, seconds)
-
-    def _donated(self, signature: _Signature, out_tree: Any, graph: Graph) -> tuple[int, ...]:
-        """Flat indices of the step's state: a mirrored positional argument that comes back
-        at the same position of a tuple of outputs, with the same structure and types
-        (`params, opt_state, ... = step(params, opt_state, ...)`), holding at least one
-        non-scalar array. Anything else, e.g. an evaluation step's inputs, is never donated."""
-        out_types = [None if v.varying_axes else (v.shape, v.dtype) for v in graph.outputs]
-        outputs = jax.tree.unflatten(out_tree, range(out_tree.num_leaves))
-        if not isinstance(outputs, tuple | list):
-            return ()
-        args = jax.tree.unflatten(signature.treedef, range(len(signature.avals)))[0]
-        donated: list[int] = []
-        for arg, part in zip(args, outputs, strict=False):
-            flat = jax.tree.leaves(arg)
-            if not flat or any(signature.avals[i][2] for i in flat):
-                continue
-            types = [signature.avals[i][:2] for i in flat]
-            if (
-                jax.tree.structure(part) == jax.tree.structure(arg)
-                and types == [out_types[j] for j in jax.tree.leaves(part)]
-                and any(shape for shape, _ in types)
-            ):
-                donated.extend(flat)
-        return tuple(donated)
+        return Executable(graph, run, outputs, donated, captured_stats, seconds)
 
 
 def _put(leaf: Any, sharding: NamedSharding) -> Any:
@@ -265,27 +258,29 @@ def _put(leaf: Any, sharding: NamedSharding) -> Any:
     return copy_to(leaf, sharding)  # never donate a caller's buffer
 
 
-def _arg_path(path: tuple[Any, ...]) -> str:
-    """Paths of the (args, kwargs) pair read as `args[0]['w']` or `kwargs['batch']`."""
-    head, rest = path[0], path[1:]
-    return path_str("args" if getattr(head, "idx", 0) == 0 else "kwargs", rest)
+def _int_set(value: int | Sequence[int], what: str) -> frozenset[int]:
+    items = (value,) if isinstance(value, int) else tuple(value)
+    if not all(isinstance(i, int) and i >= 0 for i in items):
+        raise TypeError(f"{what} must be non-negative ints, got {value!r}")
+    return frozenset(items)
 
 
-def _declared_mirrored(prefix: Any, out_tree: Any) -> frozenset[int]:
-    """Flat output positions under a `True` leaf of the user's pytree prefix."""
-    outputs = jax.tree.unflatten(out_tree, range(out_tree.num_leaves))
+def _name_set(value: str | Sequence[str], fn: Callable[..., Any]) -> frozenset[str]:
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"static_argnames must be strings, got {value!r}")
     try:
-        marks = jax.tree.map(
-            lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)), prefix, outputs
-        )
-    except ValueError as exc:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check against
+        return frozenset(names)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    unknown = [n for n in names if n not in parameters and not takes_any]
+    if unknown:
         raise ValueError(
-            f"mirrored_outputs must be a pytree prefix of the step's outputs ({out_tree}): {exc}"
-        ) from None
-    flags = [
-        f for group in jax.tree.leaves(marks, is_leaf=lambda x: isinstance(x, list)) for f in group
-    ]
-    return frozenset(i for i, flag in enumerate(flags) if flag)
+            f"static_argnames names {unknown}, which {getattr(fn, '__name__', 'the step')} "
+            f"does not take (its parameters: {list(parameters)})"
+        )
+    return frozenset(names)
 
 
 def _reduction_stats(graph: Graph) -> dict[str, Any]:

@@ -1,8 +1,15 @@
 """The `Strategy` base: a strategy answers layout questions and holds no algorithm.
 
 It knows its devices and mesh, how inputs are placed, and which pass pipeline its steps
-run. Values are plain `jax.Array`s: per-replica values are stacked on a leading replica axis
-and sharded over it, mirrored values are replicated. Their sharding says which is which.
+run. Values are plain `jax.Array`s and their sharding says what they are (`Layout`):
+
+- mirrored: replicated on every replica;
+- split: a global batch, split on dim 0 across the replicas;
+- stacked: one value per replica (a varying step output, per-replica state such as
+  BatchNorm statistics), stacked on a leading axis of length `num_replicas_in_sync` and
+  sharded over `strategy.stacked_mesh`, whose axis names are the replica axes with the
+  reserved prefix `STACKED_PREFIX`. A stacked value of shape `[R, ...]` and a batch of R rows
+  therefore never look alike, whatever their shapes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_strategies.arguments import STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
 from xla_strategies.passes import DEFAULT_PIPELINE
@@ -45,6 +53,7 @@ class Strategy:
         if array.ndim != len(axis_names):
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
         self._mesh = Mesh(array, axis_names)
+        self._stacked_mesh = Mesh(array, tuple(STACKED_PREFIX + a for a in axis_names))
         self._compiled_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # layout questions
@@ -73,15 +82,34 @@ class Strategy:
         axes = tuple(self._mesh.axis_names)
         return PartitionSpec(axes if len(axes) > 1 else axes[0])
 
-    def is_per_replica(self, array: Any) -> bool:
-        """An array is per-replica when it is split over this strategy's replicas on dim 0."""
+    @property
+    def stacked_mesh(self) -> Mesh:
+        """The mesh of stacked per-replica values: this mesh's devices, reserved axis names."""
+        return self._stacked_mesh
+
+    def stacked_sharding(self) -> NamedSharding:
+        """Where a stacked per-replica value lives: row r on replica r."""
+        axes = tuple(self._stacked_mesh.axis_names)
+        return NamedSharding(self._stacked_mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+
+    def layout(self, array: Any) -> Layout:
+        """Whether `array` is a split batch, stacked per-replica values, or mirrored."""
         sharding = getattr(array, "sharding", None)
-        return (
-            isinstance(sharding, NamedSharding)
-            and sharding.mesh.devices.shape == self._mesh.devices.shape
-            and np.array_equal(sharding.mesh.devices, self._mesh.devices)
-            and sharding.spec[:1] == self.input_spec(True)[:1]
-        )
+        if not isinstance(sharding, NamedSharding) or not np.array_equal(
+            sharding.mesh.devices, self._mesh.devices
+        ):
+            return Layout.MIRRORED
+        if sharding.mesh.axis_names == self._stacked_mesh.axis_names:
+            if sharding.spec[:1] == self.stacked_sharding().spec[:1]:
+                return Layout.STACKED
+        elif sharding.mesh.axis_names == self._mesh.axis_names:
+            if sharding.spec[:1] == self.input_spec(True)[:1]:
+                return Layout.SPLIT
+        return Layout.MIRRORED
+
+    def is_per_replica(self, array: Any) -> bool:
+        """Whether replicas see different parts of `array` (a split batch or stacked values)."""
+        return self.layout(array) is not Layout.MIRRORED
 
     def pipeline(
         self, gradient_reduction: ReduceOp, spec: str | PassPipeline | None = None
@@ -186,7 +214,7 @@ class Strategy:
     # helpers
 
     def _is_stacked(self, array: Any) -> bool:
-        return self.is_per_replica(array) and array.shape[:1] == (self.num_replicas_in_sync,)
+        return self.layout(array) is Layout.STACKED
 
     def _stacked(self, array: Any) -> Any | None:
         """Per-replica data as [replicas, per-replica value...]: a step's stacked output as

@@ -1,0 +1,221 @@
+"""How a compiled step reads its arguments and writes its outputs.
+
+Every leaf of a step's arguments is one of:
+
+- an array (`jax.Array`, numpy array, Python int/float/complex), traced; its `Layout` says
+  where it lives and so what each replica sees of it;
+- static: declared with `static_argnums`/`static_argnames`, or any other leaf (a bool flag,
+  a string, a function, an equinox module's activation). Static leaves are part of the cache
+  key, so they must be hashable, and the step closes over them, as with `jax.jit`'s static
+  arguments and `equinox.filter_jit`.
+
+Typed PRNG keys (`jax.random.key`) travel as their key data (`uint32[..., 2]`) and are
+wrapped again on both sides, so the IR and the lowering only ever see plain dtypes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from xla_strategies.trees import path_str
+
+#: Stacked per-replica values live on a mesh whose axis names carry this prefix.
+STACKED_PREFIX = "stacked:"
+
+
+class Layout(enum.Enum):
+    """Where an array lives and what each replica sees of it."""
+
+    MIRRORED = "mirrored"  # whole, on every replica
+    SPLIT = "split"  # a global batch: dim 0 split across the replicas
+    STACKED = "stacked"  # one value per replica, stacked on a leading replica axis
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """A traced leaf: its global shape and dtype (of the key data, for a typed key)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    layout: Layout
+    key_impl: str | None = None
+
+
+@dataclass(frozen=True)
+class Static:
+    """A leaf the step closes over. The type keeps `True` and `1` apart in the cache key."""
+
+    kind: type
+    value: Any
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The cache key of a step: argument structure, and each leaf's spec or static value."""
+
+    treedef: Any
+    leaves: tuple[ArraySpec | Static, ...]
+
+    @property
+    def arrays(self) -> list[ArraySpec]:
+        return [leaf for leaf in self.leaves if isinstance(leaf, ArraySpec)]
+
+    def traced_indices(self) -> list[int]:
+        """Leaf positions of the traced arguments, in order."""
+        return [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, ArraySpec)]
+
+    def rebuild(self, arrays: Sequence[Any]) -> tuple[tuple, dict]:
+        """`(args, kwargs)` from the traced arrays, static values and wrapped keys put back."""
+        traced = iter(arrays)
+        leaves = []
+        for leaf in self.leaves:
+            if isinstance(leaf, Static):
+                leaves.append(leaf.value.value if isinstance(leaf.value, _Declared) else leaf.value)
+            else:
+                array = next(traced)
+                leaves.append(_wrap_key(array, leaf.key_impl))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """An argument declared static: a leaf as a whole, whatever pytree it is."""
+
+    value: Any
+
+
+def is_traced(leaf: Any) -> bool:
+    """Arrays and Python numbers are traced; bools, strings, functions and objects are not."""
+    if isinstance(leaf, bool):
+        return False
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex)
+
+
+def flatten_arguments(
+    args: tuple,
+    kwargs: dict,
+    layout_of: Callable[[Any], Layout],
+    static_argnums: frozenset[int],
+    static_argnames: frozenset[str],
+    where: Callable[[str], str],
+) -> tuple[list[Any], Signature]:
+    """The traced arrays of `(args, kwargs)` and the step's signature.
+
+    Args:
+        layout_of: the strategy's layout of an array.
+        where: turns an argument path (`args[0]['w']`) into the name used in errors.
+    """
+    args = tuple(_Declared(a) if i in static_argnums else a for i, a in enumerate(args))
+    kwargs = {k: _Declared(v) if k in static_argnames else v for k, v in kwargs.items()}
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    arrays: list[Any] = []
+    specs: list[ArraySpec | Static] = []
+    for index, leaf in enumerate(leaves):
+        if not is_traced(leaf):
+            specs.append(_static(leaf, lambda i=index: where(_leaf_path(args, kwargs, i))))
+            continue
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"{where(_leaf_path(args, kwargs, index))} was donated to an earlier call of a "
+                "compiled step and deleted; pass the array that call returned (or compile "
+                "with donate=False)"
+            )
+        array, impl = _unwrap_key(leaf if isinstance(leaf, jax.Array) else np.asarray(leaf))
+        arrays.append(array)
+        specs.append(ArraySpec(tuple(array.shape), str(array.dtype), layout_of(leaf), impl))
+    return arrays, Signature(treedef, tuple(specs))
+
+
+def argument_paths(signature: Signature) -> list[str]:
+    """The path of each traced leaf, `args[0]['w']` or `kwargs['batch']`."""
+    indices = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(indices)[0]]
+    return [
+        _arg_path(path)
+        for path, leaf in zip(paths, signature.leaves, strict=True)
+        if isinstance(leaf, ArraySpec)
+    ]
+
+
+@dataclass
+class Outputs:
+    """What a step returned, apart from its traced arrays: the structure, the static leaves,
+    and which traced leaves were typed keys. Filled in while the step is traced."""
+
+    treedef: Any = None
+    leaves: tuple[Any, ...] = ()  # a static value, or an ArraySpec-less marker (a key impl)
+    names: tuple[str, ...] = ()  # the path of each traced output
+
+    def split(self, result: Any) -> list[Any]:
+        """Record `result`'s structure and static leaves; return its traced arrays."""
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(result)
+        traced, leaves, names = [], [], []
+        for path, leaf in flat:
+            if is_traced(leaf):
+                array, impl = _unwrap_key(jax.numpy.asarray(leaf))
+                traced.append(array)
+                leaves.append(_TracedOutput(impl))
+                names.append("output" + jax.tree_util.keystr(path))
+            else:
+                leaves.append(leaf)
+        self.leaves, self.names = tuple(leaves), tuple(names)
+        return traced
+
+    def traced_indices(self) -> list[int]:
+        """Leaf positions of the traced outputs, in order."""
+        return [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, _TracedOutput)]
+
+    def join(self, arrays: Sequence[Any]) -> Any:
+        """The step's result from its traced outputs: keys wrapped, static leaves put back."""
+        traced = iter(arrays)
+        leaves = [
+            _wrap_key(next(traced), leaf.key_impl) if isinstance(leaf, _TracedOutput) else leaf
+            for leaf in self.leaves
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclass(frozen=True)
+class _TracedOutput:
+    key_impl: str | None
+
+
+def _static(leaf: Any, where: Callable[[], str]) -> Static:
+    value = leaf.value if isinstance(leaf, _Declared) else leaf
+    try:
+        hash(value)
+    except TypeError as exc:
+        kind = "declared static" if isinstance(leaf, _Declared) else "not an array, so static"
+        raise TypeError(
+            f"{where()} is {kind} and must be hashable (it is part of the compile cache key), "
+            f"but a {type(value).__name__} is not: {exc}. Pass it as an array, make it "
+            "hashable, or close over it in the step"
+        ) from None
+    return Static(type(value), leaf)
+
+
+def _unwrap_key(array: Any) -> tuple[Any, str | None]:
+    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(array), str(jax.random.key_impl(array))
+    return array, None
+
+
+def _wrap_key(array: Any, impl: str | None) -> Any:
+    return array if impl is None else jax.random.wrap_key_data(array, impl=impl)
+
+
+def _leaf_path(args: tuple, kwargs: dict, index: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path((args, kwargs))[0][index][0]
+    return _arg_path(path)
+
+
+def _arg_path(path: tuple[Any, ...]) -> str:
+    """Paths of the (args, kwargs) pair read as `args[0]['w']` or `kwargs['batch']`."""
+    head, rest = path[0], path[1:]
+    return path_str("args" if getattr(head, "idx", 0) == 0 else "kwargs", rest)
