@@ -141,7 +141,7 @@ def _is_combined(node: Node) -> bool:
 def _label(node: Node) -> str:
     """What a bucket member was: its parameter, else its source line, else its shape."""
     shape = "x".join(map(str, node.inputs[0].shape)) or "scalar"
-    return node.attrs.get("param") or node.attrs.get("source") or shape
+    return node.label or shape
 
 
 def _combine(graph: Graph, bucket: _Bucket, index: int, created_by: str) -> None:

@@ -98,6 +98,8 @@ def _aggregate_outputs(graph: Graph, ctx: PassContext, created_by: str) -> bool:
         key = (value, op)
         if key not in made:
             node = _aggregation(value, op, ctx, created_by)
+            if node is not None:
+                node.attrs["output"] = graph.output_name(index)
             if node is None:
                 made[key] = value
             else:

@@ -34,7 +34,9 @@ COLLECTIVE_OPS = frozenset(
 DATA_OPS = frozenset({"concatenate", "slice", "reshape", "add", "scale", "convert", "constant"})
 # `pvary` changes a value's type from replica-invariant to varying; it moves no data.
 TYPE_OPS = frozenset({"pvary"})
-KNOWN_OPS = COLLECTIVE_OPS | DATA_OPS | TYPE_OPS
+# The replica's index along `axes` (row-major over several).
+QUERY_OPS = frozenset({"axis_index"})
+KNOWN_OPS = COLLECTIVE_OPS | DATA_OPS | TYPE_OPS | QUERY_OPS
 REDUCE_OPS = ("sum", "mean", "max", "min")
 FOREIGN_PREFIX = "jax."
 
@@ -139,6 +141,13 @@ class Node:
     def primitive(self) -> str:
         """The JAX primitive name of a foreign node (``jax.scan`` -> ``scan``)."""
         return self.op[len(FOREIGN_PREFIX) :] if self.is_foreign else self.op
+
+    @property
+    def label(self) -> str | None:
+        """What a collective reduces, for dumps: its parameter's pytree path (a gradient),
+        the output it aggregates, or the user's source line."""
+        a = self.attrs
+        return a.get("param") or a.get("output") or a.get("source")
 
     def __repr__(self) -> str:
         return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"

@@ -316,6 +316,8 @@ class _Importer:
             if origin == "autodiff" and len(inputs) == 1:
                 self._reductions.append((_frames(eqn), node))
             return node
+        if prim == "axis_index":  # renamed axes may be several: a tuple binds no primitive
+            return Node("axis_index", inputs, outputs, {"axes": self.axes(params)})
         if prim == "pvary":
             self._uses.setdefault(_frames(eqn), []).extend(inputs)
             return Node("pvary", inputs, outputs, {"axes": self.axes(params)})

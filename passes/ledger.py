@@ -35,7 +35,7 @@ def collectives(graph: Graph, topology: Any = None) -> list[dict[str, Any]]:
         estimate = None
         if topology is not None and node.op in ("all_reduce", "reduce_scatter", "all_gather"):
             estimate = trips * topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))
-        label = node.attrs.get("param") or node.attrs.get("source")
+        label = node.label
         entries.append(
             {
                 "id": len(entries),

@@ -7,6 +7,12 @@ interrupted never becomes the latest checkpoint. In multi-process runs every hos
 its own shards and the primary host commits. Restoring places the state with the
 restoring strategy's shardings, so a checkpoint saved under one strategy restores under
 another (MirroredStrategy(8) to OneDeviceStrategy, or a different replica count).
+
+Per-replica state (stacked values, such as BatchNorm statistics a step keeps per replica)
+is saved whole, every replica's value, with a note of which leaves are stacked. Restored
+into a stacked target of the same replica count it comes back exactly; into a mirrored
+target, or under another replica count, every replica gets the mean of the saved
+replicas' values: the aggregated value tf.distribute saves for a `SyncOnRead` variable.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 
+from xla_strategies.arguments import Layout
 from xla_strategies.trees import map_arrays
 
 if TYPE_CHECKING:
@@ -79,6 +87,7 @@ class CheckpointManager:
         handlers = {
             "state": ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_compression=compression),
             "input": ocp.JsonCheckpointHandler(),
+            "layout": ocp.JsonCheckpointHandler(),
         }
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
@@ -90,7 +99,10 @@ class CheckpointManager:
         """Write `state` (and the iterator's position) as checkpoint `step`. Returns whether
         a save started (steps off the interval are skipped unless `force`)."""
         map_arrays(lambda a, _: a, state, "save(state)")  # every leaf must be an array
-        items = {"state": self._ocp.args.PyTreeSave(state)}
+        items = {
+            "state": self._ocp.args.PyTreeSave(state),
+            "layout": self._ocp.args.JsonSave(self._stacked_leaves(state)),
+        }
         if dataset_iterator is not None:
             items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
         if force or self._manager.should_save(step):
@@ -133,6 +145,15 @@ class CheckpointManager:
             f"{'none' if kept is None else f'step {kept}'}\n{exc}"
         )
 
+    def _stacked_leaves(self, state: Any) -> dict[str, Any]:
+        """The paths of the stacked per-replica leaves of `state`, and the replica count."""
+        stacked = [
+            list(_normalized(path))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+            if self.strategy.layout(leaf) is Layout.STACKED
+        ]
+        return {"stacked": stacked, "replicas": self.strategy.num_replicas_in_sync}
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
@@ -154,10 +175,12 @@ class CheckpointManager:
                 f"no checkpoint {'' if step is None else step} in {self.directory} (steps: {known})"
             )
         _check_structure(self._saved_tree(step), target, self.directory / str(step))
-        placed = self.strategy.state_sharding()
-        abstract = map_arrays(
-            lambda a, _: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), target, "target"
+        layout = self._saved_layout(step)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            map_arrays(lambda a, _: a, target, "target")
         )
+        plans = [self._plan(path, leaf, layout) for path, leaf in leaves]
+        abstract = jax.tree_util.tree_unflatten(treedef, [plan[0] for plan in plans])
         restore_args = self._ocp.checkpoint_utils.construct_restore_args(abstract)
         items = {"state": self._ocp.args.PyTreeRestore(abstract, restore_args=restore_args)}
         if dataset_iterator is not None:
@@ -168,7 +191,45 @@ class CheckpointManager:
             raise CheckpointError(f"could not restore {self.directory / str(step)}: {exc}") from exc
         if dataset_iterator is not None:
             dataset_iterator.set_state(restored["input"])
-        return restored["state"]
+        values = jax.tree.leaves(restored["state"])
+        return jax.tree_util.tree_unflatten(
+            treedef, [finish(v) for v, (_, finish) in zip(values, plans, strict=True)]
+        )
+
+    def _plan(self, path: Any, leaf: Any, layout: dict[str, Any]) -> tuple[Any, Any]:
+        """How to restore one leaf: what to read (shape, dtype, sharding) and what to make
+        of it. A stacked leaf restores as it is into a stacked target of the saved replica
+        count; otherwise its replicas' mean is every replica's value."""
+        state = self.strategy.state_sharding()
+        keep = lambda value: value  # noqa: E731
+        if list(_normalized(path)) not in layout.get("stacked", []):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=state), keep
+        saved_replicas = layout["replicas"]
+        stacked = self.strategy.layout(leaf) is Layout.STACKED
+        per_replica = leaf.shape[1:] if stacked else leaf.shape
+        if stacked and leaf.shape[0] == saved_replicas:
+            sharding = self.strategy.stacked_sharding()
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), keep
+        target_sharding = self.strategy.stacked_sharding() if stacked else state
+
+        def aggregate(value: jax.Array) -> jax.Array:
+            mean = jnp.mean(value, axis=0).astype(leaf.dtype)
+            if stacked:
+                mean = jnp.broadcast_to(mean, leaf.shape)
+            return jax.device_put(mean, target_sharding)
+
+        raw = (saved_replicas, *per_replica)
+        return jax.ShapeDtypeStruct(raw, leaf.dtype, sharding=state), aggregate
+
+    def _saved_layout(self, step: int) -> dict[str, Any]:
+        """Which leaves checkpoint `step` holds stacked per replica (none for checkpoints
+        written before layouts were recorded)."""
+        if not (self.directory / str(step) / "layout").exists():
+            return {}
+        restored = self._manager.restore(
+            step, args=self._ocp.args.Composite(layout=self._ocp.args.JsonRestore())
+        )
+        return restored["layout"] or {}
 
     def _saved_tree(self, step: int) -> Any:
         try:
@@ -202,12 +263,16 @@ def _plain(tree: Any) -> Any:
 def _paths(tree: Any) -> set[tuple[str, ...]]:
     """Leaf paths as plain key tokens: orbax's metadata stores tuples as lists and attribute
     names as keys, and drops flax's `.value`, so `[0].count` and `['0']['count']` agree."""
-    tokens = re.compile(r"\[\'?([^\]\']+)\'?\]|\.(\w+)")
-    found = set()
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = ["".join(m) for m in tokens.findall(jax.tree_util.keystr(path))]
-        found.add(tuple(p for p in parts if p != "value"))
-    return found
+    return {_normalized(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+_TOKENS = re.compile(r"\[\'?([^\]\']+)\'?\]|\.(\w+)")
+
+
+def _normalized(path: Any) -> tuple[str, ...]:
+    """A pytree path as plain key tokens (see `_paths`)."""
+    parts = ["".join(m) for m in _TOKENS.findall(jax.tree_util.keystr(path))]
+    return tuple(p for p in parts if p != "value")
 
 
 def _check_structure(saved: Any, target: Any, where: Path) -> None:

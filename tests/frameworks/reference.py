@@ -1,0 +1,40 @@
+"""References computed without the library: per-replica slices of a global batch, and a
+data-parallel step done by hand on one device (each replica's gradient, then their mean)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+import xla_strategies as xs
+
+R = 8  # replicas: the suite runs on 8 emulated CPU devices
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def replica_slices(batch: Any, replicas: int = R) -> list[Any]:
+    """What each replica sees of a global batch: equal consecutive slices of dim 0."""
+    return [
+        jax.tree.map(lambda a, r=r: a[r * (len(a) // replicas) : (r + 1) * (len(a) // replicas)], batch)
+        for r in range(replicas)
+    ]
+
+
+def mean_of(trees: list[Any]) -> Any:
+    """The MEAN gradient reduction, computed on the host."""
+    return jax.tree.map(lambda *xs_: np.mean(np.stack(xs_), axis=0), *trees)
+
+
+def distribute(strategy: xs.Strategy, batches: list[Any]) -> list[Any]:
+    return list(strategy.experimental_distribute_dataset(batches))
+
+
+def assert_trees_close(actual: Any, expected: Any, **tol: float) -> None:
+    tol = {**TOL, **tol}
+    jax.tree.map(
+        lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tol),
+        actual,
+        expected,
+    )

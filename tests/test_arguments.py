@@ -1,0 +1,180 @@
+"""What a step may take and return: static arguments, non-array leaves, typed PRNG keys,
+and the user's name for the replica axis."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import xla_strategies as xs
+from xla_strategies.arguments import Layout
+from xla_strategies.hlo import count_hlo_collectives
+
+R = 8
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return xs.MirroredStrategy()
+
+
+def _batch(strategy, rows=16, cols=3, seed=0):
+    data = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
+    return data, next(iter(strategy.experimental_distribute_dataset([data])))
+
+
+# static arguments
+
+
+def test_static_argnames_flag_and_cache_key(mirrored):
+    def step(w, x, train=False, scale=1.0):
+        y = x @ w
+        return (jnp.mean(y) if train else jnp.sum(y)) * scale
+
+    compiled = mirrored.compile(step, static_argnames="train")
+    data, x = _batch(mirrored)
+    w = np.ones((3, 1), np.float32)
+    per_replica = data.reshape(R, -1, 3) @ w
+    mean = compiled(w, x, train=True, scale=1.0)
+    np.testing.assert_allclose(mean, per_replica.mean(axis=(1, 2)), rtol=1e-6)
+    total = compiled(w, x, train=False, scale=1.0)
+    np.testing.assert_allclose(total, per_replica.sum(axis=(1, 2)), rtol=1e-5)
+    doubled = compiled(w, x, train=True, scale=2.0)  # a traced float: no new program
+    np.testing.assert_allclose(doubled, 2 * per_replica.mean(axis=(1, 2)), rtol=1e-6)
+    assert compiled.cache_size == 2
+
+
+def test_static_argnums_take_a_whole_argument(mirrored):
+    @mirrored.compile(static_argnums=1)
+    def step(x, config):
+        factor, name = config
+        return x * factor + len(name)
+
+    assert float(step(np.float32(2.0), (3, "ab"))) == 8.0
+
+
+def test_non_array_leaves_are_static(mirrored):
+    @mirrored.compile
+    def step(x, options):
+        activation, mode = options["activation"], options["mode"]
+        return activation(x) if mode == "apply" else x, options  # static leaves come back
+
+    x = mirrored.replicate(np.array([-1.0, 2.0], np.float32))
+    options = {"activation": jax.nn.relu, "mode": "apply", "unused": None}
+    y, same = step(x, options)  # x is donated: y is the state that comes back
+    np.testing.assert_array_equal(np.asarray(y), [0.0, 2.0])
+    assert same["activation"] is jax.nn.relu and same["mode"] == "apply"
+    step(y, {**options, "mode": "skip"})
+    assert step.cache_size == 2
+
+
+def test_unhashable_static_values_name_their_path(mirrored):
+    step = mirrored.compile(lambda x, cfg: x, static_argnums=1)
+    with pytest.raises(TypeError, match=r"lambda> argument args\[1\] is declared static and"):
+        step(np.float32(1.0), {"a": [1]})
+    plain = mirrored.compile(lambda x, cfg: x, name="plain")
+    with pytest.raises(TypeError, match=r"plain argument args\[1\]\['s'\] is not an array"):
+        plain(np.float32(1.0), {"s": _Unhashable()})
+
+
+class _Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_bad_compile_options(mirrored):
+    with pytest.raises(TypeError, match="needs a function, got a int"):
+        mirrored.compile(42)
+
+    def step(w, train):
+        return w
+
+    with pytest.raises(ValueError, match=r"names \['nope'\], which step does not take"):
+        mirrored.compile(step, static_argnames=["nope"])
+    with pytest.raises(TypeError, match="static_argnums must be non-negative ints"):
+        mirrored.compile(step, static_argnums="train")
+    with pytest.raises(TypeError, match="axis_name must be a non-empty string"):
+        mirrored.compile(step, axis_name=("a", "b"))
+
+
+# typed PRNG keys
+
+
+def test_typed_keys_round_trip_and_fold_in_per_replica(mirrored):
+    @mirrored.compile
+    def step(key, x):
+        replica = xs.get_replica_context().replica_id_in_sync_group
+        noise = jax.random.normal(jax.random.fold_in(key, replica), x.shape)
+        return key, jax.random.split(key)[1], noise, jax.random.fold_in(key, replica)
+
+    key = jax.random.key(42)
+    _, x = _batch(mirrored)
+    same, split, noise, per_replica = step(key, x)
+    assert jnp.issubdtype(same.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(same), jax.random.key_data(key))
+    np.testing.assert_array_equal(
+        jax.random.key_data(split), jax.random.key_data(jax.random.split(key)[1])
+    )
+    assert per_replica.shape == (R,) and mirrored.layout(per_replica) is Layout.STACKED
+    expected = [jax.random.normal(jax.random.fold_in(key, r), (2, 3)) for r in range(R)]
+    np.testing.assert_allclose(np.asarray(noise), np.stack(expected), rtol=1e-6)
+    # a stacked key array goes back in as one key per replica
+    echoed = mirrored.compile(lambda k: k)(per_replica)
+    np.testing.assert_array_equal(jax.random.key_data(echoed), jax.random.key_data(per_replica))
+
+
+def test_stacked_keys_give_each_replica_its_own(mirrored):
+    keys = jax.random.split(jax.random.key(0), R)
+    stacked = jax.device_put(keys, mirrored.stacked_sharding())
+
+    @mirrored.compile
+    def step(key):
+        return key.shape, jax.random.key_data(key)
+
+    shape, data = step(stacked)
+    assert tuple(np.asarray(shape)) == ()  # one key per replica, not a batch of one
+    np.testing.assert_array_equal(np.asarray(data), np.asarray(jax.random.key_data(keys)))
+
+
+# axis names
+
+
+def _pmap_style_step(w, x, y):
+    """Written for `jax.pmap(..., axis_name="batch")`."""
+    loss, grads = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    grads = lax.pmean(grads, "batch")
+    loss = lax.pmean(loss, "batch")
+    count = lax.psum(1, "batch")
+    return w - 0.1 * grads, loss, count, lax.axis_index("batch")
+
+
+@pytest.mark.parametrize(
+    "make", [xs.MirroredStrategy, lambda: xs.TPUStrategy("v5e-8", emulate=True)]
+)
+def test_pmap_code_runs_under_its_axis_name(make):
+    strategy = make()
+    step = strategy.compile(_pmap_style_step, axis_name="batch")
+    rng = np.random.default_rng(1)
+    xs_, ys = rng.normal(size=(16, 3)), rng.normal(size=(16, 1))
+    xs_, ys = xs_.astype(np.float32), ys.astype(np.float32)
+    x, y = next(iter(strategy.experimental_distribute_dataset([(xs_, ys)])))
+    w = np.zeros((3, 1), np.float32)
+    new_w, loss, count, index = step(w, x, y)
+    ref_loss, ref_grad = jax.value_and_grad(lambda w: jnp.mean((xs_ @ w - ys) ** 2))(w)
+    np.testing.assert_allclose(np.asarray(new_w), w - 0.1 * ref_grad, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
+    assert int(count) == R and np.asarray(index).tolist() == list(range(R))
+    # the user's pmean of already-reduced gradients costs no second all-reduce
+    graph = step.graph(w, x, y, after="fold-invariant-reductions")
+    assert graph.count_ops("all_reduce") == 2  # the gradient and the loss
+    hlo = step.lower(w, x, y).compile().as_text()
+    assert count_hlo_collectives(hlo)["all-reduce"] <= 2
+
+
+def test_unknown_axis_suggests_axis_name(mirrored):
+    step = mirrored.compile(_pmap_style_step)
+    _, x = _batch(mirrored)
+    with pytest.raises(xs.UnknownAxisError, match=r"compile\(axis_name='batch'\)"):
+        step(np.zeros((3, 1), np.float32), x, x[:, :1])
