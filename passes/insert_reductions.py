@@ -1,11 +1,18 @@
 """insert-reductions: give autodiff's cross-replica reductions the strategy's semantics.
 
 Capture already finds a reduction wherever a mirrored value's gradient is complete (JAX's
-varying-axes types put a `psum` there). This pass decides what that reduction means:
-the strategy's `gradient_reduction`, MEAN by default so that N replicas on N slices of a
-batch give the same parameters as one device on the whole batch. Collectives the user wrote
-keep their meaning. It also classifies outputs: invariant ones come back mirrored, varying
-ones per replica, and an output the user declared mirrored that still varies is an error.
+varying-axes types put a `psum` there), and with those sums JAX's gradient is exactly that
+of the sum of the replicas' losses. Capture also marks, with a `scale` node of origin
+`gradient`, each gradient of a mirrored value taken of a per-replica loss. This pass
+decides what the gradient means: the strategy's `gradient_reduction`, MEAN by default, sets
+those scales to 1/N so that N replicas on N slices of a batch give the same parameters as
+one device on the whole batch; SUM leaves them at 1 (tf.distribute's custom-loop
+convention). Scaling the finished gradient, not each reduction, keeps gradients that cross
+two reductions right (BatchNorm statistics `pmean`ed in the forward pass), and leaves a
+loss that is already the same on every replica, and input gradients, as they are.
+Collectives the user wrote keep their meaning. It also classifies outputs: invariant ones
+come back mirrored, varying ones per replica, and an output the user declared mirrored
+that still varies is an error.
 
 Outputs declared aggregated (`compile(mirrored_outputs=(True, xs.ReduceOp.MEAN))`,
 tf.distribute's `VariableAggregation`) get their reduction here, as an `all_reduce` with
@@ -16,8 +23,10 @@ all-reduce). The aggregate of a value that is already the same on every replica 
 
     Before:
       %3: f32[4,3] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
-    After (gradient-reduction=mean):
-      %3: f32[4,3] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}
+      %4: f32[4,3] = scale(%3) {"axes": ["replica"], "factor": 1, "origin": "gradient"}
+    After (gradient-reduction=mean, 8 replicas):
+      %3: f32[4,3] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+      %4: f32[4,3] = scale(%3) {"axes": ["replica"], "factor": 0.125, "origin": "gradient"}
 
     Before (an output declared aggregated):
       %1: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}
@@ -30,6 +39,7 @@ all-reduce). The aggregate of a value that is already the same on every replica 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
@@ -43,7 +53,8 @@ class MirroredOutputError(ValueError):
 @dataclass(frozen=True)
 class InsertReductions(Pass):
     """Options:
-    gradient_reduction: ``mean`` (default) or ``sum``, applied to autodiff reductions.
+    gradient_reduction: ``mean`` (default) or ``sum``: what gradients of mirrored values
+        taken of per-replica losses are.
     """
 
     name = "insert-reductions"
@@ -58,12 +69,22 @@ class InsertReductions(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         changed = False
-        for node in graph.walk():
-            if node.op == "all_reduce" and node.attrs.get("origin") == "autodiff":
-                if node.attrs.get("reduce_op") != self.gradient_reduction:
-                    node.attrs["reduce_op"] = self.gradient_reduction
-                    node.created_by = self.name
-                    changed = True
+        scales = [
+            n for n in graph.walk() if n.op == "scale" and n.attrs.get("origin") == "gradient"
+        ]
+        for node in scales:
+            replicas = math.prod(ctx.mesh_axes[a] for a in node.attrs["axes"])
+            factor = 1 / replicas if self.gradient_reduction == "mean" else 1
+            if node.attrs["factor"] != factor:
+                node.attrs["factor"] = factor
+                node.created_by = self.name
+                changed = True
+        autodiff = any(n.attrs.get("origin") == "autodiff" for n in graph.walk())
+        if autodiff and not scales and self.gradient_reduction == "mean":
+            ctx.remarks.append(
+                f"{self.name}: gradients were reduced but none was taken with jax.grad or "
+                "jax.vjp, so none was scaled: they are sums over the replicas"
+            )
         changed |= _aggregate_outputs(graph, ctx, self.name)
         _check_declared_mirrored(graph)
         per_replica = sum(1 for v in graph.outputs if v.varying_axes)

@@ -14,8 +14,11 @@ carries its equation for the lowering. Only this module and `jax_lowering` read 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +30,8 @@ from jax.sharding import Mesh, PartitionSpec
 from xla_strategies.passes.ir import Graph, Node, Value
 
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
+GRADIENT_SCOPE = "xla_strategies.gradient_scale"
+_GRADIENT_AXES = re.compile(re.escape(GRADIENT_SCOPE) + r"\(([^)]*)\)")
 _INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
 _REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 _SMALL_CONSTANT = 8  # constants up to this many elements print their value in the IR
@@ -79,7 +84,8 @@ def capture(
         body, mesh=mesh.abstract_mesh, in_specs=specs, out_specs=(), check_vma=True
     )
     try:
-        jax.make_jaxpr(traced)(*flat_args)
+        with _marking_gradient_scales():
+            jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:
         _diagnose_unknown_axis(lambda: jax.make_jaxpr(traced)(*flat_args), axes, exc)
         raise
@@ -145,6 +151,63 @@ def _tag_autodiff_reductions() -> None:
     ad.primitive_transposes[core.pvary_p] = tagged
 
 
+_capturing = threading.local()
+
+
+@contextlib.contextmanager
+def _marking_gradient_scales() -> Any:
+    """While a step is traced (in this thread only), `jax.vjp`, and so `jax.grad`, marks
+    each gradient of a value that is the same on every replica, taken of a value that
+    differs (a per-replica loss), with a multiplication by 1 under `GRADIENT_SCOPE`.
+
+    JAX's gradient there is exactly that of the sum of the replicas' losses; the strategy's
+    MEAN reduction is that divided by the replica count, once, whatever path the gradient
+    took (BatchNorm statistics reduced in the forward pass cross two reductions). The
+    importer turns the mark into a `scale` node, and insert-reductions sets its factor.
+    Gradients of per-replica values (an input gradient) and of a loss that is already the
+    same everywhere (a `pmean`ed loss, as pmap code writes it) are not marked."""
+    from jax._src import api
+
+    original, public = api.vjp, jax.vjp
+
+    def vjp(fun: Callable[..., Any], *primals: Any, **kwargs: Any) -> Any:
+        out, pullback, *aux = original(fun, *primals, **kwargs)
+        if getattr(_capturing, "depth", 0):
+            pullback = _marked_pullback(pullback, primals, out)
+        return (out, pullback, *aux)
+
+    _capturing.depth = getattr(_capturing, "depth", 0) + 1
+    api.vjp = jax.vjp = vjp
+    try:
+        yield
+    finally:
+        api.vjp, jax.vjp = original, public
+        _capturing.depth -= 1
+
+
+def _marked_pullback(pullback: Callable[..., Any], primals: tuple, out: Any) -> Callable[..., Any]:
+    def marked(cotangent: Any) -> Any:
+        grads = pullback(cotangent)
+        # the cotangent takes the output's type (a Python 1.0 seed becomes per-replica)
+        seed = jax.tree.leaves(cotangent) + jax.tree.leaves(out)
+        seed_axes = set().union(*(_vma(c) for c in seed))
+        return jax.tree.map(lambda g, p: _mark(g, seed_axes - _vma(p)), grads, primals)
+
+    return marked
+
+
+def _vma(x: Any) -> set[str]:
+    """The mesh axes over which `x` differs across replicas (none for a Python number)."""
+    return set(_varying_axes(jax.typeof(x)))
+
+
+def _mark(grad: Any, axes: set[str]) -> Any:
+    if not axes or not jax.numpy.issubdtype(grad.dtype, jax.numpy.inexact):
+        return grad
+    with jax.named_scope(f"{GRADIENT_SCOPE}({','.join(sorted(axes))})"):
+        return grad * np.ones((), grad.dtype)
+
+
 def _diagnose_unknown_axis(
     retrace: Callable[[], Any], axes: tuple[str, ...], original: Exception
 ) -> None:
@@ -179,10 +242,13 @@ def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...], original: 
         tb = tb.tb_next
 
 
-def _value(aval: Any) -> Value:
+def _varying_axes(aval: Any) -> frozenset[str]:
     varying = getattr(getattr(aval, "mat", None), "varying", None)
-    if varying is None:
-        varying = getattr(aval, "vma", frozenset())
+    return frozenset(getattr(aval, "vma", ()) if varying is None else varying)
+
+
+def _value(aval: Any) -> Value:
+    varying = _varying_axes(aval)
     dtype = str(getattr(aval, "dtype", "token"))
     return Value(tuple(getattr(aval, "shape", ())), dtype, frozenset(varying))
 
@@ -316,6 +382,10 @@ class _Importer:
             if origin == "autodiff" and len(inputs) == 1:
                 self._reductions.append((_frames(eqn), node))
             return node
+        if prim == "mul" and (marked := _GRADIENT_AXES.search(str(eqn.source_info.name_stack))):
+            axes = self._renamer.names(marked.group(1).split(","))
+            attrs = {"axes": axes, "factor": 1, "origin": "gradient"}
+            return Node("scale", inputs[:1], outputs, attrs)
         if prim == "axis_index":  # renamed axes may be several: a tuple binds no primitive
             return Node("axis_index", inputs, outputs, {"axes": self.axes(params)})
         if prim == "pvary":

@@ -17,7 +17,9 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 def replica_slices(batch: Any, replicas: int = R) -> list[Any]:
     """What each replica sees of a global batch: equal consecutive slices of dim 0."""
     return [
-        jax.tree.map(lambda a, r=r: a[r * (len(a) // replicas) : (r + 1) * (len(a) // replicas)], batch)
+        jax.tree.map(
+            lambda a, r=r: a[r * (len(a) // replicas) : (r + 1) * (len(a) // replicas)], batch
+        )
         for r in range(replicas)
     ]
 

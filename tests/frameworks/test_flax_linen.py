@@ -4,6 +4,7 @@ tied embedding."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -30,7 +31,7 @@ class CNN(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool):
-        x = nn.Conv(features=4, kernel_size=(3, 3))(x)
+        x = nn.Conv(features=4, kernel_size=(3, 3), use_bias=False)(x)
         x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
         x = nn.relu(x)
         x = x.reshape((x.shape[0], -1))
@@ -83,6 +84,19 @@ def _setup():
     return state, batches
 
 
+def _reference_step(ref, stats_per_replica, batch):
+    """One data-parallel step by hand: each replica's gradient and statistics on its own
+    slice, with its own dropout key, then the mean gradient."""
+    grads, new_stats = [], []
+    for r, (stats, part) in enumerate(zip(stats_per_replica, replica_slices(batch), strict=True)):
+        key = jax.random.fold_in(jax.random.fold_in(ref.key, ref.step), r)
+        loss_fn = functools.partial(_loss_fn, ref, batch_stats=stats, batch=part, dropout_key=key)
+        (_, aux), grad = jax.value_and_grad(loss_fn, has_aux=True)(ref.params)
+        grads.append(grad)
+        new_stats.append(aux)
+    return ref.apply_gradients(grads=mean_of(grads)), new_stats
+
+
 def test_batchnorm_without_axis_name_keeps_per_replica_statistics():
     strategy = xs.MirroredStrategy()
     state, batches = _setup()
@@ -96,21 +110,9 @@ def test_batchnorm_without_axis_name_keeps_per_replica_statistics():
     ref, _ = _setup()
     stats_per_replica = [ref.batch_stats] * R
     for batch in batches:
-        results = [
-            jax.value_and_grad(
-                lambda p, s=s, b=b, r=r: _loss_fn(
-                    ref, p, s, b, jax.random.fold_in(jax.random.fold_in(ref.key, ref.step), r)
-                ),
-                has_aux=True,
-            )(ref.params)
-            for r, (s, b) in enumerate(zip(stats_per_replica, replica_slices(batch), strict=True))
-        ]
-        stats_per_replica = [aux for (_, aux), _ in results]
-        ref = ref.apply_gradients(grads=mean_of([g for _, g in results]))
+        ref, stats_per_replica = _reference_step(ref, stats_per_replica, batch)
     assert_trees_close(state.params, ref.params)
-    assert_trees_close(
-        state.batch_stats, jax.tree.map(lambda *s: np.stack(s), *stats_per_replica)
-    )
+    assert_trees_close(state.batch_stats, jax.tree.map(lambda *s: np.stack(s), *stats_per_replica))
     assert int(state.step) == 3 and loss.shape == (R,)
 
 
@@ -119,7 +121,7 @@ class _NoDropoutCNN(CNN):
 
     @nn.compact
     def __call__(self, x, train: bool):
-        x = nn.Conv(features=4, kernel_size=(3, 3))(x)
+        x = nn.Conv(features=4, kernel_size=(3, 3), use_bias=False)(x)
         x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
         x = nn.relu(x)
         return nn.Dense(features=3)(x.reshape((x.shape[0], -1)))

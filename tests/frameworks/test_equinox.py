@@ -1,0 +1,47 @@
+"""equinox, as its docs write it: the module is an argument and comes back updated,
+`filter_value_and_grad`, and optax on `eqx.filter(model, eqx.is_array)`."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import xla_strategies as xs
+from tests.frameworks.reference import assert_trees_close, distribute
+
+optim = optax.adam(1e-2)
+
+
+@eqx.filter_value_and_grad
+def compute_loss(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def make_step(model, opt_state, x, y):
+    loss, grads = compute_loss(model, x, y)
+    updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+def test_module_as_argument_equals_filter_jit_on_one_device():
+    model = eqx.nn.MLP(in_size=4, out_size=2, width_size=16, depth=2, key=jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32))
+        for _ in range(3)
+    ]
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(make_step)
+    reference = eqx.filter_jit(make_step)
+    ours = (model, optim.init(eqx.filter(model, eqx.is_array)))
+    ref = ours
+    for (x, y), (gx, gy) in zip(distribute(strategy, batches), batches, strict=True):
+        *ours, loss = step(*ours, x, y)
+        *ref, ref_loss = reference(*ref, gx, gy)
+    assert isinstance(ours[0], eqx.nn.MLP) and ours[0].activation is model.activation
+    assert_trees_close(eqx.filter(ours[0], eqx.is_array), eqx.filter(ref[0], eqx.is_array))
+    np.testing.assert_allclose(float(jnp.mean(loss)), float(ref_loss), rtol=1e-5)
+    assert step.cache_size == 1  # the module's static parts hash the same every step
