@@ -21,10 +21,11 @@ _LINEAR_UNARY = frozenset(
         "jax.copy_p",
         "jax.reduce_sum",
         "reshape",
+        "scale",
     }
 )
 # Binary ops that are linear in one operand when the other is replica-invariant.
-_SCALING = frozenset({"jax.mul", "scale"})
+_SCALING = frozenset({"jax.mul"})
 _DIVIDING = frozenset({"jax.div"})
 LINEAR_REDUCE_OPS = frozenset({"sum", "mean"})
 ADD_OPS = frozenset({"jax.add", "jax.add_any", "add"})

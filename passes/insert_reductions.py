@@ -18,8 +18,9 @@ Outputs declared aggregated (`compile(mirrored_outputs=(True, xs.ReduceOp.MEAN))
 tf.distribute's `VariableAggregation`) get their reduction here, as an `all_reduce` with
 origin `aggregation` placed right after the value is computed, so that combine-all-reduces
 can put it into the same bucket as the gradients (BatchNorm statistics ride the gradient
-all-reduce). The aggregate of a value that is already the same on every replica follows
-`lax.psum`: a SUM is N times the value, MEAN, MAX and MIN leave it as it is.
+all-reduce); a MEAN is a sum followed by a 1/N scale, like the gradients' own. The
+aggregate of a value that is already the same on every replica follows `lax.psum`: a SUM
+is N times the value, MEAN, MAX and MIN leave it as it is.
 
     Before:
       %3: f32[4,3] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
@@ -31,10 +32,11 @@ all-reduce). The aggregate of a value that is already the same on every replica 
     Before (an output declared aggregated):
       %1: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}
       return %1 aggregate=mean
-    After:
+    After (8 replicas):
       %1: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}
       %2: f32[3] = all_reduce(%1) {"axes": ["replica"], "origin": "aggregation", ...}
-      return %2
+      %3: f32[3] = scale(%2) {"factor": 0.125, "output": "output[1]"}
+      return %3
 """
 
 from __future__ import annotations
@@ -112,41 +114,36 @@ def _aggregate_outputs(graph: Graph, ctx: PassContext, created_by: str) -> bool:
     """Reduce each output declared aggregated, right after its value is computed."""
     if not graph.output_aggregation:
         return False
-    position = {v: i + 1 for i, n in enumerate(graph.nodes) for v in n.outputs}
     made: dict[tuple[Value, str], Value] = {}
     for index, op in sorted(graph.output_aggregation.items()):
         value = graph.outputs[index]
-        key = (value, op)
-        if key not in made:
-            node = _aggregation(value, op, ctx, created_by)
-            if node is not None:
+        if (value, op) not in made:
+            nodes = _aggregation(value, op, ctx, created_by)
+            for node in nodes:
                 node.attrs["output"] = graph.output_name(index)
-            if node is None:
-                made[key] = value
-            else:
-                made[key] = node.outputs[0]
-                at = position.get(value, 0)
-                graph.nodes.insert(at, node)
-                position = {v: i + 1 for i, n in enumerate(graph.nodes) for v in n.outputs}
-        graph.outputs[index] = made[key]
+            producers = graph.producers()
+            at = graph.nodes.index(producers[value]) + 1 if value in producers else 0
+            graph.nodes[at:at] = nodes
+            made[value, op] = nodes[-1].outputs[0] if nodes else value
+        graph.outputs[index] = made[value, op]
     graph.output_aggregation = {}
     return True
 
 
-def _aggregation(value: Value, op: str, ctx: PassContext, created_by: str) -> Node | None:
-    """The node that makes `value` mirrored under `op`; None when nothing is to be done."""
-    if value.varying_axes:
-        axes = [a for a in ctx.mesh_axes if a in value.varying_axes]
-        attrs = {"axes": axes, "origin": "aggregation", "reduce_op": op}
-        return Node(
-            "all_reduce",
-            [value],
-            [value.like(varying_axes=frozenset())],
-            attrs,
-            created_by=created_by,
-        )
-    if op == "sum" and ctx.num_replicas > 1:
-        return Node(
-            "scale", [value], [value.like()], {"factor": ctx.num_replicas}, created_by=created_by
-        )
-    return None
+def _aggregation(value: Value, op: str, ctx: PassContext, created_by: str) -> list[Node]:
+    """The nodes that make `value` mirrored under `op`. A MEAN is a sum and a 1/N scale,
+    so it shares the gradients' sum buckets."""
+    varying = [a for a in ctx.mesh_axes if a in value.varying_axes]
+    copies = math.prod(ctx.mesh_axes[a] for a in (varying or ctx.mesh_axes))
+    nodes: list[Node] = []
+    if varying:
+        reduce_op = "sum" if op == "mean" else op
+        attrs = {"axes": varying, "origin": "aggregation", "reduce_op": reduce_op}
+        reduced = value.like(varying_axes=frozenset(value.varying_axes - set(varying)))
+        nodes.append(Node("all_reduce", [value], [reduced], attrs, created_by=created_by))
+        value = reduced
+    factor = {"sum": 1 if varying else copies, "mean": 1 / copies if varying else 1}.get(op, 1)
+    if factor != 1:
+        attrs = {"factor": factor}
+        nodes.append(Node("scale", [value], [value.like()], attrs, created_by=created_by))
+    return nodes

@@ -165,7 +165,9 @@ def test_lower_graph_and_compiled_hlo(mirrored):
     captured = step.graph(w, batch)
     after = step.graph(w, batch, after="insert-reductions")
     assert [n.attrs["reduce_op"] for n in captured.walk() if n.op == "all_reduce"] == ["sum"]
-    assert [n.attrs["reduce_op"] for n in after.walk() if n.op == "all_reduce"] == ["mean"]
+    assert [n.attrs["reduce_op"] for n in after.walk() if n.op == "all_reduce"] == ["sum"]
+    factors = [n.attrs["factor"] for n in after.walk() if n.attrs.get("origin") == "gradient"]
+    assert factors == [1 / 8]  # MEAN: the finished gradient is scaled once
     no_reduction = mirrored.compile(lambda x: x * 2)
     assert count_hlo_collectives(no_reduction.lower(batch).compile().as_text())["all-reduce"] == 0
 

@@ -19,9 +19,12 @@ func @step(%0: f32[4]{replica}, %1: f32[]{replica}) {
     region (%5: f32[4]{replica}) {
       %6: f32[4] = all_reduce(%5) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
       %7: f32[] = jax.reduce_sum(%6) {"axes": [0]}
-      return %7
+      %8: f32[] = scale(%7) {"axes": ["replica"], "factor": 1, "origin": "gradient"}
+      return %8
     }
-  return %2 loc("output[0]"), %3 loc("output[1]"), %1 loc("output[2]")
+  %9: f32[4] = scale(%2) {"axes": ["replica"], "factor": 1, "origin": "gradient"}
+  %10: f32[] = scale(%3) {"factor": 1}
+  return %9 loc("output[0]"), %10 loc("output[1]"), %1 loc("output[2]")
 }
 """
 
@@ -30,14 +33,15 @@ def _run(text: str, **options) -> tuple[bool, str, PassContext]:
     return run_pass(InsertReductions(**options), text)
 
 
-def test_mean_applies_to_autodiff_reductions_only():
+def test_mean_scales_the_marked_gradients_only():
     changed, after, ctx = _run(BEFORE)
     assert changed
     expected = BEFORE.replace(
-        '"origin": "autodiff", "reduce_op": "sum"}',
-        '"origin": "autodiff", "reduce_op": "mean"}  // by insert-reductions',
+        '"factor": 1, "origin": "gradient"}',
+        '"factor": 0.125, "origin": "gradient"}  // by insert-reductions',
     )
-    assert after == expected  # the user's all_reduce is untouched, the one in the loop body is not
+    # the reductions stay sums; the user's scale is untouched, the one in the loop body is not
+    assert after == expected
     assert ctx.stats["insert-reductions"] == {"mirrored_outputs": 2, "per_replica_outputs": 1}
 
 
@@ -51,5 +55,30 @@ def test_declared_mirrored_output_that_varies_names_its_path():
     with pytest.raises(MirroredOutputError, match=r"output\[2\] \(varies over \['replica'\]\)"):
         _run(text)
     # a declared-mirrored output that really is mirrored is fine
-    ok = BEFORE.replace('%2 loc("output[0]")', '%2 mirrored loc("output[0]")')
+    ok = BEFORE.replace('%9 loc("output[0]")', '%9 mirrored loc("output[0]")')
     assert _run(ok)[0]
+
+
+AGGREGATED = """\
+func @step(%0: f32[2,3]{replica} stacked loc("args[0]"), %1: f32[3]) {
+  %2: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}
+  %3: f32[3] = jax.neg(%1)
+  return %2 aggregate=mean loc("output[0]"), %3 aggregate=sum loc("output[1]"), %2 aggregate=max
+}
+"""
+
+
+def test_declared_aggregations_become_reductions_after_their_values():
+    changed, after, _ = _run(AGGREGATED)
+    assert changed
+    assert after == (
+        'func @step(%0: f32[2,3]{replica} stacked loc("args[0]"), %1: f32[3]) {\n'
+        '  %2: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}\n'
+        '  %3: f32[3] = all_reduce(%2) {"axes": ["replica"], "origin": "aggregation", "output": "output #2", "reduce_op": "max"}  // by insert-reductions\n'
+        '  %4: f32[3] = all_reduce(%2) {"axes": ["replica"], "origin": "aggregation", "output": "output[0]", "reduce_op": "sum"}  // by insert-reductions\n'
+        '  %5: f32[3] = scale(%4) {"factor": 0.125, "output": "output[0]"}  // by insert-reductions\n'
+        "  %6: f32[3] = jax.neg(%1)\n"
+        '  %7: f32[3] = scale(%6) {"factor": 8, "output": "output[1]"}  // by insert-reductions\n'
+        '  return %5 loc("output[0]"), %7 loc("output[1]"), %3\n'
+        "}\n"
+    )

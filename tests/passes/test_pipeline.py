@@ -21,7 +21,8 @@ from xla_strategies.passes.pipeline import PassTimer, PipelineSpecError, parse_s
 GRAD = """\
 func @step(%0: f32[4]{replica}) {
   %1: f32[4] = all_reduce(%0) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
-  return %1
+  %2: f32[4] = scale(%1) {"axes": ["replica"], "factor": 1, "origin": "gradient"}
+  return %2
 }
 """
 
@@ -67,7 +68,9 @@ class _Corrupt(Pass):
     name = "corrupt"
 
     def run(self, graph, ctx):
-        graph.outputs[0].shape = (5,)  # the all_reduce result no longer matches its operand
+        graph.nodes[0].outputs[0].shape = (
+            5,
+        )  # the all_reduce result no longer matches its operand
         return True
 
 
@@ -93,10 +96,10 @@ def test_disabled_passes_are_skipped_and_stop_after_stops():
     PassPipeline(passes=(InsertReductions(),), disabled=frozenset({"insert-reductions"})).run(
         graph, _ctx()
     )
-    assert graph.nodes[0].attrs["reduce_op"] == "sum"
+    assert graph.nodes[1].attrs["factor"] == 1
     pipeline = PassPipeline(passes=(InsertReductions(), _Explode()))
     pipeline.run(graph, _ctx(), stop_after="insert-reductions")  # never reaches explode
-    assert graph.nodes[0].attrs["reduce_op"] == "mean"
+    assert graph.nodes[1].attrs["factor"] == 1 / 8
     with pytest.raises(PipelineSpecError, match="no pass named 'nope'"):
         pipeline.run(graph, _ctx(), stop_after="nope")
 
@@ -112,7 +115,7 @@ def test_dumper_writes_one_file_per_pass(tmp_path):
     assert files == ["0000.mirrored.after_capture.txt", "0001.mirrored.after_insert-reductions.txt"]
     after = (tmp_path / files[1]).read_text()
     assert after.startswith(dump_header("insert-reductions"))
-    assert '"reduce_op": "mean"' in after and "// by insert-reductions" in after
+    assert '"factor": 0.125' in after and "// by insert-reductions" in after
     assert (
         set(timer.seconds) == {"insert-reductions"}
         and ctx.stats["pass_seconds"]["insert-reductions"] >= 0
