@@ -39,7 +39,7 @@ def train_step(params, state, opt_state, x, y):
 def test_transform_with_state_batchnorm():
     rng = np.random.default_rng(0)
     batches = [
-        (rng.normal(size=(16, 5)).astype(np.float32), rng.normal(size=(16, 1)).astype(np.float32))
+        (rng.normal(size=(32, 5)).astype(np.float32), rng.normal(size=(32, 1)).astype(np.float32))
         for _ in range(3)
     ]
     params, state = model.init(jax.random.key(0), batches[0][0], is_training=True)
