@@ -29,6 +29,20 @@ def mean_of(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *xs_: np.mean(np.stack(xs_), axis=0), *trees)
 
 
+def regression_batches(
+    steps: int, rows: int, inputs: int, outputs: int, seed: int = 0
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`steps` global batches `(x, y)` of `rows` random float32 examples."""
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.normal(size=(rows, inputs)).astype(np.float32),
+            rng.normal(size=(rows, outputs)).astype(np.float32),
+        )
+        for _ in range(steps)
+    ]
+
+
 def distribute(strategy: xs.Strategy, batches: list[Any]) -> list[Any]:
     return list(strategy.experimental_distribute_dataset(batches))
 

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 import xla_strategies as xs
-from tests.frameworks.reference import assert_trees_close, distribute
+from tests.frameworks.reference import assert_trees_close, distribute, regression_batches
 
 optim = optax.adam(1e-2)
 
@@ -28,11 +28,7 @@ def make_step(model, opt_state, x, y):
 
 def test_module_as_argument_equals_filter_jit_on_one_device():
     model = eqx.nn.MLP(in_size=4, out_size=2, width_size=16, depth=2, key=jax.random.key(0))
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32))
-        for _ in range(3)
-    ]
+    batches = regression_batches(3, rows=16, inputs=4, outputs=2)
     strategy = xs.MirroredStrategy()
     step = strategy.compile(make_step)
     reference = eqx.filter_jit(make_step)

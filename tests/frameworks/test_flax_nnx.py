@@ -10,7 +10,14 @@ import optax
 from flax import nnx
 
 import xla_strategies as xs
-from tests.frameworks.reference import R, assert_trees_close, distribute, mean_of, replica_slices
+from tests.frameworks.reference import (
+    R,
+    assert_trees_close,
+    distribute,
+    mean_of,
+    regression_batches,
+    replica_slices,
+)
 from xla_strategies.arguments import Layout
 
 
@@ -45,11 +52,7 @@ def _new_state():
 
 def test_nnx_split_merge_with_batchnorm_dropout_and_rngs():
     graphdef, state = _new_state()
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(32, 3)).astype(np.float32), rng.normal(size=(32, 1)).astype(np.float32))
-        for _ in range(3)
-    ]
+    batches = regression_batches(3, rows=32, inputs=3, outputs=1)
     strategy = xs.MirroredStrategy()
     step = strategy.compile(train_step)
     ours = state

@@ -11,7 +11,14 @@ import numpy as np
 import optax
 
 import xla_strategies as xs
-from tests.frameworks.reference import R, assert_trees_close, distribute, mean_of, replica_slices
+from tests.frameworks.reference import (
+    R,
+    assert_trees_close,
+    distribute,
+    mean_of,
+    regression_batches,
+    replica_slices,
+)
 from xla_strategies.arguments import Layout
 
 
@@ -37,11 +44,7 @@ def train_step(params, state, opt_state, x, y):
 
 
 def test_transform_with_state_batchnorm():
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(32, 5)).astype(np.float32), rng.normal(size=(32, 1)).astype(np.float32))
-        for _ in range(3)
-    ]
+    batches = regression_batches(3, rows=32, inputs=5, outputs=1)
     params, state = model.init(jax.random.key(0), batches[0][0], is_training=True)
     strategy = xs.MirroredStrategy()
     step = strategy.compile(train_step)

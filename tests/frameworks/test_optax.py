@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import xla_strategies as xs
-from tests.frameworks.reference import assert_trees_close, distribute
+from tests.frameworks.reference import assert_trees_close, distribute, regression_batches
 
 
 def _loss(params, x, y):
@@ -42,10 +42,7 @@ def test_optimizer_wrappers_equal_one_device(name):
         "b1": np.zeros(8, np.float32),
         "w2": rng.normal(size=(8, 1)).astype(np.float32),
     }
-    batches = [
-        (rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 1)).astype(np.float32))
-        for _ in range(4)
-    ]
+    batches = regression_batches(4, rows=16, inputs=4, outputs=1, seed=1)
     strategy = xs.MirroredStrategy()
     compiled, reference = strategy.compile(step), jax.jit(step)
     ours = strategy.replicate((params, tx.init(params)))
