@@ -14,9 +14,10 @@ run. Values are plain `jax.Array`s and their sharding says what they are (`Layou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import jax
@@ -132,9 +133,14 @@ class Strategy:
 
     # tf.distribute's API
 
-    def scope(self):  # noqa: ANN201 - a context manager yielding the strategy
-        """Inside it, `xs.get_strategy()` returns this strategy."""
-        return strategy_scope(self)
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Inside it, `xs.get_strategy()` returns this strategy, and a Keras model
+        compiled there trains, evaluates and predicts on it (`xla_strategies.keras`)."""
+        from xla_strategies.keras import models_compiled_in
+
+        with strategy_scope(self), models_compiled_in(self):
+            yield self
 
     def state_sharding(self) -> jax.sharding.Sharding:
         """Where state (parameters, optimizer state) lives between steps: on every replica."""

@@ -1,0 +1,209 @@
+"""The train, test and predict functions of a Keras model that belongs to a strategy.
+
+Keras' JAX trainer keeps the model's state as four lists of arrays (trainable,
+non-trainable, optimizer and metrics variables) and calls `train_function(state,
+iterator)` once per step. Ours compiles Keras' own stateless `train_step(state, data)`
+with `strategy.compile`, so its gradient reductions run through the pass pipeline (and
+show in the dumps) like any other step. Around Keras' step:
+
+- the batch is split across the replicas. A batch that does not divide (the last one of
+  an epoch) runs on as many replicas as divide it, so every replica sees as many rows and
+  MEAN stays the mean over the whole batch;
+- metric variables are reduced across replicas by their declared aggregation (Keras
+  declares totals and counts `sum`): each replica's increment is summed, so a mean metric
+  is the global mean, and the step's logs are computed again from the reduced variables;
+- non-trainable variables declared `mean`/`sum` are reduced likewise; undeclared ones
+  (BatchNormalization's moving statistics) stay per replica, stacked, as the state rules
+  say, and `jax_state_sync` stores their mean in the Keras variable (what tf.distribute
+  reads from a SyncOnRead variable);
+- predictions come back in order, one row per sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from xla_strategies.context import get_replica_context
+from xla_strategies.reduce_op import ReduceOp
+
+
+def attach(model: Any, strategy: Any) -> None:
+    """Make `model`'s train, test and predict functions run on `strategy`."""
+    trainer = _Trainer(model, strategy)
+    # Instance attributes, so only this model changes; Keras calls these by name.
+    object.__setattr__(model, "distribute_strategy", strategy)
+    object.__setattr__(model, "make_train_function", trainer.make_train_function)
+    object.__setattr__(model, "make_test_function", trainer.make_test_function)
+    object.__setattr__(model, "make_predict_function", trainer.make_predict_function)
+    object.__setattr__(model, "jax_state_sync", trainer.jax_state_sync)
+
+
+class _Trainer:
+    def __init__(self, model: Any, strategy: Any) -> None:
+        self.model = model
+        self.strategy = strategy
+        self._sub_strategies: dict[int, Any] = {}
+
+    # the functions Keras' fit / evaluate / predict loops call
+
+    def make_train_function(self, force: bool = False) -> None:
+        if self.model.train_function is not None and not force:
+            return
+        self.model.train_function = self._function(self._train_step, "keras_train_step")
+
+    def make_test_function(self, force: bool = False) -> None:
+        if self.model.test_function is not None and not force:
+            return
+        self.model.test_function = self._function(self._test_step, "keras_test_step")
+
+    def make_predict_function(self, force: bool = False) -> Callable[..., Any]:
+        if self.model.predict_function is not None and not force:
+            return self.model.predict_function
+        run = self._function(self._predict_step, "keras_predict_step", concatenate=True)
+        self.model.predict_function = run
+        return run
+
+    def jax_state_sync(self) -> None:
+        """Keras' own sync, after folding per-replica values into their variables' shapes."""
+        model = self.model
+        state = getattr(model, "_jax_state", None)
+        if state and not model._jax_state_synced:
+            groups = {
+                "trainable_variables": model.trainable_variables,
+                "non_trainable_variables": model.non_trainable_variables,
+                "optimizer_variables": model.optimizer.variables if model.optimizer else [],
+                "metrics_variables": model.metrics_variables,
+            }
+            for key, variables in groups.items():
+                if state.get(key):
+                    state[key] = [_fold(v, x) for v, x in zip(variables, state[key], strict=True)]
+        type(model).jax_state_sync(model)
+
+    # one call of a step function
+
+    def _function(
+        self, step_fn: Callable[..., Any], name: str, concatenate: bool = False
+    ) -> Callable[..., Any]:
+        compiled: dict[int, Any] = {}
+
+        def run(state: Any, iterator: Any) -> Any:
+            outputs = []
+            for _ in range(self.model.steps_per_execution):
+                try:
+                    data = next(iterator)
+                except StopIteration:
+                    if not outputs:
+                        raise
+                    break
+                strategy = self._strategy_for(data)
+                replicas = strategy.num_replicas_in_sync
+                if replicas not in compiled:
+                    compiled[replicas] = strategy.compile(step_fn, name=name, donate=False)
+                out, state = compiled[replicas](state, _split(strategy, data))
+                outputs.append(out)
+            if concatenate:
+                return _concatenate(outputs), state
+            return outputs[-1], state
+
+        return run
+
+    def _strategy_for(self, data: Any) -> Any:
+        """The strategy whose replicas split this batch evenly: this one, or its first
+        gcd(rows, replicas) devices for a batch that does not divide."""
+        rows = _rows(data)
+        replicas = math.gcd(rows, self.strategy.num_replicas_in_sync) if rows else 1
+        if replicas == self.strategy.num_replicas_in_sync:
+            return self.strategy
+        if replicas not in self._sub_strategies:
+            from xla_strategies.mirrored import MirroredStrategy
+
+            self._sub_strategies[replicas] = MirroredStrategy(self.strategy.devices[:replicas])
+        return self._sub_strategies[replicas]
+
+    # Keras' steps, per replica, with the cross-replica parts
+
+    def _train_step(self, state: Any, data: Any) -> Any:
+        model = self.model
+        _, new_state = type(model).train_step(model, state, data)
+        trainable, non_trainable, optimizer, metrics = new_state
+        non_trainable = _reduce(model.non_trainable_variables, state[1], non_trainable)
+        metrics = _reduce(model.metrics_variables, state[3], metrics)
+        return _logs(model, metrics), (trainable, non_trainable, optimizer, metrics)
+
+    def _test_step(self, state: Any, data: Any) -> Any:
+        model = self.model
+        _, (trainable, non_trainable, metrics) = type(model).test_step(model, state, data)
+        metrics = _reduce(model.metrics_variables, state[2], metrics)
+        return _logs(model, metrics), (trainable, non_trainable, metrics)
+
+    def _predict_step(self, state: Any, data: Any) -> Any:
+        outputs, non_trainable = type(self.model).predict_step(self.model, state, data)
+        return outputs, (state[0], non_trainable)
+
+
+def _reduce(variables: Sequence[Any], old: Sequence[Any], new: Sequence[Any]) -> list[Any]:
+    """Each variable's new value across replicas, by its declared aggregation: `sum`
+    sums the replicas' increments, `mean` averages, `only_first_replica` takes replica
+    0's; `none` leaves each replica its own."""
+    context = get_replica_context()
+    reduced = []
+    for variable, before, after in zip(variables, old, new, strict=True):
+        aggregation = getattr(variable, "aggregation", "none")
+        if aggregation == "sum":
+            after = before + context.all_reduce(ReduceOp.SUM, after - before)
+        elif aggregation == "mean":
+            after = context.all_reduce(ReduceOp.MEAN, after)
+        elif aggregation == "only_first_replica":
+            first = context.replica_id_in_sync_group == 0
+            after = context.all_reduce(ReduceOp.SUM, jnp.where(first, after, 0))
+        reduced.append(after)
+    return reduced
+
+
+def _logs(model: Any, metrics: Sequence[Any]) -> dict[str, Any]:
+    """The model's metric results computed from these (reduced) metric variables."""
+    import keras
+
+    mapping = list(zip(model.metrics_variables, metrics, strict=True))
+    with keras.StatelessScope(state_mapping=mapping):
+        return model.get_metrics_result()
+
+
+def _fold(variable: Any, value: Any) -> Any:
+    """A per-replica stack of `variable`'s values becomes their mean; anything else as is."""
+    shape = tuple(variable.shape)
+    if tuple(value.shape) == shape or tuple(value.shape[1:]) != shape:
+        return value
+    return jnp.mean(value, axis=0).astype(value.dtype)
+
+
+def _rows(data: Any) -> int:
+    leaves = [x for x in jax.tree.leaves(data) if hasattr(x, "shape") and x.ndim]
+    return int(leaves[0].shape[0]) if leaves else 0
+
+
+def _split(strategy: Any, data: Any) -> Any:
+    """Put a global batch on the devices, split on dim 0 across the replicas."""
+    sharding = NamedSharding(strategy.mesh, strategy.input_spec(True))
+    return jax.tree.map(
+        lambda x: jax.device_put(np.asarray(x) if not isinstance(x, jax.Array) else x, sharding)
+        if getattr(x, "ndim", 0)
+        else x,
+        data,
+    )
+
+
+def _concatenate(outputs: list[Any]) -> Any:
+    """Stacked per-replica predictions of each call, as rows in sample order."""
+    rows = [jax.tree.map(lambda x: jnp.reshape(x, (-1, *x.shape[2:])), out) for out in outputs]
+    return functools.reduce(
+        lambda a, b: jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a, b), rows
+    )
