@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")  # the Keras tests run Keras 3 on JAX
 
 import jax  # noqa: E402
 

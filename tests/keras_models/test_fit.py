@@ -1,0 +1,186 @@
+"""Keras 3 under `strategy.scope()`: fit, evaluate and predict run data-parallel through
+the compiled pipeline and give single-device Keras' numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import keras
+import xla_strategies as xs
+from xla_strategies.arguments import Layout
+
+R = 8
+
+
+def _data(rows=128, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 6)).astype("float32")
+    return x, (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(rows, 1))).astype("float32")
+
+
+def sequential():
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    )
+
+
+def functional():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    skip = keras.layers.Dense(16)(inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.Add()([hidden, skip]))
+    return keras.Model(inputs, outputs)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _compiled(make, **compile_args):
+    keras.utils.set_random_seed(1)
+    model = make()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"], **compile_args
+    )
+    return model
+
+
+@pytest.mark.parametrize("make", [sequential, functional, Subclassed])
+def test_fit_equals_single_device_keras(make):
+    x, y = _data()
+    reference = _compiled(make)
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = _compiled(make)
+    assert model.distribute_strategy is strategy
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history.history[key], expected.history[key], rtol=1e-5)
+
+
+def test_evaluate_and_predict_with_batches_that_do_not_divide():
+    x, y = _data(rows=100)
+    strategy = xs.MirroredStrategy()
+    reference = _compiled(sequential)
+    with strategy.scope():
+        model = _compiled(sequential)
+    # batches of 30 and a last one of 10 do not divide across 8 replicas: they run on the
+    # gcd(rows, 8) = 2 first replicas
+    ours = model.evaluate(x, y, batch_size=30, verbose=0, return_dict=True)
+    theirs = reference.evaluate(x, y, batch_size=30, verbose=0, return_dict=True)
+    assert ours.keys() == theirs.keys()
+    for key in ours:  # a global mean, not a mean of per-replica means
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-6)
+    predicted = model.predict(x[:45], batch_size=16, verbose=0)  # 16, 16, then 13 rows
+    assert predicted.shape == (45, 1)
+    np.testing.assert_allclose(
+        predicted, reference.predict(x[:45], batch_size=16, verbose=0), rtol=1e-6, atol=1e-7
+    )
+
+
+def test_batch_normalization_statistics_are_per_replica_then_averaged():
+    x, y = _data(rows=32)
+
+    def make():
+        return keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.BatchNormalization(momentum=0.5),
+                keras.layers.Dense(1),
+            ]
+        )
+
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = _compiled(make)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    bn = model.layers[0]
+    local = x.reshape(R, -1, 6)
+    # one step from mean 0 / variance 1; the variable holds the replicas' mean
+    np.testing.assert_allclose(bn.moving_mean.numpy(), 0.5 * local.mean(1).mean(0), rtol=1e-5)
+    np.testing.assert_allclose(
+        bn.moving_variance.numpy(), 0.5 + 0.5 * local.var(1).mean(0), rtol=1e-5
+    )
+
+
+def test_stacked_statistics_stay_per_replica_within_an_epoch():
+    x, y = _data(rows=64)
+
+    def make():
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+        )
+
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = _compiled(make)
+    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=1, shuffle=False, verbose=0)
+    model.make_train_function()
+    state = model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )
+    batch = (x[:32], y[:32])
+    _, (_, non_trainable, _, _) = model.train_function(state, iter([batch]))
+    assert all(strategy.layout(v) is Layout.STACKED for v in non_trainable)
+    assert non_trainable[0].shape == (R, 6)
+
+
+def test_callbacks_checkpoint_and_saved_model(tmp_path):
+    x, y = _data()
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = _compiled(sequential)
+    path = tmp_path / "best.keras"
+    history = model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=20,
+        validation_split=0.25,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0),
+            keras.callbacks.ModelCheckpoint(path, monitor="val_loss"),
+        ],
+    )
+    assert len(history.history["loss"]) == 2  # stopped early: no epoch improves by 10
+    restored = keras.saving.load_model(path)
+    np.testing.assert_allclose(
+        restored.predict(x[:8], verbose=0), model.predict(x[:8], verbose=0), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_the_train_step_runs_the_pass_pipeline(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_STRATEGIES_DUMP_TO", str(tmp_path))
+    x, y = _data(rows=32)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = _compiled(sequential)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    dumped = sorted(p.name for p in (tmp_path / "keras_train_step").iterdir())
+    assert "0005.mirrored.after_combine-all-reduces.txt" in dumped
+    combined = (tmp_path / "keras_train_step" / dumped[5]).read_text()
+    assert combined.count("= all_reduce(") < 4 + 2  # 4 gradients and 2 metric sums, bucketed
+
+
+def test_models_outside_the_scope_are_untouched():
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        pass
+    model = _compiled(sequential)
+    assert not hasattr(model, "distribute_strategy") or model.distribute_strategy is None
+    assert "make_train_function" not in vars(model)
