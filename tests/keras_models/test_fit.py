@@ -3,10 +3,10 @@ the compiled pipeline and give single-device Keras' numbers."""
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 
-import keras
 import xla_strategies as xs
 from xla_strategies.arguments import Layout
 

@@ -194,9 +194,11 @@ def _split(strategy: Any, data: Any) -> Any:
     """Put a global batch on the devices, split on dim 0 across the replicas."""
     sharding = NamedSharding(strategy.mesh, strategy.input_spec(True))
     return jax.tree.map(
-        lambda x: jax.device_put(np.asarray(x) if not isinstance(x, jax.Array) else x, sharding)
-        if getattr(x, "ndim", 0)
-        else x,
+        lambda x: (
+            jax.device_put(np.asarray(x) if not isinstance(x, jax.Array) else x, sharding)
+            if getattr(x, "ndim", 0)
+            else x
+        ),
         data,
     )
 
