@@ -16,6 +16,7 @@ wrapped again on both sides, so the IR and the lowering only ever see plain dtyp
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,7 +129,7 @@ def flatten_arguments(
             )
         array, impl = _unwrap_key(leaf if isinstance(leaf, jax.Array) else np.asarray(leaf))
         arrays.append(array)
-        specs.append(ArraySpec(tuple(array.shape), str(array.dtype), layout_of(leaf), impl))
+        specs.append(ArraySpec(array.shape, _dtype_name(array.dtype), layout_of(leaf), impl))
     return arrays, Signature(treedef, tuple(specs))
 
 
@@ -201,9 +202,19 @@ def _static(leaf: Any, where: Callable[[], str]) -> Static:
 
 
 def _unwrap_key(array: Any) -> tuple[Any, str | None]:
-    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+    if _is_key(array.dtype):
         return jax.random.key_data(array), str(jax.random.key_impl(array))
     return array, None
+
+
+@functools.cache
+def _is_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@functools.cache
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype)
 
 
 def _wrap_key(array: Any, impl: str | None) -> Any:

@@ -96,16 +96,22 @@ class Strategy:
     def layout(self, array: Any) -> Layout:
         """Whether `array` is a split batch, stacked per-replica values, or mirrored."""
         sharding = getattr(array, "sharding", None)
-        if not isinstance(sharding, NamedSharding) or not np.array_equal(
-            sharding.mesh.devices, self._mesh.devices
-        ):
+        if not isinstance(sharding, NamedSharding):
             return Layout.MIRRORED
-        if sharding.mesh.axis_names == self._stacked_mesh.axis_names:
-            if sharding.spec[:1] == self.stacked_sharding().spec[:1]:
-                return Layout.STACKED
-        elif sharding.mesh.axis_names == self._mesh.axis_names:
-            if sharding.spec[:1] == self.input_spec(True)[:1]:
-                return Layout.SPLIT
+        mesh = sharding.mesh
+        # Runs for every argument of every step: compare meshes by identity first.
+        if mesh is self._mesh or (
+            mesh.axis_names == self._mesh.axis_names
+            and np.array_equal(mesh.devices, self._mesh.devices)
+        ):
+            split = sharding.spec[:1] == self.input_spec(True)[:1]
+            return Layout.SPLIT if split else Layout.MIRRORED
+        if mesh is self._stacked_mesh or (
+            mesh.axis_names == self._stacked_mesh.axis_names
+            and np.array_equal(mesh.devices, self._mesh.devices)
+        ):
+            stacked = sharding.spec[:1] == self.stacked_sharding().spec[:1]
+            return Layout.STACKED if stacked else Layout.MIRRORED
         return Layout.MIRRORED
 
     def is_per_replica(self, array: Any) -> bool:

@@ -94,6 +94,13 @@ class _Trainer:
     ) -> Callable[..., Any]:
         compiled: dict[int, Any] = {}
 
+        def groups_first(*args: Any) -> Any:
+            # State groups as positional arguments that come back at the same positions,
+            # so the compiled step donates them, as Keras' own jit does.
+            *state, data = args
+            outputs, new_state = step_fn(tuple(state), data)
+            return (*new_state, outputs)
+
         def run(state: Any, iterator: Any) -> Any:
             outputs = []
             for _ in range(self.model.steps_per_execution):
@@ -106,8 +113,9 @@ class _Trainer:
                 strategy = self._strategy_for(data)
                 replicas = strategy.num_replicas_in_sync
                 if replicas not in compiled:
-                    compiled[replicas] = strategy.compile(step_fn, name=name, donate=False)
-                out, state = compiled[replicas](state, _split(strategy, data))
+                    compiled[replicas] = strategy.compile(groups_first, name=name)
+                *state, out = compiled[replicas](*state, _split(strategy, data))
+                state = tuple(state)
                 outputs.append(out)
             if concatenate:
                 return _concatenate(outputs), state
