@@ -28,9 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.checkpoint
 	$(BIN)/python -m benchmarks.preemption
 	$(BIN)/python -m benchmarks.parameter_server
-	$(BIN)/python -m benchmarks.checkpoint
-	$(BIN)/python -m benchmarks.preemption
-	$(BIN)/python -m benchmarks.parameter_server
+	$(BIN)/python -m benchmarks.keras_fit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

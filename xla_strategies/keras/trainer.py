@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from xla_strategies.arguments import Layout
 from xla_strategies.context import get_replica_context
 from xla_strategies.reduce_op import ReduceOp
 
@@ -111,6 +112,8 @@ class _Trainer:
                         raise
                     break
                 strategy = self._strategy_for(data)
+                if strategy is not self.strategy:  # fewer replicas: one value of each state
+                    state = jax.tree.map(self._mirrored, state)
                 replicas = strategy.num_replicas_in_sync
                 if replicas not in compiled:
                     compiled[replicas] = strategy.compile(groups_first, name=name)
@@ -122,6 +125,12 @@ class _Trainer:
             return outputs[-1], state
 
         return run
+
+    def _mirrored(self, value: Any) -> Any:
+        """A stacked per-replica value as its mean; anything else as it is."""
+        if self.strategy.layout(value) is Layout.STACKED:
+            return jnp.mean(value, axis=0).astype(value.dtype)
+        return value
 
     def _strategy_for(self, data: Any) -> Any:
         """The strategy whose replicas split this batch evenly: this one, or its first
