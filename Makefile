@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test fuzz bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# Differential fuzzing, long profile: 500 random programs per pipeline.
+fuzz: $(STAMP)
+	XLA_STRATEGIES_FUZZ=long $(BIN)/python -m pytest -q -n 2 tests/fuzz
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.compile_overhead

@@ -17,7 +17,6 @@ import numpy as np  # noqa: E402
 
 import xla_strategies as xs  # noqa: E402
 
-
 CENTRES = np.random.default_rng(0).normal(size=(5, 12)) * 2
 
 

@@ -15,7 +15,6 @@ carries its equation for the lowering. Only this module and `jax_lowering` read 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import threading
@@ -68,7 +67,6 @@ def capture(
         output_names: called after tracing, the pytree path of each output.
         name: the graph's name.
     """
-    _tag_autodiff_reductions()
     axes = tuple(mesh.axis_names)
     replica_spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
     specs = tuple(replica_spec if split else PartitionSpec() for split in per_replica)
@@ -84,7 +82,7 @@ def capture(
         body, mesh=mesh.abstract_mesh, in_specs=specs, out_specs=(), check_vma=True
     )
     try:
-        with _marking_gradient_scales():
+        with _tagging_autodiff_reductions(), _marking_gradient_scales():
             jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:
         _diagnose_unknown_axis(lambda: jax.make_jaxpr(traced)(*flat_args), axes, exc)
@@ -135,20 +133,51 @@ class _AxisRenamer:
         return eqn.replace(params={**eqn.params, **changes}) if changes else eqn
 
 
-@functools.cache
-def _tag_autodiff_reductions() -> None:
-    """Wrap pvary's transpose rule in a named scope, once per process. It only adds op
-    metadata; the reductions themselves are JAX's own."""
+_patch_lock = threading.Lock()
+_patches: dict[tuple[int, Any], list[Any]] = {}  # (id(owner), key) -> [original, users]
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, key: Any, replacement: Callable[[Any], Any]) -> Any:
+    """`owner[key]` (a dict) or `owner.key` replaced by `replacement(original)` while any
+    trace in any thread needs it, and restored when the last one is done."""
+    get, put = (
+        (owner.__getitem__, owner.__setitem__)
+        if isinstance(owner, dict)
+        else (lambda k: getattr(owner, k), lambda k, v: setattr(owner, k, v))
+    )
+    slot = (id(owner), key)
+    with _patch_lock:
+        if slot not in _patches:
+            original = get(key)
+            _patches[slot] = [original, 0]
+            put(key, replacement(original))
+        _patches[slot][1] += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patches[slot][1] -= 1
+            if _patches[slot][1] == 0:
+                put(key, _patches.pop(slot)[0])
+
+
+@contextlib.contextmanager
+def _tagging_autodiff_reductions() -> Any:
+    """While a step is traced, pvary's transpose rule runs in a named scope, so the
+    importer can tell autodiff's reductions from the user's. It only adds op metadata."""
     from jax._src import core
     from jax._src.interpreters import ad
 
-    rule = ad.primitive_transposes[core.pvary_p]
+    def tagging(rule: Callable[..., Any]) -> Callable[..., Any]:
+        def tagged(*args, **kwargs):
+            with jax.named_scope(AUTODIFF_SCOPE):
+                return rule(*args, **kwargs)
 
-    def tagged(*args, **kwargs):
-        with jax.named_scope(AUTODIFF_SCOPE):
-            return rule(*args, **kwargs)
+        return tagged
 
-    ad.primitive_transposes[core.pvary_p] = tagged
+    with _patched(ad.primitive_transposes, core.pvary_p, tagging):
+        yield
 
 
 _capturing = threading.local()
@@ -168,20 +197,20 @@ def _marking_gradient_scales() -> Any:
     same everywhere (a `pmean`ed loss, as pmap code writes it) are not marked."""
     from jax._src import api
 
-    original, public = api.vjp, jax.vjp
+    def marking(original: Callable[..., Any]) -> Callable[..., Any]:
+        def vjp(fun: Callable[..., Any], *primals: Any, **kwargs: Any) -> Any:
+            out, pullback, *aux = original(fun, *primals, **kwargs)
+            if getattr(_capturing, "depth", 0):
+                pullback = _marked_pullback(pullback, primals, out)
+            return (out, pullback, *aux)
 
-    def vjp(fun: Callable[..., Any], *primals: Any, **kwargs: Any) -> Any:
-        out, pullback, *aux = original(fun, *primals, **kwargs)
-        if getattr(_capturing, "depth", 0):
-            pullback = _marked_pullback(pullback, primals, out)
-        return (out, pullback, *aux)
+        return vjp
 
     _capturing.depth = getattr(_capturing, "depth", 0) + 1
-    api.vjp = jax.vjp = vjp
     try:
-        yield
+        with _patched(api, "vjp", marking), _patched(jax, "vjp", marking):
+            yield
     finally:
-        api.vjp, jax.vjp = original, public
         _capturing.depth -= 1
 
 

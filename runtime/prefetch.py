@@ -72,10 +72,6 @@ class Producer:
         except queue.Full:
             pass
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
 
 def _produce(
     source: Iterator[Any], transform: Callable[[Any], Any], out: queue.Queue, stop: threading.Event

@@ -1,4 +1,4 @@
-"""Every test process sees 8 emulated CPU devices, as DESIGN.md asks."""
+"""Every test process sees 8 emulated CPU devices, as the design asks (docs/architecture.md)."""
 
 import os
 

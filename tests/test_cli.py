@@ -145,3 +145,13 @@ def test_dump_of_a_failing_script_shows_its_traceback(tmp_path):
         timeout=120,
     )
     assert bad_spec.returncode == 1 and "unknown pass 'nope'; known passes:" in bad_spec.stderr
+
+
+def test_show_reports_a_corrupt_dump_file(tmp_path, capsys):
+    step = tmp_path / "train_step"
+    step.mkdir()
+    header = "// -----// IR Dump After capture //----- //\n"
+    (step / "0000.mirrored.after_capture.txt").write_text(header + "func @f(%0: f32[2]) {\n")
+    assert main(["show", str(tmp_path), "--format", "dot"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("xla-strategies show: ") and "expected" in err

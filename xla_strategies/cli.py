@@ -72,8 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader (e.g. `| head`) has gone: not an error
         sys.stderr.close()
         return 0
-    except IRParseError as exc:
-        print(f"{args.file}:{exc}", file=sys.stderr)
+    except IRParseError as exc:  # `opt` names its input file; `show` reads dump files
+        where = getattr(args, "file", None)
+        prefix = f"{where}:" if where else f"xla-strategies {args.command_name}: "
+        print(f"{prefix}{exc}", file=sys.stderr)
     except (DumpError, PipelineSpecError, FileNotFoundError, ValueError) as exc:
         print(f"xla-strategies {args.command_name}: {exc}", file=sys.stderr)
     return 1

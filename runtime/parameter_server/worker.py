@@ -3,16 +3,30 @@ on the worker's local devices (synchronously, with the compiler's passes) and pu
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from xla_strategies.runtime.parameter_server.shard import call_shards
 
-# While a closure runs: (worker, closure id, how many steps it has pushed so far).
-_running: list[Any] | None = None
+
+@dataclass
+class _Closure:
+    """The closure a worker is running: steps it takes push under `closure_id/pushed`."""
+
+    worker: Worker
+    closure_id: Any
+    pushed: int = 0
+
+
+# The closure this thread is running, if any (one per thread, not per process).
+_running: contextvars.ContextVar[_Closure | None] = contextvars.ContextVar(
+    "running_closure", default=None
+)
 
 
 class Worker:
@@ -27,14 +41,13 @@ class Worker:
         self._steps: dict[str, Any] = {}
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, closure_id: Any) -> Any:
-        global _running
-        _running = [self, closure_id, 0]
+        token = _running.set(_Closure(self, closure_id))
         try:
             return fn(
                 *(self.local(a) for a in args), **{k: self.local(v) for k, v in kwargs.items()}
             )
         finally:
-            _running = None
+            _running.reset(token)
 
     def local(self, value: Any) -> Any:
         """This worker's own object for a per-worker value (its dataset iterator)."""
@@ -45,9 +58,9 @@ class Worker:
         from jax.sharding import NamedSharding
 
         # Each step of each closure updates the variables once, however often it is retried.
-        _, closure_id, index = _running  # set by `run`; PSStep refuses calls outside it
-        _running[2] += 1
-        push_id = f"{closure_id}/{index}"
+        closure = _running.get()  # set by `run`; PSStep refuses calls outside it
+        push_id = f"{closure.closure_id}/{closure.pushed}"
+        closure.pushed += 1
         versions, parts = zip(*call_shards(self.shards, "pull"), strict=True)
         if uid not in self._steps:
             self._steps[uid] = self.strategy.compile(grad_fn, donate=False)
@@ -75,9 +88,10 @@ class PSStep:
         self.uid = uuid.uuid4().hex  # workers cache their compiled program under it
 
     def __call__(self, batch: Any) -> Any:
-        if _running is None:
+        closure = _running.get()
+        if closure is None:
             raise RuntimeError(
                 "a ParameterServerStrategy step runs on a worker: call it inside a function "
                 "given to coordinator.schedule"
             )
-        return _running[0].gradient_step(self.uid, self.grad_fn, batch)
+        return closure.worker.gradient_step(self.uid, self.grad_fn, batch)

@@ -104,3 +104,22 @@ def test_collective_on_an_unknown_axis_is_a_clear_error():
         match="axis 'batch', but the strategy's mesh has only the axes \\['replica'\\]",
     ):
         step(np.ones(8, np.float32))
+
+
+def test_capture_patches_nothing_outside_the_trace():
+    """The named scope on pvary's transpose and the gradient marks on jax.vjp exist only
+    while a step is traced; afterwards JAX's own rule and function are back."""
+    from jax._src import api, core
+    from jax._src.interpreters import ad
+
+    rule, vjp, public_vjp = ad.primitive_transposes[core.pvary_p], api.vjp, jax.vjp
+    strategy = xs.MirroredStrategy()
+    x = next(iter(strategy.experimental_distribute_dataset([np.ones((8, 3), np.float32)])))
+    graph = _graph(strategy, lambda w, x: jax.grad(lambda w: jnp.sum(x @ w))(w), np.ones(3), x)
+    assert _origins(graph) == ["autodiff"]  # the scope was there while tracing
+    assert [n.attrs["origin"] for n in graph.walk() if n.op == "scale"] == ["gradient"]
+    assert ad.primitive_transposes[core.pvary_p] is rule
+    assert rule.__module__.startswith("jax.")  # JAX's own rule, not a leftover wrapper
+    assert api.vjp is vjp and jax.vjp is public_vjp
+    # outside a capture, jax.grad marks nothing
+    assert "gradient_scale" not in str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(w**2)))(1.0))
