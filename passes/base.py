@@ -50,6 +50,18 @@ class Pass:
         """Spec-string option name (kebab-case) -> dataclass field name."""
         return {f.name.replace("_", "-"): f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
+    def set_options(self) -> frozenset[str]:
+        """The options this pass was given, as field names: those a spec string wrote
+        (even at their default), else those that differ from their defaults."""
+        written = getattr(self, "_written_options", None)
+        if written is not None:
+            return written
+        return frozenset(
+            f.name
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != f.default
+        )
+
     def spec(self) -> str:
         """This pass as it is written in a pipeline spec, options included."""
         options = [

@@ -137,7 +137,32 @@ def _instantiate(cls: type[Pass], options: str) -> Pass:
             known = ", ".join(cls.option_names()) or "none"
             raise PipelineSpecError(f"pass {cls.name!r} has no option {key!r} (options: {known})")
         kwargs[attr] = _convert(raw, fields[attr].type, f"{cls.name}{{{key}}}")
-    return cls(**kwargs)
+    instance = cls(**kwargs)
+    object.__setattr__(instance, "_written_options", frozenset(kwargs))
+    return instance
+
+
+def fill_options(
+    pipeline: PassPipeline, pass_class: type[Pass], setting: str, **options: Any
+) -> PassPipeline:
+    """Give every `pass_class` pass of `pipeline` the `options` its spec left unset. An
+    option the spec set to another value is a `PipelineSpecError` naming `setting`, the
+    place the other value came from (e.g. `compile(gradient_reduction=...)`)."""
+    passes = []
+    for pass_ in pipeline.passes:
+        if isinstance(pass_, pass_class):
+            chosen = pass_.set_options()
+            for name, value in options.items():
+                if name in chosen and getattr(pass_, name) != value:
+                    option = name.replace("_", "-")
+                    raise PipelineSpecError(
+                        f"the pipeline sets {pass_.name}{{{option}={getattr(pass_, name)}}} "
+                        f"but {setting} asks for {value}; drop one of them"
+                    )
+            unset = {k: v for k, v in options.items() if k not in chosen}
+            pass_ = dataclasses.replace(pass_, **unset)
+        passes.append(pass_)
+    return dataclasses.replace(pipeline, passes=tuple(passes))
 
 
 def _convert(raw: str, annotation: Any, where: str) -> Any:

@@ -227,3 +227,22 @@ def test_a_pipeline_object_keeps_its_disabled_passes(mirrored):
         "insert-reductions,combine-all-reduces", disabled=frozenset({"combine-all-reduces"})
     )
     assert mirrored.pipeline(xs.ReduceOp.MEAN, pipeline).disabled == {"combine-all-reduces"}
+
+
+def test_a_pipeline_spec_option_is_honoured_or_conflicts(mirrored):
+    w, batch = mirrored.replicate(np.ones((4, 2), np.float32)), _batch(mirrored)
+
+    def factors(step):
+        graph = step.graph(w, batch, after="insert-reductions")
+        return [n.attrs["factor"] for n in graph.walk() if n.attrs.get("origin") == "gradient"]
+
+    summed = mirrored.compile(_sgd_step, pipeline="insert-reductions{gradient-reduction=sum}")
+    assert factors(summed) == [1]  # the spec's SUM, not the compile default's MEAN
+    assert factors(mirrored.compile(_sgd_step, gradient_reduction="sum")) == [1]
+    assert factors(mirrored.compile(_sgd_step)) == [1 / 8]
+    with pytest.raises(xs.passes.PipelineSpecError, match=r"compile\(gradient_reduction=MEAN\)"):
+        mirrored.compile(
+            _sgd_step,
+            gradient_reduction="mean",
+            pipeline="insert-reductions{gradient-reduction=sum}",
+        )

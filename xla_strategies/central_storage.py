@@ -9,6 +9,15 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from xla_strategies.devices import resolve_device, resolve_devices
+from xla_strategies.passes import (
+    CombineAllReduces,
+    FoldInvariantReductions,
+    HoistAllReduces,
+    InsertReductions,
+    PassPipeline,
+    ReassociateAllReduces,
+    ReduceToOneDevice,
+)
 from xla_strategies.strategy import Strategy
 
 BUCKET_BYTES = 32 << 20
@@ -54,11 +63,15 @@ class CentralStorageStrategy(Strategy):
         # buckets: XLA combines all-reduces but not collective permutes, and every bucket
         # costs log2(N) rounds (one bucket: 79.8 ms a step, 64 KiB buckets: 85.5 ms,
         # benchmarks/README.md).
-        self.default_pipeline = (
-            "insert-reductions,fold-invariant-reductions,hoist-all-reduces,"
-            "reassociate-all-reduces,"
-            f"reduce-to-one-device{{root={self.root} broadcast-outputs=false}},"
-            f"combine-all-reduces{{threshold-bytes={BUCKET_BYTES}}}"
+        self.default_pipeline = PassPipeline(
+            passes=(
+                InsertReductions(),
+                FoldInvariantReductions(),
+                HoistAllReduces(),
+                ReassociateAllReduces(),
+                ReduceToOneDevice(root=self.root, broadcast_outputs=False),
+                CombineAllReduces(threshold_bytes=BUCKET_BYTES),
+            )
         )
 
     @property

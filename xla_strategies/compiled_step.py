@@ -68,7 +68,7 @@ class CompiledStep:
         strategy: Strategy,
         fn: Callable[..., Any],
         *,
-        gradient_reduction: ReduceOp | str = ReduceOp.MEAN,
+        gradient_reduction: ReduceOp | str | None = None,
         mirrored_outputs: Any = None,
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
@@ -79,8 +79,12 @@ class CompiledStep:
     ) -> None:
         if not callable(fn):
             raise TypeError(f"strategy.compile needs a function, got a {type(fn).__name__}")
-        op = ReduceOp.of(gradient_reduction, "gradient_reduction")
-        if op not in (ReduceOp.MEAN, ReduceOp.SUM):
+        op = (
+            None
+            if gradient_reduction is None
+            else ReduceOp.of(gradient_reduction, "gradient_reduction")
+        )
+        if op not in (None, ReduceOp.MEAN, ReduceOp.SUM):
             raise ValueError(
                 f"gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got {op.name}"
             )

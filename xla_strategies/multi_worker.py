@@ -9,7 +9,6 @@ decomposed per level. Per-host input goes through `distribute_datasets_from_func
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import numpy as np
 from xla_strategies.cluster import SimpleClusterResolver, TFConfigClusterResolver
 from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.combine_all_reduces import CombineAllReduces
-from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.passes.pipeline import PassPipeline, fill_options
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
@@ -62,17 +61,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         super().__init__(grid, ("host", "local"))
 
     def pipeline(
-        self, gradient_reduction: ReduceOp, spec: str | PassPipeline | None = None
+        self, gradient_reduction: ReduceOp | None, spec: str | PassPipeline | None = None
     ) -> PassPipeline:
         pipeline = super().pipeline(gradient_reduction, spec)
         pack = self.communication_options.bytes_per_pack
         if not pack:
             return pipeline
-        passes = [
-            dataclasses.replace(p, threshold_bytes=pack) if isinstance(p, CombineAllReduces) else p
-            for p in pipeline.passes
-        ]
-        return dataclasses.replace(pipeline, passes=tuple(passes))
+        setting = f"CommunicationOptions(bytes_per_pack={pack})"
+        return fill_options(pipeline, CombineAllReduces, setting, threshold_bytes=pack)
 
     @property
     def topology(self) -> Topology | None:

@@ -15,7 +15,6 @@ run. Values are plain `jax.Array`s and their sharding says what they are (`Layou
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
@@ -30,7 +29,7 @@ from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
 from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.insert_reductions import InsertReductions
-from xla_strategies.passes.pipeline import PassPipeline, parse_spec
+from xla_strategies.passes.pipeline import PassPipeline, fill_options
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.distributed_dataset import (
     DistributedDataset,
@@ -44,7 +43,7 @@ class Strategy:
     """Shared API of all strategies (`OneDeviceStrategy`, `MirroredStrategy`, ...)."""
 
     #: The pass pipeline every compiled step runs unless `compile(pipeline=...)` says otherwise.
-    default_pipeline: ClassVar[str] = DEFAULT_PIPELINE
+    default_pipeline: ClassVar[str | PassPipeline] = DEFAULT_PIPELINE
     #: The label of this strategy's pipeline in dump file names.
     pipeline_label: ClassVar[str] = "strategy"
 
@@ -119,23 +118,21 @@ class Strategy:
         return self.layout(array) is not Layout.MIRRORED
 
     def pipeline(
-        self, gradient_reduction: ReduceOp, spec: str | PassPipeline | None = None
+        self, gradient_reduction: ReduceOp | None, spec: str | PassPipeline | None = None
     ) -> PassPipeline:
-        """The pass pipeline for a step, with the step's gradient reduction filled in."""
-        if isinstance(spec, PassPipeline):
-            base, passes = spec, list(spec.passes)
-        else:
-            base, passes = (
-                PassPipeline(),
-                parse_spec(self.default_pipeline if spec is None else spec),
-            )
-        passes = [
-            dataclasses.replace(p, gradient_reduction=gradient_reduction.value)
-            if isinstance(p, InsertReductions)
-            else p
-            for p in passes
-        ]
-        return dataclasses.replace(base, passes=tuple(passes))
+        """The pass pipeline for a step: `spec` (default: the strategy's), with the step's
+        gradient reduction filled in where the spec did not set one. `None` means the step
+        did not choose either: the spec's, or MEAN."""
+        spec = self.default_pipeline if spec is None else spec
+        pipeline = spec if isinstance(spec, PassPipeline) else PassPipeline.from_spec(spec)
+        if gradient_reduction is None:
+            return pipeline
+        return fill_options(
+            pipeline,
+            InsertReductions,
+            f"compile(gradient_reduction={gradient_reduction.name})",
+            gradient_reduction=gradient_reduction.value,
+        )
 
     # tf.distribute's API
 

@@ -134,3 +134,25 @@ def test_printer_after_change_skips_unchanged_passes():
 def test_registry_names_match_classes():
     for name, cls in PASS_REGISTRY.items():
         assert cls.name == name
+
+
+def test_settings_fill_only_what_the_spec_left_unset():
+    from xla_strategies.passes import CombineAllReduces
+    from xla_strategies.passes.pipeline import fill_options
+
+    spec = PassPipeline.from_spec("insert-reductions,combine-all-reduces")
+    filled = fill_options(spec, CombineAllReduces, "bytes_per_pack", threshold_bytes=4096)
+    assert filled.passes[1].threshold_bytes == 4096
+    written = PassPipeline.from_spec("combine-all-reduces{threshold-bytes=65536}")
+    assert fill_options(written, CombineAllReduces, "x", first_bucket_bytes=8).passes[0] == (
+        CombineAllReduces(threshold_bytes=65536, first_bucket_bytes=8)
+    )
+    with pytest.raises(
+        PipelineSpecError,
+        match=r"sets combine-all-reduces\{threshold-bytes=65536\} but bytes_per_pack asks for 4096",
+    ):
+        fill_options(written, CombineAllReduces, "bytes_per_pack", threshold_bytes=4096)
+    # an option written at its default value still counts as chosen
+    default = PassPipeline.from_spec("insert-reductions{gradient-reduction=mean}")
+    with pytest.raises(PipelineSpecError, match="gradient-reduction=mean"):
+        fill_options(default, InsertReductions, "compile(...)", gradient_reduction="sum")
