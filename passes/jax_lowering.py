@@ -114,9 +114,19 @@ def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
             "(graphs parsed from text can be optimised and printed, not run)"
         )
     eqn = node.payload
-    with _equation_context(eqn.ctx) as params:
+    with _user_source(eqn), _equation_context(eqn.ctx) as params:
         out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params(eqn.params)))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _user_source(eqn: Any) -> Any:
+    """The user's source line and name stack for what `eqn` lowers to, as
+    `jax.core.eval_jaxpr` keeps them, so XLA's HLO metadata names the user's code."""
+    from jax._src import source_info_util
+
+    info = eqn.source_info
+    name_stack = source_info_util.current_name_stack() + info.name_stack
+    return source_info_util.user_context(info.traceback, name_stack=name_stack)
 
 
 @contextlib.contextmanager

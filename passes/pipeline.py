@@ -4,7 +4,7 @@ Built from pass objects or from an MLIR-style spec string:
 
     insert-reductions,combine-all-reduces{threshold-bytes=4194304 first-bucket-bytes=1048576}
 
-The verifier runs after every pass. Other instruments (timer, dumper, IR printer) see each
+The verifier runs on the graph the pipeline is given and after every pass. Other instruments (timer, dumper, IR printer) see each
 pass before and after it runs. A failing pass re-raises its own exception with a note that
 names the passes that ran before it.
 """
@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir import Graph
-from xla_strategies.passes.verifier import verify
+from xla_strategies.passes.verifier import VerificationError, verify
 
 
 class PipelineSpecError(ValueError):
@@ -62,6 +62,11 @@ class PassPipeline(Pass):
             raise PipelineSpecError(
                 f"no pass named {stop_after!r} in this pipeline ({', '.join(known)})"
             )
+        try:  # a broken capture is reported as such, not blamed on the first pass
+            verify(graph, ctx.mesh_axes)
+        except VerificationError as exc:
+            exc.add_note("in the graph given to the pipeline (after capture), before any pass")
+            raise
         for instrument in self.instruments:
             instrument.before_pipeline(graph, ctx)
         history = ["capture"]

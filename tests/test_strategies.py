@@ -246,3 +246,17 @@ def test_a_pipeline_spec_option_is_honoured_or_conflicts(mirrored):
             gradient_reduction="mean",
             pipeline="insert-reductions{gradient-reduction=sum}",
         )
+
+
+def test_compiled_hlo_keeps_the_users_source_lines_and_names(mirrored):
+    def train_step(w, batch):
+        with jax.named_scope("my_forward"):
+            loss, grad = jax.value_and_grad(lambda w: jnp.mean((batch @ w) ** 2))(w)
+        return w - 0.1 * grad, loss
+
+    step = mirrored.compile(train_step)
+    w, batch = mirrored.replicate(np.ones((4, 2), np.float32)), _batch(mirrored)
+    lowered = step.lower(w, batch)
+    assert 'op_name="jit(body)/shard_map/my_forward/' in lowered.compile().as_text()
+    line = train_step.__code__.co_firstlineno + 2  # the value_and_grad line
+    assert f'test_strategies.py":{line}:' in lowered.as_text(debug_info=True)

@@ -75,7 +75,7 @@ def write_artifacts(
     """Write the ledger, the timeline, the StableHLO and XLA's compiled HLO of one step."""
     directory.mkdir(parents=True, exist_ok=True)
     lowered = run.lower(*abstract_args)
-    (directory / "stablehlo.mlir").write_text(lowered.as_text())
+    (directory / "stablehlo.mlir").write_text(lowered.as_text(debug_info=True))
     (directory / "compiled.hlo.txt").write_text(lowered.compile().as_text())
     (directory / "ledger.json").write_text(json.dumps(ledger.to_json(), indent=1) + "\n")
     (directory / "timeline.json").write_text(json.dumps(chrome_trace(graph, topology)) + "\n")

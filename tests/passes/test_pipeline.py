@@ -17,6 +17,7 @@ from xla_strategies.passes import (
 )
 from xla_strategies.passes.dump import IRDumper, IRPrinter, dump_header
 from xla_strategies.passes.pipeline import PassTimer, PipelineSpecError, parse_spec
+from xla_strategies.passes.verifier import VerificationError
 
 GRAD = """\
 func @step(%0: f32[4]{replica}) {
@@ -156,3 +157,13 @@ def test_settings_fill_only_what_the_spec_left_unset():
     default = PassPipeline.from_spec("insert-reductions{gradient-reduction=mean}")
     with pytest.raises(PipelineSpecError, match="gradient-reduction=mean"):
         fill_options(default, InsertReductions, "compile(...)", gradient_reduction="sum")
+
+
+def test_a_broken_input_graph_is_caught_before_any_pass():
+    broken = GRAD.replace(
+        '{"axes": ["replica"], "origin": "autodiff"', '{"axes": ["model"], "origin": "autodiff"'
+    )
+    pipeline = PassPipeline(passes=(InsertReductions(),), disabled=frozenset({"insert-reductions"}))
+    with pytest.raises(VerificationError, match=r"unknown mesh axis \['model'\]") as info:
+        pipeline.run(parse(broken), _ctx())
+    assert any("before any pass" in note for note in info.value.__notes__)
