@@ -5,8 +5,8 @@ Built from pass objects or from an MLIR-style spec string:
     insert-reductions,combine-all-reduces{threshold-bytes=4194304 first-bucket-bytes=1048576}
 
 The verifier runs on the graph the pipeline is given and after every pass. Other
-instruments (timer, dumper, IR printer) see each pass before and after it runs. A failing pass re-raises its own exception with a note that
-names the passes that ran before it.
+instruments (timer, dumper, IR printer) see each pass before and after it runs. A failing
+pass re-raises its own exception with a note that names the passes that ran before it.
 """
 
 from __future__ import annotations
