@@ -282,6 +282,17 @@ def _value(aval: Any) -> Value:
     return Value(tuple(getattr(aval, "shape", ())), dtype, frozenset(varying))
 
 
+def _policy_name(policy: Callable[..., Any]) -> str:
+    """A rematerialisation policy by its name in `jax.checkpoint_policies`, so the text
+    form keeps it; `custom` for one made by a policy factory or by hand."""
+    named = {
+        name: value
+        for name, value in vars(jax.checkpoint_policies).items()
+        if not name.startswith("_") and value is policy
+    }
+    return next(iter(named), "custom")
+
+
 def _jsonable(value: Any) -> Any:
     """Params that print well in the IR (ints, strings, nested tuples); None otherwise."""
     if isinstance(value, (bool, int, float, str)) or value is None:
@@ -460,6 +471,8 @@ class _Importer:
         else:
             return None
         attrs = {k: _jsonable(params[k]) for k in keys}
+        if prim == "remat2" and params.get("policy") is not None:
+            attrs["policy"] = _policy_name(params["policy"])
         regions = [
             self.graph(body.jaxpr, body.consts, f"{prim}.region{i}")
             for i, body in enumerate(bodies)

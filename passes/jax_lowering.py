@@ -222,7 +222,18 @@ def _cond(node: Node, args: list[Any]) -> list[Any]:
 
 
 def _remat(node: Node, args: list[Any]) -> list[Any]:
-    policy = node.payload.params.get("policy") if node.payload is not None else None
+    name = node.attrs.get("policy")
+    if node.payload is not None:
+        policy = node.payload.params.get("policy")
+    elif name is None:
+        policy = None
+    elif name == "custom" or not hasattr(jax.checkpoint_policies, name):
+        raise LoweringError(
+            f"cannot lower a remat region with policy {name!r} from text: only the policies "
+            "named in jax.checkpoint_policies can be rebuilt without the captured program"
+        )
+    else:
+        policy = getattr(jax.checkpoint_policies, name)
     fn = jax.checkpoint(
         lambda *a: evaluate(node.regions[0], a),
         prevent_cse=node.attrs.get("prevent_cse", True),

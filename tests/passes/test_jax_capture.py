@@ -123,3 +123,35 @@ def test_capture_patches_nothing_outside_the_trace():
     assert api.vjp is vjp and jax.vjp is public_vjp
     # outside a capture, jax.grad marks nothing
     assert "gradient_scale" not in str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(w**2)))(1.0))
+
+
+def test_remat_policy_survives_the_text_form():
+    from xla_strategies.passes.jax_lowering import LoweringError, evaluate
+
+    strategy = xs.MirroredStrategy()
+    x = next(iter(strategy.experimental_distribute_dataset([np.ones((8, 3), np.float32)])))
+
+    def step(w, x):
+        layer = jax.checkpoint(
+            lambda w: jnp.tanh(x @ w), policy=jax.checkpoint_policies.dots_saveable
+        )
+        return jax.grad(lambda w: jnp.sum(layer(w)))(w)
+
+    text = print_graph(_graph(strategy, step, np.ones((3, 2), np.float32), x))
+    assert '"policy": "dots_saveable"' in text
+    assert print_graph(parse(text)) == text
+    # a parsed remat region of known ops lowers with the named policy; an unnamed one refuses
+    region = """\
+func @f(%0: f32[2]) {
+  %1: f32[2] = jax.remat2(%0) {"differentiated": false, "policy": "POLICY", "prevent_cse": true}
+    region (%2: f32[2]) {
+      %3: f32[2] = scale(%2) {"factor": 3}
+      return %3
+    }
+  return %1
+}
+"""
+    graph = parse(region.replace("POLICY", "dots_saveable"))
+    np.testing.assert_allclose(evaluate(graph, [jnp.ones(2)])[0], [3.0, 3.0])
+    with pytest.raises(LoweringError, match="policy 'custom'"):
+        evaluate(parse(region.replace("POLICY", "custom")), [jnp.ones(2)])
