@@ -1,6 +1,7 @@
 """The compiler: IR, pass pipeline, JAX capture and lowering, one file per pass.
 
-`PASS_REGISTRY` maps each pass's spec name to its class; pipelines are built from it.
+`PASS_REGISTRY` (`registry.py`) maps each pass's spec name to its class; pipelines are built
+from it.
 """
 
 from xla_strategies.passes.base import Pass, PassContext
@@ -14,20 +15,8 @@ from xla_strategies.passes.ir_text import IRParseError, parse, print_graph
 from xla_strategies.passes.pipeline import PassPipeline, PipelineSpecError
 from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
+from xla_strategies.passes.registry import PASS_REGISTRY
 from xla_strategies.passes.verifier import VerificationError, verify
-
-PASS_REGISTRY: dict[str, type[Pass]] = {
-    cls.name: cls
-    for cls in (
-        InsertReductions,
-        FoldInvariantReductions,
-        HoistAllReduces,
-        ReassociateAllReduces,
-        CombineAllReduces,
-        DecomposeAllReduces,
-        ReduceToOneDevice,
-    )
-}
 
 # What every synchronous strategy runs by default, in this order: give autodiff's
 # reductions their meaning, drop reductions of values already the same everywhere, move

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.registry import PASS_REGISTRY
 from xla_strategies.passes.verifier import VerificationError, verify
 
 
@@ -113,7 +114,6 @@ _PASS = re.compile(r"\s*([a-z][a-z0-9\-]*)\s*(\{[^{}]*\})?\s*(,|$)")
 
 def parse_spec(spec: str) -> list[Pass]:
     """`"a,b{opt=1 other=x}"` -> `[A(), B(opt=1, other="x")]`, from the registry."""
-    from xla_strategies.passes import PASS_REGISTRY
 
     passes: list[Pass] = []
     pos = 0

@@ -13,10 +13,10 @@ from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import (
     ReplicaContext,
     get_replica_context,
-    get_strategy,
     has_strategy,
     in_cross_replica_context,
 )
+from xla_strategies.default_strategy import get_strategy
 from xla_strategies.devices import emulate_cpu_devices
 from xla_strategies.mirrored import MirroredStrategy
 from xla_strategies.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy

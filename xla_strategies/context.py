@@ -1,6 +1,7 @@
 """Which strategy is in scope, and the replica context inside a step.
 
-As in tf.distribute: inside `strategy.scope()`, `get_strategy()` returns that strategy and
+As in tf.distribute: inside `strategy.scope()`, `xs.get_strategy()` (`default_strategy.py`,
+which adds the one-device default) returns that strategy and
 `get_replica_context()` returns None (cross-replica context); inside a compiled step it
 returns the step's `ReplicaContext`; outside both there is a default one-replica context.
 """
@@ -83,12 +84,10 @@ def replica_scope(strategy: Strategy, context: ReplicaContext) -> Iterator[Repli
             stack.pop()
 
 
-def get_strategy() -> Strategy:
-    """The strategy in scope, or the default `OneDeviceStrategy` outside any scope."""
+def strategy_in_scope() -> Strategy | None:
+    """The innermost strategy whose scope is active, or None (see `xs.get_strategy`)."""
     stack = _stack("strategies")
-    if stack:
-        return stack[-1]
-    return _default_strategy()
+    return stack[-1] if stack else None
 
 
 def has_strategy() -> bool:
@@ -105,14 +104,3 @@ def get_replica_context() -> ReplicaContext | None:
 
 def in_cross_replica_context() -> bool:
     return bool(_stack("strategies")) and not _stack("replicas")
-
-
-_default: list[Strategy] = []
-
-
-def _default_strategy() -> Strategy:
-    if not _default:
-        from xla_strategies.one_device import OneDeviceStrategy
-
-        _default.append(OneDeviceStrategy())
-    return _default[0]

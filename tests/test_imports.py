@@ -1,0 +1,91 @@
+"""The package's modules import each other without a circle, lazy imports included
+(an import inside a function is still a dependency; only `TYPE_CHECKING` blocks are not)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = {
+    "xla_strategies": ROOT / "xla_strategies",
+    "xla_strategies.passes": ROOT / "passes",
+    "xla_strategies.runtime": ROOT / "runtime",
+}
+# Optional frontends are imported lazily on purpose, by the scope that needs them.
+OPTIONAL = {("xla_strategies.strategy", "xla_strategies.keras")}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:  # `from pkg import submodule` needs pkg/__init__ too,
+                sub = f"{node.module}.{alias.name}"  # but that is Python's own business
+                names.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n in known}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph = {name: _imports(path, known) - {name} for name, path in modules.items()}
+    for source, target in OPTIONAL:
+        graph[source].discard(target)
+    # `import xla_strategies.x` also runs `xla_strategies/__init__`: ignore that edge, as
+    # Python does for a package importing its own submodules.
+    for name in graph:
+        graph[name].discard("xla_strategies")
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    cycle = _cycle(_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_checker_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
