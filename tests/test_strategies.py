@@ -260,3 +260,13 @@ def test_compiled_hlo_keeps_the_users_source_lines_and_names(mirrored):
     assert 'op_name="jit(body)/shard_map/my_forward/' in lowered.compile().as_text()
     line = train_step.__code__.co_firstlineno + 2  # the value_and_grad line
     assert f'test_strategies.py":{line}:' in lowered.as_text(debug_info=True)
+
+
+def test_stop_after_compile_raises_instead_of_exiting(mirrored, monkeypatch, tmp_path):
+    monkeypatch.setenv("XLA_STRATEGIES_STOP_AFTER_COMPILE", "1")
+    step = mirrored.compile(_sgd_step, name="stopping")
+    with pytest.raises(xs.errors.StoppedAfterCompile, match="stopping compiled"):
+        try:
+            step(mirrored.replicate(np.ones((4, 2), np.float32)), _batch(mirrored))
+        except Exception:  # a script's own handler must not swallow it
+            pytest.fail("StoppedAfterCompile was caught as an Exception")

@@ -16,6 +16,7 @@ from xla_strategies.passes import DEFAULT_PIPELINE, PassContext, parse, print_gr
 from xla_strategies.passes.dump import IRPrinter
 from xla_strategies.passes.ir_render import to_dot, to_json_text
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
+from xla_strategies.run_until_compiled import runs_in_process
 
 
 def dump(args: Namespace) -> int:
@@ -36,6 +37,8 @@ def dump(args: Namespace) -> int:
         env[dumping.PIPELINE] = args.pipeline
     if args.stop_after_compile:
         env[dumping.STOP_AFTER_COMPILE] = "1"
+        if runs_in_process(command):  # it stops by raising; this runner exits cleanly
+            command = [sys.executable, "-m", "xla_strategies.run_until_compiled", *command]
     returncode = subprocess.run(command, env=env).returncode
     if returncode != 0:
         print(

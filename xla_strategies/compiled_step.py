@@ -8,7 +8,6 @@ retraces.
 from __future__ import annotations
 
 import inspect
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,12 +26,12 @@ from xla_strategies.arguments import (
 from xla_strategies.context import ReplicaContext, replica_scope
 from xla_strategies.dumping import (
     STOP_AFTER_COMPILE,
-    STOPPED_EXIT_CODE,
     DumpOptions,
     abstract,
     step_directory,
     write_artifacts,
 )
+from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.dump import IRDumper, IRPrinter
 from xla_strategies.passes.ir import Graph
@@ -248,11 +247,7 @@ class CompiledStep:
             args = abstract([(s.shape, s.dtype) for s in signature.arrays], shardings)
             write_artifacts(directory, graph, run, args, ledger, self.strategy.topology)
         if options.stop_after_compile:
-            print(
-                f"xla_strategies: {self.name} compiled; stopping ({STOP_AFTER_COMPILE})",
-                file=sys.stderr,
-            )
-            raise SystemExit(STOPPED_EXIT_CODE)
+            raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
         return Executable(graph, run, outputs, donated, captured_stats, seconds)
 
 

@@ -6,7 +6,8 @@
                                           timeline, StableHLO, compiled HLO)
     XLA_STRATEGIES_PRINT_IR=all|change    print the IR after every pass (or after changes)
     XLA_STRATEGIES_PIPELINE=SPEC          run SPEC instead of the strategy's pipeline
-    XLA_STRATEGIES_STOP_AFTER_COMPILE=1   exit once the first step has compiled
+    XLA_STRATEGIES_STOP_AFTER_COMPILE=1   raise xs.errors.StoppedAfterCompile once the first
+                                          step has compiled (`dump` turns it into exit 0)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from xla_strategies.passes.timeline import chrome_trace
 
 DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
 PIPELINE, STOP_AFTER_COMPILE = "XLA_STRATEGIES_PIPELINE", "XLA_STRATEGIES_STOP_AFTER_COMPILE"
-STOPPED_EXIT_CODE = 0
 
 
 @dataclass(frozen=True)

@@ -9,3 +9,11 @@ class UnavailableError(RuntimeError):
 
 class CancelledError(RuntimeError):
     """A scheduled function never ran: an earlier one failed and the queue was cancelled."""
+
+
+class StoppedAfterCompile(BaseException):  # noqa: N818 - a signal, like KeyboardInterrupt
+    """Raised once a step has compiled when `XLA_STRATEGIES_STOP_AFTER_COMPILE` is set.
+
+    A BaseException, so a script's `except Exception` does not swallow it.
+    `xla-strategies dump --stop-after-compile` catches it and exits cleanly; the library
+    never exits the process itself."""
