@@ -24,21 +24,13 @@ from xla_strategies.arguments import (
     flatten_arguments,
 )
 from xla_strategies.context import ReplicaContext, replica_scope
-from xla_strategies.dumping import (
-    STOP_AFTER_COMPILE,
-    DumpOptions,
-    abstract,
-    step_directory,
-    write_artifacts,
-)
+from xla_strategies.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
 from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
-from xla_strategies.passes.dump import IRDumper, IRPrinter
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_capture import capture
-from xla_strategies.passes.jax_lowering import input_shardings, lower
-from xla_strategies.passes.ledger import LedgerRecorder
-from xla_strategies.passes.pipeline import PassPipeline, PassTimer
+from xla_strategies.passes.jax_lowering import lower
+from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import declared_outputs, donated_state
 from xla_strategies.trees import copy_to
@@ -217,6 +209,7 @@ class CompiledStep:
         return graph, outputs
 
     def _build(self, signature: Signature) -> Executable:
+        """Capture, run the passes (with the dump's instruments), lower; dump if asked."""
         options = DumpOptions.from_env()
         seconds: dict[str, float] = {}
         start = time.perf_counter()
@@ -226,26 +219,13 @@ class CompiledStep:
         pipeline = self.pipeline
         if options.pipeline:
             pipeline = self.strategy.pipeline(self.gradient_reduction, options.pipeline)
-        pipeline = pipeline.with_instruments(PassTimer())
-        if options.print_ir:
-            pipeline = pipeline.with_instruments(
-                IRPrinter(only_changed=options.print_ir == "change")
-            )
-        directory = step_directory(options.directory, self.name) if options.directory else None
-        ledger = LedgerRecorder(self.strategy.topology)
-        if directory is not None:
-            label = self.strategy.pipeline_label
-            pipeline = pipeline.with_instruments(IRDumper(directory, label), ledger)
+        dump = StepDump(options, self.name, self.strategy)
         start = time.perf_counter()
-        pipeline.run(graph, self._pass_context())
+        dump.instrument(pipeline).run(graph, self._pass_context())
         seconds["pipeline"] = time.perf_counter() - start
         donated = donated_state(signature, outputs, graph) if self.donate else ()
-        mesh, stacked_mesh = self.strategy.mesh, self.strategy.stacked_mesh
-        run = lower(graph, mesh, donated, stacked_mesh)
-        if directory is not None:
-            shardings = input_shardings(graph, mesh, stacked_mesh)
-            args = abstract([(s.shape, s.dtype) for s in signature.arrays], shardings)
-            write_artifacts(directory, graph, run, args, ledger, self.strategy.topology)
+        run = lower(graph, self.strategy.mesh, donated, self.strategy.stacked_mesh)
+        dump.write(graph, run, signature.arrays)
         if options.stop_after_compile:
             raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
         return Executable(graph, run, outputs, donated, captured_stats, seconds)

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from xla_strategies.passes.dump import IRDumper, IRPrinter
 from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.jax_lowering import input_shardings
 from xla_strategies.passes.ledger import LedgerRecorder
+from xla_strategies.passes.pipeline import PassPipeline, PassTimer
 from xla_strategies.passes.timeline import chrome_trace
 
 DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
@@ -46,6 +50,36 @@ class DumpOptions:
             pipeline=os.environ.get(PIPELINE) or None,
             stop_after_compile=os.environ.get(STOP_AFTER_COMPILE, "") not in ("", "0"),
         )
+
+
+class StepDump:
+    """What one step's build prints and writes, as `DumpOptions` ask: the pipeline's
+    instruments (timer, IR printer, IR dumper, ledger), then the artifacts."""
+
+    def __init__(self, options: DumpOptions, name: str, strategy: Any) -> None:
+        self.options, self.strategy = options, strategy
+        self.directory = step_directory(options.directory, name) if options.directory else None
+        self.ledger = LedgerRecorder(strategy.topology)
+
+    def instrument(self, pipeline: PassPipeline) -> PassPipeline:
+        pipeline = pipeline.with_instruments(PassTimer())
+        if self.options.print_ir:
+            pipeline = pipeline.with_instruments(
+                IRPrinter(only_changed=self.options.print_ir == "change")
+            )
+        if self.directory is not None:
+            dumper = IRDumper(self.directory, self.strategy.pipeline_label)
+            pipeline = pipeline.with_instruments(dumper, self.ledger)
+        return pipeline
+
+    def write(self, graph: Graph, run: Any, arrays: Sequence[Any]) -> None:
+        """The ledger, timeline, StableHLO and compiled HLO, when dumping to a directory."""
+        if self.directory is None:
+            return
+        mesh, stacked_mesh = self.strategy.mesh, self.strategy.stacked_mesh
+        shardings = input_shardings(graph, mesh, stacked_mesh)
+        args = abstract([(a.shape, a.dtype) for a in arrays], shardings)
+        write_artifacts(self.directory, graph, run, args, self.ledger, self.strategy.topology)
 
 
 def step_directory(root: Path, name: str) -> Path:

@@ -25,12 +25,10 @@ def runs_in_process(command: Sequence[str]) -> bool:
 def main(command: Sequence[str]) -> int:
     if not runs_in_process(command):
         raise SystemExit(f"run_until_compiled: not a Python command: {' '.join(command)}")
+    args = list(command[1:])
+    if os.path.basename(command[0]) == "xla-strategies":  # the console script's module
+        args = ["-m", "xla_strategies.cli", *args]
     try:
-        if os.path.basename(command[0]) == "xla-strategies":
-            from xla_strategies.cli import main as cli_main
-
-            return cli_main(list(command[1:]))
-        args = list(command[1:])
         if args[:1] == ["-m"]:
             sys.argv = [args[1], *args[2:]]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
