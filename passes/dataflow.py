@@ -7,28 +7,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.traits import Trait
 
-# Unary ops that are linear and act on each replica's value independently, so
-# op(all_reduce(x)) == all_reduce(op(x)) for a sum or a mean across replicas.
-_LINEAR_UNARY = frozenset(
-    {
-        "jax.transpose",
-        "jax.reshape",
-        "jax.squeeze",
-        "jax.expand_dims",
-        "jax.neg",
-        "jax.copy",
-        "jax.copy_p",
-        "jax.reduce_sum",
-        "reshape",
-        "scale",
-    }
-)
-# Binary ops that are linear in one operand when the other is replica-invariant.
-_SCALING = frozenset({"jax.mul"})
-_DIVIDING = frozenset({"jax.div"})
 LINEAR_REDUCE_OPS = frozenset({"sum", "mean"})
-ADD_OPS = frozenset({"jax.add", "jax.add_any", "add"})
 
 
 def use_counts(graph: Graph) -> Counter[Value]:
@@ -42,15 +23,16 @@ def use_counts(graph: Graph) -> Counter[Value]:
 
 def commutes_with_sum(node: Node, operand: Value) -> bool:
     """Whether `node`, read through `operand`, commutes with a cross-replica sum."""
-    if node.op in _LINEAR_UNARY and node.inputs == [operand]:
+    if node.has(Trait.LINEAR) and node.inputs == [operand]:
         return True
+    dividing = node.has(Trait.DIVIDING)
     if (
-        node.op in _SCALING | _DIVIDING
+        (node.has(Trait.SCALING) or dividing)
         and len(node.inputs) == 2
         and node.inputs.count(operand) == 1
     ):
         other = node.inputs[1 - node.inputs.index(operand)]
-        if node.op in _DIVIDING and (other is node.inputs[0] or "int" in operand.dtype):
+        if dividing and (other is node.inputs[0] or "int" in operand.dtype):
             return False  # c / x is not linear in x, and integer division truncates
         return not other.varying_axes
     return False

@@ -31,17 +31,17 @@ from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.dataflow import (
-    ADD_OPS,
     make_all_reduce,
     reduced_chain,
     unreduce,
     use_counts,
 )
 from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.traits import Trait
 
-# Loops, and `remat2`: autodiff puts a rematerialised layer's reductions inside the
-# checkpoint region, which must give them up before the loop around it can.
-_LOOPS = ("jax.scan", "jax.while", "jax.remat2")
+# Loops, and call-once regions (`remat2`): autodiff puts a rematerialised layer's reductions
+# inside the checkpoint region, which must give them up before the loop around it can.
+_HOISTED_FROM = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP, Trait.CALL_ONCE)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class HoistAllReduces(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         hoisted = 0
         for parent in reversed(graph.graphs()):  # innermost loops first
-            for loop in [n for n in parent.nodes if n.op in _LOOPS]:
+            for loop in [n for n in parent.nodes if any(map(n.has, _HOISTED_FROM))]:
                 hoisted += self._hoist_from(loop, parent, ctx)
         ctx.stats[self.name] = {"hoisted": hoisted}
         return hoisted > 0
@@ -86,7 +86,7 @@ class HoistAllReduces(Pass):
         carry_in = body.inputs[k]
         if (
             add is None
-            or add.op not in ADD_OPS
+            or not add.has(Trait.ADDING)
             or len(add.inputs) != 2
             or carry_in not in add.inputs
         ):
@@ -127,9 +127,9 @@ class HoistAllReduces(Pass):
 
 def _body(loop: Node) -> tuple[Graph, int, int]:
     """(body region, index of the first carry among its inputs, number of carries)."""
-    if loop.op == "jax.scan":
+    if loop.has(Trait.COUNTED_LOOP):
         return loop.regions[0], loop.attrs["num_consts"], loop.attrs["num_carry"]
-    if loop.op == "jax.remat2":
+    if loop.has(Trait.CALL_ONCE):
         return loop.regions[0], 0, 0  # one pass, every output leaves as it is
     body = loop.regions[1]
     consts = loop.attrs["body_nconsts"]
@@ -138,13 +138,13 @@ def _body(loop: Node) -> tuple[Graph, int, int]:
 
 def _carry_operand(loop: Node, j: int) -> int:
     """The loop's operand index of carry j's initial value."""
-    if loop.op == "jax.scan":
+    if loop.has(Trait.COUNTED_LOOP):
         return loop.attrs["num_consts"] + j
     return loop.attrs["cond_nconsts"] + loop.attrs["body_nconsts"] + j
 
 
 def _cond_inputs(loop: Node, j: int) -> list[Value]:
-    if loop.op != "jax.while":
+    if not loop.has(Trait.WHILE_LOOP):
         return []
     cond = loop.regions[0]
     return [cond.inputs[loop.attrs["cond_nconsts"] + j]]

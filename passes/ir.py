@@ -17,26 +17,8 @@ from typing import Any
 
 import numpy as np
 
-# Collectives over named mesh axes. Their `axes` attribute names the axes.
-COLLECTIVE_OPS = frozenset(
-    {
-        "all_reduce",
-        "reduce_scatter",
-        "all_gather",
-        "all_to_all",
-        "collective_permute",
-        # A result correct on replica `root` only, and that replica's value sent to all.
-        "reduce_to_one",
-        "broadcast",
-    }
-)
-# Data movement and arithmetic that passes create around collectives.
-DATA_OPS = frozenset({"concatenate", "slice", "reshape", "add", "scale", "convert", "constant"})
-# `pvary` changes a value's type from replica-invariant to varying; it moves no data.
-TYPE_OPS = frozenset({"pvary"})
-# The replica's index along `axes` (row-major over several).
-QUERY_OPS = frozenset({"axis_index"})
-KNOWN_OPS = COLLECTIVE_OPS | DATA_OPS | TYPE_OPS | QUERY_OPS
+from xla_strategies.passes.traits import Trait, traits_of
+
 REDUCE_OPS = ("sum", "mean", "max", "min")
 FOREIGN_PREFIX = "jax."
 
@@ -134,8 +116,16 @@ class Node:
         return self.op.startswith(FOREIGN_PREFIX)
 
     @property
+    def traits(self) -> frozenset[Trait]:
+        """What passes may know about this op (`passes/traits.py`)."""
+        return traits_of(self.op)
+
+    def has(self, trait: Trait) -> bool:
+        return trait in traits_of(self.op)
+
+    @property
     def is_collective(self) -> bool:
-        return self.op in COLLECTIVE_OPS
+        return self.has(Trait.COLLECTIVE)
 
     @property
     def primitive(self) -> str:
@@ -217,3 +207,7 @@ class Graph:
 
     def count_ops(self, op: str) -> int:
         return sum(1 for node in self.walk() if node.op == op)
+
+
+# The JAX frontend's declarations: IR text names JAX ops, with or without a capture.
+from xla_strategies.passes import jax_ops  # noqa: E402, F401

@@ -7,28 +7,19 @@ estimated time on the strategy's topology; totals; and what changed since the pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.ir import Graph, Node
+from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.pipeline import Instrument
-
-
-def walk_with_trips(graph: Graph, trips: int = 1) -> Iterator[tuple[Node, int]]:
-    """Every node with how often it runs per step: a scan body runs `length` times."""
-    for node in graph.nodes:
-        yield node, trips
-        inner = trips * node.attrs.get("length", 1) if node.op == "jax.scan" else trips
-        for region in node.regions:
-            yield from walk_with_trips(region, inner)
+from xla_strategies.passes.walk import walk_per_step
 
 
 def collectives(graph: Graph, topology: Any = None) -> list[dict[str, Any]]:
     """One entry per collective node, in schedule order."""
     entries = []
-    for node, trips in walk_with_trips(graph):
+    for node, trips in walk_per_step(graph):
         if not node.is_collective:
             continue
         nbytes = sum(v.nbytes for v in node.inputs)

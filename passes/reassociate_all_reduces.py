@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.dataflow import (
-    ADD_OPS,
     make_all_reduce,
     reduced_chain,
     unreduce,
     use_counts,
 )
 from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.traits import Trait
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class ReassociateAllReduces(Pass):
         producers, uses = graph.producers(), use_counts(graph)
         for add in graph.nodes:
             if (
-                add.op not in ADD_OPS
+                not add.has(Trait.ADDING)
                 or len(add.inputs) < 2
                 or len(set(add.inputs)) != len(add.inputs)
             ):

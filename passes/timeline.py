@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.traits import Trait
+from xla_strategies.passes.walk import regions_per_step
 
 FLOPS_PER_S = 1e12  # rough device rates for compute estimates
 BYTES_PER_S = 1e11
@@ -23,7 +25,7 @@ _COMPUTE, _COLLECTIVES = 1, 2
 def _compute_seconds(node: Node) -> float:
     out = sum(v.size for v in node.outputs)
     flops = out
-    if node.op == "jax.dot_general" and len(node.inputs) == 2:
+    if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
         contracting = node.attrs.get("dimension_numbers", [[[], []]])[0][0]
         flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
     moved = sum(v.nbytes for v in node.inputs + node.outputs)
@@ -75,17 +77,19 @@ class _Timeline:
         return clock
 
     def loop(self, node: Node, start: float) -> float:
-        """One event for the loop; its first iteration's events nest inside it."""
+        """One event for the node; the first run of each region it runs nests inside it."""
         index = len(self.events)
         self.events.append({})  # placeholder: the parent must precede its children
-        for region, value in zip(
-            node.regions[-1].inputs, node.inputs[-len(node.regions[-1].inputs) :], strict=False
-        ):
-            self.ready[region] = self.ready.get(value, start)
-        body_end = self.run(node.regions[-1], start)
-        self.network_free = max(self.network_free, body_end)
-        trips = node.attrs.get("length", 1) if node.op == "jax.scan" else 1
-        end = start + trips * (body_end - start)
+        end, trips = start, 1
+        for region, trips in regions_per_step(node):
+            for value, operand in zip(
+                region.inputs, node.inputs[-len(region.inputs) :], strict=False
+            ):
+                self.ready[value] = self.ready.get(operand, start)
+            body_start = end
+            body_end = self.run(region, body_start)
+            self.network_free = max(self.network_free, body_end)
+            end = body_start + trips * (body_end - body_start)
         self.events[index] = _event(f"{node.op} x{trips}", _COMPUTE, start, end)
         return end
 

@@ -12,6 +12,9 @@ from collections.abc import Callable, Mapping
 
 from xla_strategies.passes.ir import REDUCE_OPS, Graph, Node, Value
 from xla_strategies.passes.ir_text import format_type
+from xla_strategies.passes.traits import Trait, is_declared
+
+_REGION_TRAITS = frozenset({Trait.COUNTED_LOOP, Trait.WHILE_LOOP, Trait.CALL_ONCE, Trait.BRANCHES})
 
 
 class VerificationError(ValueError):
@@ -71,7 +74,9 @@ def _check_node(node: Node, mesh_axes: Mapping[str, int] | None) -> list[str]:
         if unknown:
             known = ", ".join(mesh_axes or ()) or "none"
             return [f"collective over unknown mesh axis {unknown} (mesh axes: {known})"]
-    if node.regions or node.op in ("jax.scan", "jax.while", "jax.cond", "jax.remat2"):
+    if not node.is_foreign and not is_declared(node.op):
+        problems.append(f"unknown op {node.op!r}: not one of the IR's ops nor a foreign jax.* op")
+    if node.regions or node.traits & _REGION_TRAITS:
         message = _check_regions(node)
         if message:
             problems.append(message)
@@ -182,11 +187,11 @@ _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
 def _region_arity(node: Node) -> list[tuple[int, int]]:
     """(inputs, outputs) each region of `node` must have, from the node's own attributes."""
     n_in, n_out, attrs = len(node.inputs), len(node.outputs), node.attrs
-    if node.op in ("jax.scan", "jax.remat2"):
+    if node.has(Trait.COUNTED_LOOP) or node.has(Trait.CALL_ONCE):
         return [(n_in, n_out)]
-    if node.op == "jax.cond":
+    if node.has(Trait.BRANCHES):
         return [(n_in - 1, n_out)] * len(node.regions)
-    if node.op == "jax.while":
+    if node.has(Trait.WHILE_LOOP):
         carry = n_in - attrs.get("cond_nconsts", 0) - attrs.get("body_nconsts", 0)
         return [
             (attrs.get("cond_nconsts", 0) + carry, 1),
@@ -197,7 +202,7 @@ def _region_arity(node: Node) -> list[tuple[int, int]]:
 
 def _check_regions(node: Node) -> str | None:
     want = _region_arity(node)
-    if len(want) != len(node.regions) or (node.op == "jax.cond" and not node.regions):
+    if len(want) != len(node.regions) or (node.has(Trait.BRANCHES) and not node.regions):
         return f"has {len(node.regions)} regions, expected {max(len(want), 1)}"
     for index, (region, (n_in, n_out)) in enumerate(zip(node.regions, want, strict=True)):
         if (len(region.inputs), len(region.outputs)) != (n_in, n_out):

@@ -119,7 +119,7 @@ def test_capture_patches_nothing_outside_the_trace():
     assert _origins(graph) == ["autodiff"]  # the scope was there while tracing
     assert [n.attrs["origin"] for n in graph.walk() if n.op == "scale"] == ["gradient"]
     assert ad.primitive_transposes[core.pvary_p] is rule
-    assert rule.__module__.startswith("jax.")  # JAX's own rule, not a leftover wrapper
+    assert not rule.__module__.startswith("xla_strategies")  # JAX's rule, not our wrapper
     assert api.vjp is vjp and jax.vjp is public_vjp
     # outside a capture, jax.grad marks nothing
     assert "gradient_scale" not in str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(w**2)))(1.0))

@@ -1,0 +1,74 @@
+"""Op traits: passes name no frontend op, the verifier knows every IR op, and the three
+walkers (statistics, ledger, timeline) count a step's collectives the same way."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.passes.pass_testing import MESH
+from xla_strategies.passes import VerificationError, parse, verify
+from xla_strategies.passes.collective_stats import collective_counts
+from xla_strategies.passes.ledger import collectives
+from xla_strategies.passes.timeline import chrome_trace
+from xla_strategies.passes.traits import Trait, traits_of
+
+PASSES = Path(__file__).parents[2] / "passes"
+FRONTEND = {"jax_capture.py", "jax_lowering.py", "jax_ops.py"}
+
+
+def test_no_pass_names_a_jax_op():
+    named = {
+        path.name: found
+        for path in PASSES.glob("*.py")
+        if path.name not in FRONTEND
+        and (found := re.findall(r"[\"']jax\.[a-z_0-9]+[\"']", path.read_text()))
+    }
+    assert named == {}
+
+
+def test_frontend_ops_carry_their_traits():
+    assert Trait.COUNTED_LOOP in traits_of("jax.scan")
+    assert Trait.LINEAR in traits_of("jax.transpose") and Trait.LINEAR in traits_of("scale")
+    assert traits_of("all_reduce") >= {Trait.COLLECTIVE, Trait.REDUCES}
+    assert traits_of("jax.some_new_primitive") == frozenset()  # opaque
+
+
+def test_the_verifier_rejects_an_undeclared_ir_op():
+    text = "func @f(%0: f32[2]) {\n  %1: f32[2] = frobnicate(%0)\n  return %1\n}\n"
+    with pytest.raises(VerificationError, match="unknown op 'frobnicate'"):
+        verify(parse(text), MESH)
+
+
+BRANCHY = """\
+func @f(%0: i32[], %1: f32[4]{replica}, %2: f32[100]{replica}, %3: f32[3,2]{replica}) {
+  %4: f32[4] = jax.cond(%0, %1, %2) {}
+    region (%5: f32[4]{replica}, %6: f32[100]{replica}) {
+      %7: f32[4] = all_reduce(%5) {"axes": ["replica"], "reduce_op": "sum"}
+      return %7
+    }
+    region (%8: f32[4]{replica}, %9: f32[100]{replica}) {
+      %10: f32[100] = all_reduce(%9) {"axes": ["replica"], "reduce_op": "sum"}
+      %11: f32[4] = slice(%10) {"limit": [4], "start": [0]}
+      return %11
+    }
+  %12: f32[2] = jax.scan(%3) {"length": 3, "num_carry": 0, "num_consts": 0, "reverse": false, "unroll": 1}
+    region (%13: f32[2]{replica}) {
+      %14: f32[2] = all_reduce(%13) {"axes": ["replica"], "reduce_op": "sum"}
+      return %14
+    }
+  return %4, %12
+}
+"""
+
+
+def test_statistics_ledger_and_timeline_agree_on_branches_and_loops():
+    graph = parse(BRANCHY)
+    counts, nbytes = collective_counts(graph)
+    assert counts["all_reduce"] == 1 + 3 and nbytes["all_reduce"] == 400 + 3 * 8
+    entries = collectives(graph)
+    assert sorted((e["bytes"], e["per_step"]) for e in entries) == [(8, 3), (400, 1)]
+    events = [e for e in chrome_trace(graph, None)["traceEvents"] if e.get("name") == "all_reduce"]
+    assert len(events) == 2  # the costlier branch's, and the scan body's first iteration
