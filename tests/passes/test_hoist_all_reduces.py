@@ -3,6 +3,7 @@ hoisting would be wrong."""
 
 from __future__ import annotations
 
+from tests.filecheck import filecheck
 from tests.passes.pass_testing import MESH, run_pass
 from xla_strategies.passes import HoistAllReduces, PassContext, parse
 
@@ -29,25 +30,22 @@ def _run(text: str) -> tuple[bool, str, PassContext]:
 def test_scan_stacked_output_and_accumulator_are_hoisted():
     changed, after, ctx = _run(SCAN)
     assert changed
-    assert (
-        after
-        == """\
-func @step(%0: f32[], %1: f32[3,4]{replica}) {
-  %2: f32[] = constant() {"value": 0}  // by hoist-all-reduces
-  %3: f32[]{replica} = pvary(%2) {"axes": ["replica"]}  // by hoist-all-reduces
-  %4: f32[]{replica}, %5: f32[3,4]{replica} = jax.scan(%3, %1) {"length": 3, "num_carry": 1, "num_consts": 0, "reverse": false, "unroll": 1}  // by hoist-all-reduces
-    region (%6: f32[]{replica}, %7: f32[4]{replica}) {
-      %8: f32[4]{replica} = jax.neg(%7)
-      %9: f32[]{replica} = jax.reduce_sum(%7) {"axes": [0]}
-      %10: f32[]{replica} = jax.add_any(%6, %9)
-      return %10, %8
-    }
-  %11: f32[3,4] = all_reduce(%5) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "mean"}  // by hoist-all-reduces
-  %12: f32[] = all_reduce(%4) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}  // by hoist-all-reduces
-  %13: f32[] = add(%0, %12)  // by hoist-all-reduces
-  return %13, %11
-}
-"""
+    filecheck(
+        after,
+        """
+        CHECK: %[[ZERO:[0-9]+]]: f32[] = constant() {"value": 0}
+        CHECK-NEXT: %[[INIT:[0-9]+]]: f32[]{replica} = pvary(%[[ZERO]])
+        CHECK-NEXT: %[[ACC:[0-9]+]]: f32[]{replica}, %[[YS:[0-9]+]]: f32[3,4]{replica} = jax.scan(%[[INIT]], %1)
+        CHECK-NOT: all_reduce
+        CHECK: return
+        CHECK-NEXT: }
+        CHECK-NEXT: %[[STACK:[0-9]+]]: f32[3,4] = all_reduce(%[[YS]])
+        CHECK-SAME: "reduce_op": "mean"
+        CHECK-NEXT: %[[TOTAL:[0-9]+]]: f32[] = all_reduce(%[[ACC]])
+        CHECK-SAME: "reduce_op": "sum"
+        CHECK-NEXT: %[[OUT:[0-9]+]]: f32[] = add(%0, %[[TOTAL]])
+        CHECK-NEXT: return %[[OUT]], %[[STACK]]
+        """,
     )
     assert ctx.stats["hoist-all-reduces"] == {"hoisted": 2}
     assert ctx.remarks == []

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.filecheck import filecheck
 from tests.passes.pass_testing import run_pass
 from xla_strategies.passes import (
     InsertReductions,
     MirroredOutputError,
     PassContext,
+    parse,
+    print_graph,
 )
 
 BEFORE = """\
@@ -36,18 +39,26 @@ def _run(text: str, **options) -> tuple[bool, str, PassContext]:
 def test_mean_scales_the_marked_gradients_only():
     changed, after, ctx = _run(BEFORE)
     assert changed
-    expected = BEFORE.replace(
-        '"factor": 1, "origin": "gradient"}',
-        '"factor": 0.125, "origin": "gradient"}  // by insert-reductions',
+    # the reductions stay sums; the gradient scales, in the loop body too, become 1/8, and
+    # the user's own scale is untouched
+    filecheck(
+        after,
+        """
+        CHECK: all_reduce(%0) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+        CHECK: region
+        CHECK: scale({{.*}}) {"axes": ["replica"], "factor": 0.125, "origin": "gradient"}  // by insert-reductions
+        CHECK: scale(%2) {"axes": ["replica"], "factor": 0.125, "origin": "gradient"}  // by insert-reductions
+        CHECK-NEXT: scale(%3) {"factor": 1}
+        CHECK-NOT: // by
+        CHECK: return
+        """,
     )
-    # the reductions stay sums; the user's scale is untouched, the one in the loop body is not
-    assert after == expected
     assert ctx.stats["insert-reductions"] == {"mirrored_outputs": 2, "per_replica_outputs": 1}
 
 
 def test_sum_leaves_everything_alone():
     changed, after, _ = _run(BEFORE, gradient_reduction="sum")
-    assert not changed and after == BEFORE
+    assert not changed and after == print_graph(parse(BEFORE))
 
 
 def test_declared_mirrored_output_that_varies_names_its_path():
@@ -71,14 +82,18 @@ func @step(%0: f32[2,3]{replica} stacked loc("args[0]"), %1: f32[3]) {
 def test_declared_aggregations_become_reductions_after_their_values():
     changed, after, _ = _run(AGGREGATED)
     assert changed
-    assert after == (
-        'func @step(%0: f32[2,3]{replica} stacked loc("args[0]"), %1: f32[3]) {\n'
-        '  %2: f32[3]{replica} = jax.reduce_sum(%0) {"axes": [0]}\n'
-        '  %3: f32[3] = all_reduce(%2) {"axes": ["replica"], "origin": "aggregation", "output": "output #2", "reduce_op": "max"}  // by insert-reductions\n'
-        '  %4: f32[3] = all_reduce(%2) {"axes": ["replica"], "origin": "aggregation", "output": "output[0]", "reduce_op": "sum"}  // by insert-reductions\n'
-        '  %5: f32[3] = scale(%4) {"factor": 0.125, "output": "output[0]"}  // by insert-reductions\n'
-        "  %6: f32[3] = jax.neg(%1)\n"
-        '  %7: f32[3] = scale(%6) {"factor": 8, "output": "output[1]"}  // by insert-reductions\n'
-        '  return %5 loc("output[0]"), %7 loc("output[1]"), %3\n'
-        "}\n"
+    filecheck(
+        after,
+        """
+        CHECK: func @step(%0: f32[2,3]{replica} stacked loc("args[0]"), %1: f32[3])
+        CHECK-NEXT: %[[V:[0-9]+]]: f32[3]{replica} = jax.reduce_sum(%0)
+        CHECK-NEXT: %[[MAX:[0-9]+]]: f32[3] = all_reduce(%[[V]])
+        CHECK-SAME: "origin": "aggregation", "output": "output #2", "reduce_op": "max"
+        CHECK-NEXT: %[[SUM:[0-9]+]]: f32[3] = all_reduce(%[[V]])
+        CHECK-SAME: "origin": "aggregation", "output": "output[0]", "reduce_op": "sum"
+        CHECK-NEXT: %[[MEAN:[0-9]+]]: f32[3] = scale(%[[SUM]]) {"factor": 0.125, "output": "output[0]"}
+        CHECK-NEXT: %[[NEG:[0-9]+]]: f32[3] = jax.neg(%1)
+        CHECK-NEXT: %[[TIMES:[0-9]+]]: f32[3] = scale(%[[NEG]]) {"factor": 8, "output": "output[1]"}
+        CHECK-NEXT: return %[[MEAN]] loc("output[0]"), %[[TIMES]] loc("output[1]"), %[[MAX]]
+        """,
     )
