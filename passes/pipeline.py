@@ -64,7 +64,7 @@ class PassPipeline(Pass):
                 f"no pass named {stop_after!r} in this pipeline ({', '.join(known)})"
             )
         try:  # a broken capture is reported as such, not blamed on the first pass
-            verify(graph, ctx.mesh_axes)
+            _verify(graph, ctx)
         except VerificationError as exc:
             exc.add_note("in the graph given to the pipeline (after capture), before any pass")
             raise
@@ -78,7 +78,7 @@ class PassPipeline(Pass):
             start = time.perf_counter()
             try:
                 changed = pass_.run(graph, ctx)
-                verify(graph, ctx.mesh_axes)
+                _verify(graph, ctx)
             except Exception as exc:
                 exc.add_note(
                     f"while running pass '{pass_.name}'; passes run before it: {', '.join(history)}"
@@ -92,6 +92,17 @@ class PassPipeline(Pass):
             if pass_.name == stop_after:
                 break
         return changed_any
+
+
+def _verify(graph: Graph, ctx: PassContext) -> None:
+    """The verifier, its time added up under `ctx.stats["verify_seconds"]`."""
+    start = time.perf_counter()
+    try:
+        verify(graph, ctx.mesh_axes)
+    finally:
+        ctx.stats["verify_seconds"] = ctx.stats.get("verify_seconds", 0.0) + (
+            time.perf_counter() - start
+        )
 
 
 @dataclass
