@@ -204,3 +204,26 @@ def test_the_keras_example_learns_with_batchnorm_and_uneven_batches():
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = float(done.stdout.strip().split("accuracy ")[-1].split(";")[0])
     assert accuracy > 0.8 and "1000 predictions" in done.stdout
+
+
+def test_a_generator_with_uneven_batches_mid_epoch():
+    """Batches of 32, 10, 32 rows: the middle one runs on 2 replicas, and BatchNorm's
+    per-replica statistics are folded on the way there and back."""
+    x, y = _data(rows=74)
+
+    def batches():
+        while True:
+            for lo, hi in ((0, 32), (32, 42), (42, 74)):
+                yield x[lo:hi], y[lo:hi]
+
+    def make():
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+        )
+
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = _compiled(make)
+    history = model.fit(batches(), steps_per_epoch=3, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert model.layers[0].moving_mean.shape == (6,)

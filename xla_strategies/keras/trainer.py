@@ -52,6 +52,7 @@ class _Trainer:
         self.model = model
         self.strategy = strategy
         self._sub_strategies: dict[int, Any] = {}
+        self._previous = strategy  # the strategy the last step ran on
 
     # the functions Keras' fit / evaluate / predict loops call
 
@@ -112,13 +113,16 @@ class _Trainer:
                         raise
                     break
                 strategy = self._strategy_for(data)
-                if strategy is not self.strategy:  # fewer replicas: one value of each state
-                    state = jax.tree.map(self._mirrored, state)
+                if strategy is not self._previous:  # other replicas: one value per state
+                    state = self._on_other_replicas(state)
+                self._previous = strategy
                 replicas = strategy.num_replicas_in_sync
                 if replicas not in compiled:
                     compiled[replicas] = strategy.compile(groups_first, name=name)
                 *state, out = compiled[replicas](*state, _split(strategy, data))
                 state = tuple(state)
+                if strategy is not self.strategy:
+                    jax.block_until_ready((state, out))
                 outputs.append(out)
             if concatenate:
                 return _concatenate(outputs), state
@@ -126,9 +130,19 @@ class _Trainer:
 
         return run
 
+    def _on_other_replicas(self, state: Any) -> Any:
+        """The state for a program on another set of replicas (a batch that does not
+        divide, or the full set after one): every stacked per-replica value as its mean,
+        once all earlier programs are done. XLA's CPU runtime does not order programs over
+        different device sets, so a program on 2 devices must not overtake an 8-device one
+        waiting in a collective."""
+        jax.block_until_ready(state)
+        return jax.tree.map(self._mirrored, state)
+
     def _mirrored(self, value: Any) -> Any:
         """A stacked per-replica value as its mean; anything else as it is."""
-        if self.strategy.layout(value) is Layout.STACKED:
+        strategies = (self.strategy, *self._sub_strategies.values())
+        if any(s.layout(value) is Layout.STACKED for s in strategies):
             return jnp.mean(value, axis=0).astype(value.dtype)
         return value
 
