@@ -142,7 +142,9 @@ def _aggregation(value: Value, op: str, ctx: PassContext, created_by: str) -> li
         reduced = value.like(varying_axes=frozenset(value.varying_axes - set(varying)))
         nodes.append(Node("all_reduce", [value], [reduced], attrs, created_by=created_by))
         value = reduced
-    factor = {"sum": 1 if varying else copies, "mean": 1 / copies if varying else 1}.get(op, 1)
+    # a SUM counts every replica: the identical copies along the axes it does not vary on
+    invariant = math.prod(ctx.mesh_axes[a] for a in ctx.mesh_axes if a not in varying)
+    factor = {"sum": invariant, "mean": 1 / copies if varying else 1}.get(op, 1)
     if factor != 1:
         attrs = {"factor": factor}
         nodes.append(Node("scale", [value], [value.like()], attrs, created_by=created_by))

@@ -210,6 +210,13 @@ class CheckpointManager:
         if stacked and leaf.shape[0] == saved_replicas:
             sharding = self.strategy.stacked_sharding()
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), keep
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            raise CheckpointError(
+                f"{jax.tree_util.keystr(path)} was saved per replica ({saved_replicas} "
+                f"values of {leaf.dtype}), and integer values have no mean to restore "
+                f"into one value or another replica count; restore it into a stacked "
+                f"target under {saved_replicas} replicas"
+            )
         target_sharding = self.strategy.stacked_sharding() if stacked else state
 
         def aggregate(value: jax.Array) -> jax.Array:

@@ -178,3 +178,47 @@ def test_unknown_axis_suggests_axis_name(mirrored):
     _, x = _batch(mirrored)
     with pytest.raises(xs.UnknownAxisError, match=r"compile\(axis_name='batch'\)"):
         step(np.zeros((3, 1), np.float32), x, x[:, :1])
+
+
+# found in review
+
+
+def test_python_numbers_are_weakly_typed_and_range_checked(mirrored):
+    step = mirrored.compile(lambda x, c: x * c, donate=False)
+    x = mirrored.replicate(jnp.ones(3, jnp.bfloat16))
+    assert step(x, 0.5).dtype == jnp.bfloat16  # as under jax.jit
+    with pytest.raises(OverflowError):
+        step(x, 2**40)
+
+
+def test_static_containers_of_other_types_are_other_programs(mirrored):
+    step = mirrored.compile(lambda x, cfg: x + cfg[0], static_argnums=1, donate=False)
+    assert float(step(np.float32(1), (2, 0))) == 3.0
+    assert float(step(np.float32(1), (True, 0))) == 2.0 and step.cache_size == 2
+
+
+def test_static_arguments_are_static_by_position_or_by_name(mirrored):
+    def step(x, n):
+        return x * jnp.ones(n)  # n must be a Python int
+
+    by_name = mirrored.compile(step, static_argnames="n", donate=False)
+    assert by_name(np.float32(2), 3).shape == (3,)  # passed positionally
+    by_number = mirrored.compile(step, static_argnums=1, donate=False)
+    assert by_number(np.float32(2), n=4).shape == (4,)  # passed by name
+
+
+def test_a_stacked_array_must_have_one_row_per_replica(mirrored):
+    bad = jax.device_put(jnp.arange(16.0), mirrored.stacked_sharding())
+    with pytest.raises(ValueError, match=r"shape \(16,\) is stacked .* one row per replica \(8\)"):
+        mirrored.compile(lambda s: s.sum())(bad)
+
+
+def test_one_array_passed_as_two_pieces_of_state_is_donated_once(mirrored):
+    @mirrored.compile
+    def step(params, slow, x):
+        return params - 0.1 * x.mean(), slow + 0.0, x.sum()
+
+    params = mirrored.replicate(np.ones(3, np.float32))
+    new, slow, _ = step(params, params, _batch(mirrored, cols=3)[1])  # lookahead-style
+    np.testing.assert_allclose(np.asarray(slow), 1.0)
+    assert np.isfinite(np.asarray(new)).all()

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import xla_strategies as xs
 from xla_strategies.arguments import Layout
@@ -145,3 +146,29 @@ def test_bad_aggregation_names_the_output(mirrored):
     step = mirrored.compile(lambda x: (x, x), mirrored_outputs=(True, "avg"))
     with pytest.raises(ValueError, match=r"mirrored_outputs for output\[1\] must be one of"):
         step(np.float32(1.0))
+
+
+def test_declared_sum_of_a_partly_varying_output_counts_every_replica():
+    strategy = xs.TPUStrategy("v5e-8", emulate=True)  # a 2-d mesh
+    axes = strategy.mesh.axis_names
+
+    @strategy.compile(mirrored_outputs=("sum", "mean"))
+    def step(x):
+        first = lax.axis_index(axes[0]).astype(jnp.float32)  # varies over one axis only
+        return first + 0 * x, first + 0 * x
+
+    total, mean = step(strategy.replicate(np.float32(0)))
+    rows, cols = strategy.mesh.devices.shape
+    expected = cols * sum(range(rows))  # as lax.psum over both axes
+    assert float(total) == expected and float(mean) == expected / (rows * cols)
+
+
+def test_integer_per_replica_state_restores_only_exactly(mirrored, tmp_path):
+    counters = jax.device_put(np.arange(R, dtype=np.int32), mirrored.stacked_sharding())
+    with xs.CheckpointManager(tmp_path, mirrored) as manager:
+        manager.save(1, {"c": counters})
+        manager.wait_until_finished()
+        exact = manager.restore(target={"c": counters})
+        np.testing.assert_array_equal(np.asarray(exact["c"]), np.arange(R))
+        with pytest.raises(xs.CheckpointError, match=r"integer values have no mean"):
+            manager.restore(target={"c": np.int32(0)})

@@ -18,10 +18,11 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from xla_strategies.trees import path_str
@@ -40,20 +41,23 @@ class Layout(enum.Enum):
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """A traced leaf: its global shape and dtype (of the key data, for a typed key)."""
+    """A traced leaf: its global shape and dtype (of the key data, for a typed key); a
+    Python number is weakly typed, as under `jax.jit` (`bf16 * 0.5` stays bf16)."""
 
     shape: tuple[int, ...]
     dtype: str
     layout: Layout
     key_impl: str | None = None
+    weak_type: bool = False
 
 
 @dataclass(frozen=True)
 class Static:
-    """A leaf the step closes over. The type keeps `True` and `1` apart in the cache key."""
+    """A leaf the step closes over, compared by `key`: the value with the type of every
+    part, so `True` and `1`, or `(True, 2)` and `(1, 2)`, are different cache keys."""
 
-    kind: type
-    value: Any
+    key: Any
+    value: Any = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,13 @@ def flatten_arguments(
                 "compiled step and deleted; pass the array that call returned (or compile "
                 "with donate=False)"
             )
-        array, impl = _unwrap_key(leaf if isinstance(leaf, jax.Array) else np.asarray(leaf))
+        number = not isinstance(leaf, jax.Array | np.ndarray | np.generic)
+        # A Python number is weakly typed, and one out of range fails, as under jax.jit.
+        array = jnp.asarray(leaf) if number else leaf
+        array, impl = _unwrap_key(array)
+        layout = layout_of(leaf)
+        specs.append(ArraySpec(array.shape, _dtype_name(array.dtype), layout, impl, number))
         arrays.append(array)
-        specs.append(ArraySpec(array.shape, _dtype_name(array.dtype), layout_of(leaf), impl))
     return arrays, Signature(treedef, tuple(specs))
 
 
@@ -198,7 +206,14 @@ def _static(leaf: Any, where: Callable[[], str]) -> Static:
             f"but a {type(value).__name__} is not: {exc}. Pass it as an array, make it "
             "hashable, or close over it in the step"
         ) from None
-    return Static(type(value), leaf)
+    return Static(_typed(value), leaf)
+
+
+def _typed(value: Any) -> Any:
+    """`value` with the type of each of its parts, for comparing static values."""
+    if isinstance(value, tuple | list | frozenset):
+        return (type(value), tuple(_typed(v) for v in value))
+    return (type(value), value)
 
 
 def _unwrap_key(array: Any) -> tuple[Any, str | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,8 +87,9 @@ class CompiledStep:
         self.name = name or getattr(fn, "__name__", "step")
         self.gradient_reduction = op
         self.mirrored_outputs = mirrored_outputs
-        self.static_argnums = _int_set(static_argnums, "static_argnums")
-        self.static_argnames = _name_set(static_argnames, fn)
+        self.static_argnums, self.static_argnames = _static_arguments(
+            fn, _int_set(static_argnums, "static_argnums"), _name_set(static_argnames, fn)
+        )
         self.axis_name = axis_name
         self.pipeline = strategy.pipeline(op, pipeline)
         self.donate = donate
@@ -100,7 +102,7 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, signature = self._flatten(args, kwargs)
         executable = self._executable(signature)
-        outs = executable.run(*self._place(flat, signature))
+        outs = executable.run(*self._place(flat, signature, executable.donated))
         if executable.graph.rooted_outputs:  # only the root replica's copy is right
             outs = [
                 self.strategy.root_copy(o) if i in executable.graph.rooted_outputs else o
@@ -141,12 +143,24 @@ class CompiledStep:
             lambda path: f"{self.name} argument {path}",
         )
 
-    def _place(self, flat: list[Any], signature: Signature) -> list[Any]:
+    def _place(
+        self, flat: list[Any], signature: Signature, donated: tuple[int, ...] = ()
+    ) -> list[Any]:
+        """Mirrored leaves replicated; a donated buffer that is also passed elsewhere (the
+        same array as two pieces of state, say) copied: XLA cannot donate a buffer that
+        another argument still reads."""
         mirrored = NamedSharding(self.strategy.mesh, PartitionSpec())
-        return [
+        placed = [
             _put(leaf, mirrored) if spec.layout is Layout.MIRRORED else leaf
             for leaf, spec in zip(flat, signature.arrays, strict=True)
         ]
+        if donated:
+            uses = Counter(id(leaf) for leaf in placed)
+            for index in donated:
+                if uses[id(placed[index])] > 1:
+                    uses[id(placed[index])] -= 1
+                    placed[index] = copy_to(placed[index], placed[index].sharding)
+        return placed
 
     def _executable(self, signature: Signature) -> Executable:
         cached = self._cache.get(signature)
@@ -180,6 +194,7 @@ class CompiledStep:
                 sharding=NamedSharding(
                     mesh, PartitionSpec() if spec.layout is Layout.MIRRORED else split
                 ),
+                weak_type=spec.weak_type,
             )
             for spec in specs
         ]
@@ -237,6 +252,23 @@ def _put(leaf: Any, sharding: NamedSharding) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
     return copy_to(leaf, sharding)  # never donate a caller's buffer
+
+
+def _static_arguments(
+    fn: Callable[..., Any], numbers: frozenset[int], names: frozenset[str]
+) -> tuple[frozenset[int], frozenset[str]]:
+    """Each static argument by position and by name, as `jax.jit` maps them, so a static
+    argument is static however the caller passes it."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return numbers, names
+    positional = [
+        p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    numbers |= {i for i, name in enumerate(positional) if name in names}
+    names |= {positional[i] for i in numbers if i < len(positional)}
+    return frozenset(numbers), frozenset(names)
 
 
 def _int_set(value: int | Sequence[int], what: str) -> frozenset[int]:

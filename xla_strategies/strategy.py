@@ -110,6 +110,13 @@ class Strategy:
             and np.array_equal(mesh.devices, self._mesh.devices)
         ):
             stacked = sharding.spec[:1] == self.stacked_sharding().spec[:1]
+            if stacked and array.shape[:1] != (self.num_replicas_in_sync,):
+                raise ValueError(
+                    f"an array of shape {tuple(array.shape)} is stacked on the strategy's "
+                    f"stacked mesh, but a stacked value has one row per replica "
+                    f"({self.num_replicas_in_sync}); split a batch with "
+                    "experimental_distribute_dataset instead"
+                )
             return Layout.STACKED if stacked else Layout.MIRRORED
         return Layout.MIRRORED
 

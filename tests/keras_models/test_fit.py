@@ -227,3 +227,28 @@ def test_a_generator_with_uneven_batches_mid_epoch():
     history = model.fit(batches(), steps_per_epoch=3, epochs=2, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
     assert model.layers[0].moving_mean.shape == (6,)
+
+
+def test_a_scope_in_one_thread_leaves_other_threads_models_alone():
+    import threading
+
+    strategy = xs.MirroredStrategy()
+    original = keras.Model.compile
+    inside, outside = threading.Event(), threading.Event()
+    results = {}
+
+    def scoped():
+        with strategy.scope():
+            inside.set()
+            outside.wait(timeout=60)
+            results["scoped"] = _compiled(sequential)
+
+    thread = threading.Thread(target=scoped)
+    thread.start()
+    inside.wait(timeout=60)
+    results["plain"] = _compiled(sequential)  # this thread has no scope
+    outside.set()
+    thread.join(timeout=60)
+    assert "make_train_function" not in vars(results["plain"])
+    assert results["scoped"].distribute_strategy is strategy
+    assert keras.Model.compile is original and "compile" not in vars(keras.Model)
