@@ -37,6 +37,16 @@ def functional():
     return keras.Model(inputs, outputs)
 
 
+def batch_normalized(momentum=0.99):
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.BatchNormalization(momentum=momentum),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
@@ -95,18 +105,9 @@ def test_evaluate_and_predict_with_batches_that_do_not_divide():
 def test_batch_normalization_statistics_are_per_replica_then_averaged():
     x, y = _data(rows=32)
 
-    def make():
-        return keras.Sequential(
-            [
-                keras.Input((6,)),
-                keras.layers.BatchNormalization(momentum=0.5),
-                keras.layers.Dense(1),
-            ]
-        )
-
     strategy = xs.MirroredStrategy()
     with strategy.scope():
-        model = _compiled(make)
+        model = _compiled(lambda: batch_normalized(momentum=0.5))
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     bn = model.layers[0]
     local = x.reshape(R, -1, 6)
@@ -120,14 +121,9 @@ def test_batch_normalization_statistics_are_per_replica_then_averaged():
 def test_stacked_statistics_stay_per_replica_within_an_epoch():
     x, y = _data(rows=64)
 
-    def make():
-        return keras.Sequential(
-            [keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
-        )
-
     strategy = xs.MirroredStrategy()
     with strategy.scope():
-        model = _compiled(make)
+        model = _compiled(batch_normalized)
     model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=1, shuffle=False, verbose=0)
     model.make_train_function()
     state = model._get_jax_state(
@@ -216,14 +212,9 @@ def test_a_generator_with_uneven_batches_mid_epoch():
             for lo, hi in ((0, 32), (32, 42), (42, 74)):
                 yield x[lo:hi], y[lo:hi]
 
-    def make():
-        return keras.Sequential(
-            [keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
-        )
-
     strategy = xs.MirroredStrategy()
     with strategy.scope():
-        model = _compiled(make)
+        model = _compiled(batch_normalized)
     history = model.fit(batches(), steps_per_epoch=3, epochs=2, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
     assert model.layers[0].moving_mean.shape == (6,)
