@@ -120,6 +120,11 @@ def test_two_workers_train_like_one_device(tmp_path):
     for model in ("mlp", "transformer"):
         for key, expected in _reference(model).items():
             np.testing.assert_allclose(result[key], expected, rtol=1e-5, atol=1e-7, err_msg=key)
+    # per-replica state kept stacked across the two hosts: replica r saw rows 2r, 2r+1
+    stats = np.zeros((8, 12), np.float32)
+    for batch in helpers.mlp_batches(STEPS):
+        stats = 0.9 * stats + 0.1 * batch["x"].reshape(8, 2, 12).mean(1)
+    np.testing.assert_allclose(result["stats"], stats, rtol=1e-5, atol=1e-6)
 
 
 def test_a_killed_peer_fails_the_survivor_within_the_timeout(tmp_path):

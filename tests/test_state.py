@@ -37,7 +37,13 @@ def _batches(steps, rows=16, cols=R):
     return [rng.normal(size=(rows, cols)).astype(np.float32) for _ in range(steps)]
 
 
-def test_per_replica_state_keeps_its_shape_and_equals_a_per_replica_reference(mirrored):
+@pytest.mark.parametrize(
+    "make",
+    [xs.MirroredStrategy, lambda: xs.CentralStorageStrategy(parameter_device=5)],
+    ids=["mirrored", "central-storage"],
+)
+def test_per_replica_state_keeps_its_shape_and_equals_a_per_replica_reference(make):
+    mirrored = make()
     step = mirrored.compile(_running_stats_step)
     batches = _batches(4)
     w = mirrored.replicate(np.ones((R, 1), np.float32))
@@ -51,6 +57,11 @@ def test_per_replica_state_keeps_its_shape_and_equals_a_per_replica_reference(mi
         expected = 0.9 * expected + 0.1 * parts.mean(axis=1)
         np.testing.assert_allclose(np.asarray(stats), expected, rtol=1e-6, atol=1e-7)
     assert step.cache_size == 2  # mirrored stats at step 1, stacked stats after
+    w_ref = np.ones((R, 1), np.float32)
+    for global_batch in batches:  # the weights follow one device on the global batch
+        grad = 2 * global_batch.T @ (global_batch @ w_ref) / len(global_batch)
+        w_ref = w_ref - 0.1 * grad
+    np.testing.assert_allclose(np.asarray(w), w_ref, rtol=1e-5, atol=1e-6)
 
 
 def test_stacked_state_of_a_batch_shape_is_not_split(mirrored):

@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=60)
-    parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--models", default="mlp,transformer,stats")
     args = parser.parse_args()
     options = xs.CommunicationOptions(timeout_seconds=args.timeout)
     strategy = xs.MultiWorkerMirroredStrategy(communication_options=options)
@@ -79,6 +79,16 @@ def main() -> None:
             helpers.lm_batches(args.steps, cfg),
             "transformer",
         )
+    if "stats" in args.models:  # per-replica state across hosts: stacked, fed back
+        step = strategy.compile(lambda stats, batch: 0.9 * stats + 0.1 * batch["x"].mean(0))
+        stats = np.zeros(12, np.float32)
+        dataset = strategy.distribute_datasets_from_function(
+            per_host(helpers.mlp_batches(args.steps))
+        )
+        for batch in dataset:
+            stats = step(stats, batch)
+        gathered = jax.experimental.multihost_utils.process_allgather(stats, tiled=True)
+        results["stats"] = np.asarray(gathered)
     if strategy.cluster_resolver.is_chief:
         out = Path(args.out)
         partial = out.with_suffix(".partial.npz")
