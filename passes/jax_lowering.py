@@ -53,6 +53,7 @@ def lower(
     mesh: Mesh,
     donate_argnums: Sequence[int] = (),
     stacked_mesh: Mesh | None = None,
+    compiler_options: dict[str, str] | None = None,
 ) -> Callable[..., tuple[jax.Array, ...]]:
     """A jitted function of the flat global arguments that runs `graph` on every replica.
 
@@ -84,6 +85,7 @@ def lower(
             for s, spec in zip(stacked_out, out_specs, strict=True)
         ),
         donate_argnums=tuple(donate_argnums),
+        compiler_options=compiler_options or None,
     )
 
 

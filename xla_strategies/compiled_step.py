@@ -241,7 +241,10 @@ class CompiledStep:
         seconds["pipeline"] = time.perf_counter() - start
         seconds["verify"] = ctx.stats["verify_seconds"]  # part of the pipeline's time
         donated = donated_state(signature, outputs, graph) if self.donate else ()
-        run = lower(graph, self.strategy.mesh, donated, self.strategy.stacked_mesh)
+        strategy = self.strategy
+        run = lower(
+            graph, strategy.mesh, donated, strategy.stacked_mesh, strategy.compiler_options()
+        )
         dump.write(graph, run, signature.arrays)
         if options.stop_after_compile:
             raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")

@@ -75,6 +75,18 @@ class Strategy:
         """The strategy's interconnect topology for the cost model; None when unknown."""
         return None
 
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options for this strategy's programs. When several CPU devices share a
+        host's cores, XLA's parallel task assigner splits each large op across the shared
+        thread pool, where the tasks wait behind device threads blocked in a collective's
+        rendezvous: a gradient sync in 1 MiB buckets took 1.1 s instead of 0.17 s
+        (benchmarks/README.md, "Gradient sync"). Each device runs its ops whole instead."""
+        devices = self._mesh.devices.flat
+        shares_cores = [d for d in devices if d.process_index == jax.process_index()]
+        if len(shares_cores) > 1 and shares_cores[0].platform == "cpu":
+            return {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
+        return {}
+
     def input_spec(self, per_replica: bool) -> PartitionSpec:
         """Per-replica inputs split dim 0 over all mesh axes; mirrored ones are whole."""
         if not per_replica:
