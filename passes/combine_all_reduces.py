@@ -33,6 +33,12 @@ from xla_strategies.passes.ir import Graph, Node, Value
 # Without a topology (CPU, plain MirroredStrategy): chosen from the sweep in
 # benchmarks/README.md ("Bucket threshold sweep").
 DEFAULT_THRESHOLD_BYTES = 64 * 1024
+# Without a topology, a bucket's members of this size or more are operands of their own
+# (one tuple all-reduce) rather than copied into the flat buffer: on CPU, copying large
+# tensors in and out cost more than reducing them (2.5-3.9x XLA's tuple all-reduce from
+# 1 MiB buckets up, benchmarks/README.md), while many small operands cost more than copying
+# them. With a topology buckets stay flat: decompose-all-reduces splits the flat buffer.
+OWN_OPERAND_BYTES = DEFAULT_THRESHOLD_BYTES
 
 
 @dataclass
@@ -72,7 +78,9 @@ class CombineAllReduces(Pass):
         for region in graph.graphs():
             # One bucket at a time, then look again: combining moves nodes.
             while bucket := self._next_bucket(region, threshold):
-                _combine(region, bucket, len(sizes), self.name)
+                tuple_ok = ctx.topology is None and bucket.members[0].op == "all_reduce"
+                own_bytes = OWN_OPERAND_BYTES if tuple_ok else 0
+                _combine(region, bucket, len(sizes), self.name, own_bytes)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         return bool(sizes)
@@ -144,46 +152,60 @@ def _label(node: Node) -> str:
     return node.label or shape
 
 
-def _combine(graph: Graph, bucket: _Bucket, index: int, created_by: str) -> None:
-    """Replace the bucket's members by one flat all_reduce at the last member's position.
-    Nodes before it that read a member's result move after it, keeping their order."""
+def _combine(
+    graph: Graph, bucket: _Bucket, index: int, created_by: str, own_operand_bytes: int = 0
+) -> None:
+    """Replace the bucket's members by one all_reduce at the last member's position. Its
+    first operand is a flat buffer of the members (reshape, concatenate; slice and reshape
+    back after); members of at least `own_operand_bytes` (when not 0) are operands of their
+    own instead, so the reduction is one tuple all-reduce that copies only small tensors."""
     members, first = bucket.members, bucket.members[0]
     dtype, axes = first.inputs[0].dtype, set(first.attrs["axes"])
     varying = first.inputs[0].varying_axes
+    own = [m for m in members if own_operand_bytes and m.inputs[0].nbytes >= own_operand_bytes]
+    packed = [m for m in members if m not in own]
     new: list[Node] = []
 
     def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
         new.append(Node(op, inputs, [out], attrs, created_by=created_by))
         return out
 
+    operands, results = [m.inputs[0] for m in own], [m.outputs[0] for m in own]
+    if len(packed) == 1:  # nothing to pack it with: an operand of its own
+        operands, results = [packed[0].inputs[0], *operands], [packed[0].outputs[0], *results]
+        packed = []
     flats = [
         m.inputs[0]
         if len(m.inputs[0].shape) == 1
         else emit("reshape", [m.inputs[0]], Value((m.inputs[0].size,), dtype, varying))
-        for m in members
+        for m in packed
     ]
-    total = sum(f.size for f in flats)
-    buffer = emit("concatenate", flats, Value((total,), dtype, varying), dimension=0)
+    if packed:
+        total = sum(f.size for f in flats)
+        buffer = emit("concatenate", flats, Value((total,), dtype, varying), dimension=0)
+        operands = [buffer, *operands]
+        results = [Value((total,), dtype, frozenset(varying - axes)), *results]
     attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}
-    reduced = emit(
-        first.op,
-        [buffer],
-        Value((total,), dtype, frozenset(varying - axes)),
-        **attrs,
-        bucket=index,
-        members=[_label(m) for m in members],
-    )
+    attrs.update(bucket=index, members=[_label(m) for m in members])
+    new.append(Node(first.op, operands, results, attrs, created_by=created_by))
     offset = 0
-    for member, flat in zip(members, flats, strict=True):
+    for member, flat in zip(packed, flats, strict=True):
         result = member.outputs[0]
         piece = (
             result if len(result.shape) == 1 else Value((flat.size,), dtype, result.varying_axes)
         )
-        emit("slice", [reduced], piece, start=[offset], limit=[offset + flat.size])
+        emit("slice", [results[0]], piece, start=[offset], limit=[offset + flat.size])
         if piece is not result:
             emit("reshape", [piece], result)
         offset += flat.size
-    start, end = graph.nodes.index(first), graph.nodes.index(members[-1])
+    _replace_members(graph, bucket, new)
+
+
+def _replace_members(graph: Graph, bucket: _Bucket, new: list[Node]) -> None:
+    """Put `new` where the bucket's last member was; nodes between the first and the last
+    member that read a member's result move after it, keeping their order."""
+    members = bucket.members
+    start, end = graph.nodes.index(members[0]), graph.nodes.index(members[-1])
     between = [n for n in graph.nodes[start:end] if n not in members]
     dependent = [n for n in between if any(v in bucket.tainted for v in (*n.inputs, *n.outputs))]
     kept = [n for n in between if n not in dependent]

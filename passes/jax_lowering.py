@@ -175,8 +175,9 @@ _REDUCERS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmi
 
 
 def _all_reduce(node: Node, args: list[Any]) -> list[Any]:
+    """One collective for all operands (a tuple bucket is one tuple all-reduce)."""
     reducer = _REDUCERS[node.attrs["reduce_op"]]
-    return [reducer(x, tuple(node.attrs["axes"])) for x in args]
+    return list(reducer(list(args), tuple(node.attrs["axes"])))
 
 
 def _reduce_to_one(node: Node, args: list[Any]) -> list[Any]:

@@ -113,3 +113,53 @@ def test_nothing_to_do():
 def test_bad_options_are_rejected():
     with pytest.raises(ValueError, match="must not be negative"):
         CombineAllReduces(threshold_bytes=-1)
+
+
+def test_large_members_are_operands_of_their_own_without_a_topology():
+    text = """\
+func @step(%0: f32[4,3]{replica}, %1: f32[128,256]{replica}, %2: f32[5]{replica}) {
+  %3: f32[4,3] = all_reduce(%0) {"axes": ["replica"], "reduce_op": "sum"}
+  %4: f32[128,256] = all_reduce(%1) {"axes": ["replica"], "reduce_op": "sum"}
+  %5: f32[5] = all_reduce(%2) {"axes": ["replica"], "reduce_op": "sum"}
+  return %3, %4, %5
+}
+"""
+    changed, after, _ = _run(text, threshold_bytes=1 << 20)  # the 128 KiB tensor is not copied
+    assert changed
+    filecheck(
+        after,
+        """
+        CHECK: %[[FLAT:[0-9]+]]: f32[12]{replica} = reshape(%0)
+        CHECK-NEXT: %[[BUF:[0-9]+]]: f32[17]{replica} = concatenate(%[[FLAT]], %2)
+        CHECK-NEXT: %[[SMALL:[0-9]+]]: f32[17], %[[BIG:[0-9]+]]: f32[128,256] = all_reduce(%[[BUF]], %1)
+        CHECK-SAME: "members": ["4x3", "128x256", "5"]
+        CHECK-NOT: reshape(%[[BIG]])
+        CHECK: return {{.*}}, %[[BIG]], {{.*}}
+        """,
+    )
+
+
+def test_tuple_buckets_keep_the_numbers():
+    import jax
+    import numpy as np
+
+    import xla_strategies as xs
+
+    strategy = xs.MirroredStrategy()
+    rng = np.random.default_rng(0)
+    grads = [rng.normal(size=(8, *s)).astype(np.float32) for s in [(3,), (128, 256), (7, 2)]]
+    grads = next(iter(strategy.experimental_distribute_dataset([grads])))
+
+    def step(grads):
+        return xs.get_replica_context().all_reduce("sum", [g[0] for g in grads])
+
+    spec = "insert-reductions,combine-all-reduces{threshold-bytes=1048576}"
+    ours = strategy.compile(step, pipeline=spec)
+    plain = strategy.compile(step, pipeline="insert-reductions")
+    graph = ours.graph(grads, after="combine-all-reduces")
+    assert [len(n.inputs) for n in graph.walk() if n.op == "all_reduce"] == [2]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6),
+        ours(grads),
+        plain(grads),
+    )
