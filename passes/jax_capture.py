@@ -2,22 +2,20 @@
 
 The step is traced with `jax.make_jaxpr` inside `jax.shard_map(check_vma=True)` on the
 concrete mesh's abstract mesh. JAX's varying-axes types then place a reduction exactly where
-a mirrored value's gradient is complete: the transpose of `pvary` is `psum_invariant`. A
-`jax.named_scope` around that transpose rule marks those reductions, so the importer can tell
-autodiff's reductions from the ones the user wrote, also inside loop bodies.
+a mirrored value's gradient is complete: the transpose of `pvary` is `psum_invariant`.
+While tracing, `jax_trace_hooks` marks those reductions (so the importer can tell them from
+the ones the user wrote, also inside loop bodies) and the gradients MEAN must scale.
 
 Importing: collectives become first-class nodes, `pvary` a varying-type change, `jit` and
 custom_jvp/vjp calls are inlined (autodiff has already happened), `scan`, `while`, `cond`
 and `remat2` keep their bodies as regions, and everything else becomes a foreign node that
-carries its equation for the lowering. Only this module and `jax_lowering` read jaxprs.
+carries its equation for the lowering. Only this module, `jax_trace_hooks` and
+`jax_lowering` touch JAX internals.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,10 +25,14 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.jax_trace_hooks import (
+    AUTODIFF_SCOPE,
+    GRADIENT_AXES,
+    marking_gradient_scales,
+    tagging_autodiff_reductions,
+    varying_axes,
+)
 
-AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
-GRADIENT_SCOPE = "xla_strategies.gradient_scale"
-_GRADIENT_AXES = re.compile(re.escape(GRADIENT_SCOPE) + r"\(([^)]*)\)")
 _INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
 _REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 _SMALL_CONSTANT = 8  # constants up to this many elements print their value in the IR
@@ -82,7 +84,7 @@ def capture(
         body, mesh=mesh.abstract_mesh, in_specs=specs, out_specs=(), check_vma=True
     )
     try:
-        with _tagging_autodiff_reductions(), _marking_gradient_scales():
+        with tagging_autodiff_reductions(), marking_gradient_scales():
             jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:
         _diagnose_unknown_axis(lambda: jax.make_jaxpr(traced)(*flat_args), axes, exc)
@@ -133,110 +135,6 @@ class _AxisRenamer:
         return eqn.replace(params={**eqn.params, **changes}) if changes else eqn
 
 
-_patch_lock = threading.Lock()
-_patches: dict[tuple[int, Any], list[Any]] = {}  # (id(owner), key) -> [original, users]
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, key: Any, replacement: Callable[[Any], Any]) -> Any:
-    """`owner[key]` (a dict) or `owner.key` replaced by `replacement(original)` while any
-    trace in any thread needs it, and restored when the last one is done."""
-    get, put = (
-        (owner.__getitem__, owner.__setitem__)
-        if isinstance(owner, dict)
-        else (lambda k: getattr(owner, k), lambda k, v: setattr(owner, k, v))
-    )
-    slot = (id(owner), key)
-    with _patch_lock:
-        if slot not in _patches:
-            original = get(key)
-            _patches[slot] = [original, 0]
-            put(key, replacement(original))
-        _patches[slot][1] += 1
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _patches[slot][1] -= 1
-            if _patches[slot][1] == 0:
-                put(key, _patches.pop(slot)[0])
-
-
-@contextlib.contextmanager
-def _tagging_autodiff_reductions() -> Any:
-    """While a step is traced, pvary's transpose rule runs in a named scope, so the
-    importer can tell autodiff's reductions from the user's. It only adds op metadata."""
-    from jax._src import core
-    from jax._src.interpreters import ad
-
-    def tagging(rule: Callable[..., Any]) -> Callable[..., Any]:
-        def tagged(*args, **kwargs):
-            with jax.named_scope(AUTODIFF_SCOPE):
-                return rule(*args, **kwargs)
-
-        return tagged
-
-    with _patched(ad.primitive_transposes, core.pvary_p, tagging):
-        yield
-
-
-_capturing = threading.local()
-
-
-@contextlib.contextmanager
-def _marking_gradient_scales() -> Any:
-    """While a step is traced (in this thread only), `jax.vjp`, and so `jax.grad`, marks
-    each gradient of a value that is the same on every replica, taken of a value that
-    differs (a per-replica loss), with a multiplication by 1 under `GRADIENT_SCOPE`.
-
-    JAX's gradient there is exactly that of the sum of the replicas' losses; the strategy's
-    MEAN reduction is that divided by the replica count, once, whatever path the gradient
-    took (BatchNorm statistics reduced in the forward pass cross two reductions). The
-    importer turns the mark into a `scale` node, and insert-reductions sets its factor.
-    Gradients of per-replica values (an input gradient) and of a loss that is already the
-    same everywhere (a `pmean`ed loss, as pmap code writes it) are not marked."""
-    from jax._src import api
-
-    def marking(original: Callable[..., Any]) -> Callable[..., Any]:
-        def vjp(fun: Callable[..., Any], *primals: Any, **kwargs: Any) -> Any:
-            out, pullback, *aux = original(fun, *primals, **kwargs)
-            if getattr(_capturing, "depth", 0):
-                pullback = _marked_pullback(pullback, primals, out)
-            return (out, pullback, *aux)
-
-        return vjp
-
-    _capturing.depth = getattr(_capturing, "depth", 0) + 1
-    try:
-        with _patched(api, "vjp", marking), _patched(jax, "vjp", marking):
-            yield
-    finally:
-        _capturing.depth -= 1
-
-
-def _marked_pullback(pullback: Callable[..., Any], primals: tuple, out: Any) -> Callable[..., Any]:
-    def marked(cotangent: Any) -> Any:
-        grads = pullback(cotangent)
-        # the cotangent takes the output's type (a Python 1.0 seed becomes per-replica)
-        seed = jax.tree.leaves(cotangent) + jax.tree.leaves(out)
-        seed_axes = set().union(*(_vma(c) for c in seed))
-        return jax.tree.map(lambda g, p: _mark(g, seed_axes - _vma(p)), grads, primals)
-
-    return marked
-
-
-def _vma(x: Any) -> set[str]:
-    """The mesh axes over which `x` differs across replicas (none for a Python number)."""
-    return set(_varying_axes(jax.typeof(x)))
-
-
-def _mark(grad: Any, axes: set[str]) -> Any:
-    if not axes or not jax.numpy.issubdtype(grad.dtype, jax.numpy.inexact):
-        return grad
-    with jax.named_scope(f"{GRADIENT_SCOPE}({','.join(sorted(axes))})"):
-        return grad * np.ones((), grad.dtype)
-
-
 def _diagnose_unknown_axis(
     retrace: Callable[[], Any], axes: tuple[str, ...], original: Exception
 ) -> None:
@@ -271,13 +169,8 @@ def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...], original: 
         tb = tb.tb_next
 
 
-def _varying_axes(aval: Any) -> frozenset[str]:
-    varying = getattr(getattr(aval, "mat", None), "varying", None)
-    return frozenset(getattr(aval, "vma", ()) if varying is None else varying)
-
-
 def _value(aval: Any) -> Value:
-    varying = _varying_axes(aval)
+    varying = varying_axes(aval)
     dtype = str(getattr(aval, "dtype", "token"))
     return Value(tuple(getattr(aval, "shape", ())), dtype, frozenset(varying))
 
@@ -422,7 +315,7 @@ class _Importer:
             if origin == "autodiff" and len(inputs) == 1:
                 self._reductions.append((_frames(eqn), node))
             return node
-        if prim == "mul" and (marked := _GRADIENT_AXES.search(str(eqn.source_info.name_stack))):
+        if prim == "mul" and (marked := GRADIENT_AXES.search(str(eqn.source_info.name_stack))):
             axes = self._renamer.names(marked.group(1).split(","))
             attrs = {"axes": axes, "factor": 1, "origin": "gradient"}
             return Node("scale", inputs[:1], outputs, attrs)
