@@ -167,7 +167,7 @@ class Outputs:
         traced, leaves, names = [], [], []
         for path, leaf in flat:
             if is_traced(leaf):
-                array, impl = _unwrap_key(jax.numpy.asarray(leaf))
+                array, impl = _unwrap_key(jnp.asarray(leaf))
                 traced.append(array)
                 leaves.append(_TracedOutput(impl))
                 names.append("output" + jax.tree_util.keystr(path))

@@ -48,6 +48,7 @@ class Executable:
     run: Callable[..., tuple[jax.Array, ...]]
     outputs: Outputs
     donated: tuple[int, ...]
+    mirrored: tuple[bool, ...]  # per traced argument: replicated before the call
     captured_text_stats: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -94,6 +95,7 @@ class CompiledStep:
         self.pipeline = strategy.pipeline(op, pipeline)
         self.donate = donate
         self._cache: dict[Signature, Executable] = {}
+        self._replicated = NamedSharding(strategy.mesh, PartitionSpec())
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -102,7 +104,7 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, signature = self._flatten(args, kwargs)
         executable = self._executable(signature)
-        outs = executable.run(*self._place(flat, signature, executable.donated))
+        outs = executable.run(*self._place(flat, executable))
         if executable.graph.rooted_outputs:  # only the root replica's copy is right
             outs = [
                 self.strategy.root_copy(o) if i in executable.graph.rooted_outputs else o
@@ -113,7 +115,8 @@ class CompiledStep:
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The `jax.stages.Lowered` program for these arguments."""
         flat, signature = self._flatten(args, kwargs)
-        return self._executable(signature).run.lower(*self._place(flat, signature))
+        executable = self._executable(signature)
+        return executable.run.lower(*self._place(flat, executable))
 
     def graph(self, *args: Any, after: str = "capture", **kwargs: Any) -> Graph:
         """The IR for these arguments after capture or after the pass named `after`."""
@@ -143,20 +146,17 @@ class CompiledStep:
             lambda path: f"{self.name} argument {path}",
         )
 
-    def _place(
-        self, flat: list[Any], signature: Signature, donated: tuple[int, ...] = ()
-    ) -> list[Any]:
+    def _place(self, flat: list[Any], executable: Executable) -> list[Any]:
         """Mirrored leaves replicated; a donated buffer that is also passed elsewhere (the
         same array as two pieces of state, say) copied: XLA cannot donate a buffer that
         another argument still reads."""
-        mirrored = NamedSharding(self.strategy.mesh, PartitionSpec())
         placed = [
-            _put(leaf, mirrored) if spec.layout is Layout.MIRRORED else leaf
-            for leaf, spec in zip(flat, signature.arrays, strict=True)
+            _put(leaf, self._replicated) if mirrored else leaf
+            for leaf, mirrored in zip(flat, executable.mirrored, strict=True)
         ]
-        if donated:
+        if executable.donated:
             uses = Counter(id(leaf) for leaf in placed)
-            for index in donated:
+            for index in executable.donated:
                 if uses[id(placed[index])] > 1:
                     uses[id(placed[index])] -= 1
                     placed[index] = copy_to(placed[index], placed[index].sharding)
@@ -248,7 +248,8 @@ class CompiledStep:
         dump.write(graph, run, signature.arrays)
         if options.stop_after_compile:
             raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
-        return Executable(graph, run, outputs, donated, captured_stats, seconds)
+        mirrored = tuple(spec.layout is Layout.MIRRORED for spec in signature.arrays)
+        return Executable(graph, run, outputs, donated, mirrored, captured_stats, seconds)
 
 
 def _put(leaf: Any, sharding: NamedSharding) -> Any:

@@ -54,6 +54,8 @@ class Strategy:
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
         self._mesh = Mesh(array, axis_names)
         self._stacked_mesh = Mesh(array, tuple(STACKED_PREFIX + a for a in axis_names))
+        self._split_first = self.input_spec(True)[:1]
+        self._stacked_first = self.stacked_sharding().spec[:1]
         self._compiled_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # layout questions
@@ -109,28 +111,21 @@ class Strategy:
         sharding = getattr(array, "sharding", None)
         if not isinstance(sharding, NamedSharding):
             return Layout.MIRRORED
-        mesh = sharding.mesh
-        # Runs for every argument of every step: compare meshes by identity first.
-        if mesh is self._mesh or (
-            mesh.axis_names == self._mesh.axis_names
-            and np.array_equal(mesh.devices, self._mesh.devices)
-        ):
-            split = sharding.spec[:1] == self.input_spec(True)[:1]
-            return Layout.SPLIT if split else Layout.MIRRORED
-        if mesh is self._stacked_mesh or (
-            mesh.axis_names == self._stacked_mesh.axis_names
-            and np.array_equal(mesh.devices, self._mesh.devices)
-        ):
-            stacked = sharding.spec[:1] == self.stacked_sharding().spec[:1]
-            if stacked and array.shape[:1] != (self.num_replicas_in_sync,):
-                raise ValueError(
-                    f"an array of shape {tuple(array.shape)} is stacked on the strategy's "
-                    f"stacked mesh, but a stacked value has one row per replica "
-                    f"({self.num_replicas_in_sync}); split a batch with "
-                    "experimental_distribute_dataset instead"
-                )
-            return Layout.STACKED if stacked else Layout.MIRRORED
-        return Layout.MIRRORED
+        mesh, first = sharding.mesh, sharding.spec[:1]
+        # Runs for every argument of every step: meshes compare by identity first, and
+        # the leading specs are computed once, in __init__.
+        if _same_mesh(mesh, self._mesh, self._mesh):
+            return Layout.SPLIT if first == self._split_first else Layout.MIRRORED
+        if not _same_mesh(mesh, self._stacked_mesh, self._mesh) or first != self._stacked_first:
+            return Layout.MIRRORED
+        if array.shape[:1] != (self.num_replicas_in_sync,):
+            raise ValueError(
+                f"an array of shape {tuple(array.shape)} is stacked on the strategy's "
+                f"stacked mesh, but a stacked value has one row per replica "
+                f"({self.num_replicas_in_sync}); split a batch with "
+                "experimental_distribute_dataset instead"
+            )
+        return Layout.STACKED
 
     def is_per_replica(self, array: Any) -> bool:
         """Whether replicas see different parts of `array` (a split batch or stacked values)."""
@@ -288,6 +283,13 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _same_mesh(mesh: Mesh, reference: Mesh, devices_of: Mesh) -> bool:
+    """`mesh` is `reference`: the same object, or its axis names over `devices_of`'s devices."""
+    return mesh is reference or (
+        mesh.axis_names == reference.axis_names and np.array_equal(mesh.devices, devices_of.devices)
+    )
 
 
 def _check_axis(axis: int, ndim: int, where: str) -> None:
