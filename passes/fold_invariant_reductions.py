@@ -33,10 +33,10 @@ class FoldInvariantReductions(Pass):
         for region in graph.graphs():
             producers = region.producers()
             for position, node in enumerate(region.nodes):
-                if self._invariant_operand(node, producers) is None:
-                    continue
-                region.nodes[position] = self._fold(node, producers, ctx)
-                folded += 1
+                source = self._invariant_operand(node, producers)
+                if source is not None:
+                    region.nodes[position] = self._fold(node, source, ctx)
+                    folded += 1
         ctx.stats[self.name] = {"folded": folded}
         return folded > 0
 
@@ -54,8 +54,8 @@ class FoldInvariantReductions(Pass):
             return None
         return source
 
-    def _fold(self, node: Node, producers: dict, ctx: PassContext) -> Node:
-        source = producers[node.inputs[0]]
+    def _fold(self, node: Node, source: Node, ctx: PassContext) -> Node:
+        """`node` as a scale of the invariant value `source` (its `pvary`) made varying."""
         copies = math.prod(ctx.mesh_axes[a] for a in node.attrs["axes"])
         factor = copies if node.attrs["reduce_op"] == "sum" else 1
         return Node(

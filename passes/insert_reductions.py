@@ -115,13 +115,13 @@ def _aggregate_outputs(graph: Graph, ctx: PassContext, created_by: str) -> bool:
     if not graph.output_aggregation:
         return False
     made: dict[tuple[Value, str], Value] = {}
+    producers = graph.producers()  # node objects: still right after insertions
     for index, op in sorted(graph.output_aggregation.items()):
         value = graph.outputs[index]
         if (value, op) not in made:
             nodes = _aggregation(value, op, ctx, created_by)
             for node in nodes:
                 node.attrs["output"] = graph.output_name(index)
-            producers = graph.producers()
             at = graph.nodes.index(producers[value]) + 1 if value in producers else 0
             graph.nodes[at:at] = nodes
             made[value, op] = nodes[-1].outputs[0] if nodes else value
@@ -134,7 +134,7 @@ def _aggregation(value: Value, op: str, ctx: PassContext, created_by: str) -> li
     """The nodes that make `value` mirrored under `op`. A MEAN is a sum and a 1/N scale,
     so it shares the gradients' sum buckets."""
     varying = [a for a in ctx.mesh_axes if a in value.varying_axes]
-    copies = math.prod(ctx.mesh_axes[a] for a in (varying or ctx.mesh_axes))
+    copies = math.prod(ctx.mesh_axes[a] for a in varying)  # different values averaged
     nodes: list[Node] = []
     if varying:
         reduce_op = "sum" if op == "mean" else op
@@ -144,7 +144,7 @@ def _aggregation(value: Value, op: str, ctx: PassContext, created_by: str) -> li
         value = reduced
     # a SUM counts every replica: the identical copies along the axes it does not vary on
     invariant = math.prod(ctx.mesh_axes[a] for a in ctx.mesh_axes if a not in varying)
-    factor = {"sum": invariant, "mean": 1 / copies if varying else 1}.get(op, 1)
+    factor = {"sum": invariant, "mean": 1 / copies}.get(op, 1)
     if factor != 1:
         attrs = {"factor": factor}
         nodes.append(Node("scale", [value], [value.like()], attrs, created_by=created_by))
