@@ -74,19 +74,13 @@ class _Trainer:
         return run
 
     def jax_state_sync(self) -> None:
-        """Keras' own sync, after folding per-replica values into their variables' shapes."""
+        """Keras' own sync, after folding per-replica values into one value each."""
         model = self.model
         state = getattr(model, "_jax_state", None)
         if state and not model._jax_state_synced:
-            groups = {
-                "trainable_variables": model.trainable_variables,
-                "non_trainable_variables": model.non_trainable_variables,
-                "optimizer_variables": model.optimizer.variables if model.optimizer else [],
-                "metrics_variables": model.metrics_variables,
-            }
-            for key, variables in groups.items():
-                if state.get(key):
-                    state[key] = [_fold(v, x) for v, x in zip(variables, state[key], strict=True)]
+            for key, values in state.items():
+                if values:
+                    state[key] = [self._mirrored(x) for x in values]
         type(model).jax_state_sync(model)
 
     # one call of a step function
@@ -206,14 +200,6 @@ def _logs(model: Any, metrics: Sequence[Any]) -> dict[str, Any]:
     mapping = list(zip(model.metrics_variables, metrics, strict=True))
     with keras.StatelessScope(state_mapping=mapping):
         return model.get_metrics_result()
-
-
-def _fold(variable: Any, value: Any) -> Any:
-    """A per-replica stack of `variable`'s values becomes their mean; anything else as is."""
-    shape = tuple(variable.shape)
-    if tuple(value.shape) == shape or tuple(value.shape[1:]) != shape:
-        return value
-    return jnp.mean(value, axis=0).astype(value.dtype)
 
 
 def _rows(data: Any) -> int:
