@@ -1,0 +1,79 @@
+"""The optimizer's update inside a traced step: a `torch.optim` optimizer's own `step()`,
+or an optax `update`.
+
+A `torch.optim` optimizer runs unchanged on torchax tensors that hold the traced values:
+for the duration of one `step()` its `param_groups` hold those tensors (with their `.grad`
+set) and its `state` holds the traced optimizer state; both are put back afterwards, so
+the user's optimizer object is as it was. Two of its switches are set for that call:
+`foreach=False`, since torchax has no lowering of the `_foreach_*` kernels, and
+`capturable=True` where the optimizer has it (Adam, AdamW, ...), which keeps the step
+count a tensor instead of reading it back with `.item()`; both compute the same update.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torchax
+
+from xla_strategies.torch.train_state import TrainState, parameter_names, trainable
+
+# Switches the traced step needs, applied only while it runs (see the module docstring).
+_TRACED_SWITCHES = {"foreach": False, "capturable": True, "fused": None}
+
+
+def apply_optimizer(state: TrainState, grads: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """New params and optimizer state from `grads` (by parameter name)."""
+    if isinstance(state.optimizer, torch.optim.Optimizer):
+        return _torch_optim_update(state, grads)
+    import optax
+
+    params = trainable(state.module, state.params)
+    updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
+    return {**state.params, **optax.apply_updates(params, updates)}, opt_state
+
+
+def _torch_optim_update(state: TrainState, grads: dict[str, Any]) -> tuple[dict, dict]:
+    optimizer = state.optimizer
+    names = parameter_names(state.module, optimizer)
+    env = torchax.default_env()
+    with env:
+        tensors = [env.j2t_iso(state.params[name]) for name in names]
+        for tensor, name in zip(tensors, names, strict=True):
+            tensor.grad = env.j2t_iso(grads[name]) if name in grads else None
+        opt_state = {i: env.j2t_iso(entry) for i, entry in state.opt_state.items()}
+        with _bound(optimizer, tensors, opt_state):
+            optimizer.step()
+            new_state = {
+                i: dict(optimizer.state[t]) for i, t in enumerate(tensors) if t in optimizer.state
+            }
+        params = dict(state.params)
+        params.update((name, tensor) for name, tensor in zip(names, tensors, strict=True))
+        return env.t2j_iso(params), env.t2j_iso(new_state)
+
+
+@contextlib.contextmanager
+def _bound(optimizer: torch.optim.Optimizer, tensors: list, opt_state: dict) -> Iterator[None]:
+    """`optimizer` steps `tensors` from `opt_state` (keyed by state_dict index)."""
+    saved_state = optimizer.state
+    saved_groups = [dict(group) for group in optimizer.param_groups]
+    position = 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        group["params"] = tensors[position : position + count]
+        position += count
+        group.update((k, v) for k, v in _TRACED_SWITCHES.items() if k in group)
+    optimizer.state = collections.defaultdict(
+        dict, {tensors[i]: dict(entry) for i, entry in opt_state.items()}
+    )
+    try:
+        yield
+    finally:
+        optimizer.state = saved_state
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            group.clear()
+            group.update(saved)

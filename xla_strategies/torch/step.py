@@ -1,0 +1,124 @@
+"""Running torch code inside a compiled step: the forward, the gradient, the update.
+
+`train_step(state, loss_fn, *batch)` is one optimizer step of a loss written in torch:
+
+1. torchax runs `loss_fn(module, *batch)` on JAX values, with the module's parameters and
+   buffers swapped for the state's (`torch.func.functional_call`'s reparametrization, so
+   `loss_fn` may call any method or submodule of the module);
+2. `jax.value_and_grad` differentiates it, so the gradient is a JAX gradient and the
+   strategy's reduction (MEAN by default) applies to it as it does to a JAX step's;
+3. the optimizer updates the parameters: a `torch.optim` optimizer runs its own `step()`
+   on the traced tensors (see `optimizer_update.py`), an optax one its `update`.
+
+Buffers the forward updates in place (BatchNorm's running statistics) come back in the
+new state; torch's random operations (dropout) draw from the state's `rng`, folded with
+the replica's id so that replicas draw different masks, and advanced every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import torch
+import torchax
+from torch.nn.utils.stateless import _reparametrize_module
+
+from xla_strategies.context import get_replica_context
+from xla_strategies.torch.optimizer_update import apply_optimizer
+from xla_strategies.torch.torchax_ops import corrected_ops
+from xla_strategies.torch.train_state import TrainState, trainable
+
+
+def train_step(
+    state: TrainState, loss_fn: Callable[..., Any], *batch: Any, has_aux: bool = False
+) -> tuple[Any, ...]:
+    """One optimizer step of `loss_fn(module, *batch)`, a scalar torch loss.
+
+    Args:
+        state: the `TrainState` of the module and its optimizer.
+        loss_fn: torch code: called with the module (its parameters and buffers the
+            state's) and the batch as torch tensors; returns the loss, or `(loss, aux)`
+            with `has_aux=True`.
+        *batch: the step's arrays (JAX arrays; torch sees them as torch tensors).
+        has_aux: whether `loss_fn` returns `(loss, aux)`.
+
+    Returns:
+        `(new_state, loss)`, or `(new_state, loss, aux)` with `has_aux`, as JAX values.
+    """
+    if state.optimizer is None:
+        raise ValueError("train_step needs a state created with an optimizer")
+    rng, step_key = jax.random.split(state.rng)
+
+    def loss_of(params: dict[str, Any]) -> tuple[Any, tuple[Any, Any]]:
+        everything = {**state.params, **params}
+        with _drawing_from(step_key):
+            out, buffers = _call(state.module, everything, state.buffers, loss_fn, batch)
+        loss, aux = out if has_aux else (out, None)
+        _check_scalar(loss)
+        return loss, (buffers, aux)
+
+    grad_of = jax.value_and_grad(loss_of, has_aux=True)
+    (loss, (buffers, aux)), grads = grad_of(trainable(state.module, state.params))
+    params, opt_state = apply_optimizer(state, grads)
+    new_state = state.replace(params=params, buffers=buffers, opt_state=opt_state, rng=rng)
+    return (new_state, loss, aux) if has_aux else (new_state, loss)
+
+
+def apply(state: TrainState, *inputs: Any, method: Callable[..., Any] | None = None) -> Any:
+    """The module's output on `inputs` with the state's values: `module(*inputs)`, or
+    `method(module, *inputs)`. Buffer updates (a module left in training mode) are dropped:
+    evaluate in `module.eval()` mode, and train with `train_step`."""
+    call = method or (lambda module, *args: module(*args))
+    with _drawing_from(state.rng):
+        out, _ = _call(state.module, state.params, state.buffers, call, inputs)
+    return out
+
+
+def _call(
+    module: torch.nn.Module,
+    params: dict[str, Any],
+    buffers: dict[str, Any],
+    fn: Callable[..., Any],
+    args: tuple,
+) -> tuple[Any, dict[str, Any]]:
+    """`fn(module, *args)` in torch on JAX values; its result and the buffers after it."""
+    env = torchax.default_env()
+    with env, corrected_ops(env):
+        tensors = env.j2t_iso({**params, **buffers})
+        torch_args = env.j2t_iso(args)
+        with _reparametrize_module(module, tensors, tie_weights=True):
+            out = fn(module, *torch_args)
+        # an in-place update (running_mean.mul_) rebinds the torchax tensor's value
+        return env.t2j_iso(out), env.t2j_iso({name: tensors[name] for name in buffers})
+
+
+@contextlib.contextmanager
+def _drawing_from(key: Any) -> Iterator[None]:
+    """torch's random operations draw from `key`, folded with this replica's id."""
+    context = get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        key = jax.random.fold_in(key, context.replica_id_in_sync_group)
+    env = torchax.default_env()
+    # torchax keeps its key in a per-thread stack of properties; push ours for the trace
+    # and pop it after, so no traced key outlives the step.
+    if not getattr(env._property, "content", None):  # a thread torchax has not run in
+        env._property.content = [torchax.tensor.RuntimeProperty(None, None, None)]
+    stack = env._property.content
+    pushed = env.param.override(prng=key)
+    stack.append(pushed)
+    try:
+        yield
+    finally:
+        stack.remove(pushed)
+
+
+def _check_scalar(loss: Any) -> None:
+    if getattr(loss, "shape", None) != ():
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {getattr(loss, 'shape', None)} "
+            f"({type(loss).__name__}); reduce it with .mean() or .sum()"
+        )
+

@@ -1,0 +1,217 @@
+"""`TrainState`: a torch module's parameters, buffers and optimizer state as JAX arrays.
+
+The state is a pytree of arrays, so a compiled step takes it and returns it like any JAX
+training state, and `CheckpointManager` saves it. The module and the optimizer stay the
+user's torch objects; the state only holds their values:
+
+- `params`: `named_parameters()` by name (a tied weight once, under its first name);
+- `buffers`: `named_buffers()` by name (BatchNorm running statistics). A buffer a step
+  updates from its replica's batch comes back stacked per replica, as any per-replica
+  state does, and the next step gives each replica its own row;
+- `opt_state`: a `torch.optim` optimizer's `state` keyed as in its `state_dict()` (the
+  index of the parameter across `param_groups`), or an optax optimizer's state;
+- `rng`: the key torch's random operations (dropout) draw from inside a step.
+
+What the trace reads from the torch objects is part of the state's structure, so changing
+it compiles the step again instead of running a stale program: each module's `training`
+flag, each parameter's `requires_grad`, and every optimizer hyperparameter (a learning
+rate changed by `torch.optim.lr_scheduler` included).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torchax.ops import mappings
+
+from xla_strategies.arguments import STACKED_PREFIX
+
+_CHILDREN = ("params", "buffers", "opt_state", "rng")
+
+
+@jax.tree_util.register_pytree_with_keys_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainState:
+    """A torch module's training state, as a pytree of arrays; see the module docstring."""
+
+    module: torch.nn.Module
+    optimizer: Any  # a torch.optim.Optimizer, an optax.GradientTransformation, or None
+    params: dict[str, Any]
+    buffers: dict[str, Any]
+    opt_state: Any
+    rng: Any
+
+    @classmethod
+    def create(cls, module: torch.nn.Module, optimizer: Any = None, seed: int = 0) -> TrainState:
+        """The state of `module` and `optimizer` as they are now (an optimizer's existing
+        state, loaded from a torch checkpoint, is kept).
+
+        Args:
+            module: the `torch.nn.Module` to train.
+            optimizer: a `torch.optim.Optimizer` over `module`'s parameters, an optax
+                `GradientTransformation`, or None (no `train_step`).
+            seed: seeds `rng`, which torch's random operations draw from in a step.
+        """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        params = {name: to_jax(p) for name, p in module.named_parameters()}
+        buffers = {name: to_jax(b) for name, b in module.named_buffers()}
+        if isinstance(optimizer, torch.optim.Optimizer):
+            opt_state = _torch_optimizer_state(module, optimizer)
+        elif optimizer is None:
+            opt_state = None
+        elif hasattr(optimizer, "init") and hasattr(optimizer, "update"):
+            opt_state = optimizer.init(trainable(module, params))
+        else:
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer, an optax GradientTransformation "
+                f"or None, got {type(optimizer).__name__}"
+            )
+        return cls(module, optimizer, params, buffers, opt_state, jax.random.key(seed))
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+    # pytree
+
+    def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], Any]:
+        children = [(jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in _CHILDREN]
+        return children, (self.module, self.optimizer, _traced_settings(self))
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children: Any) -> TrainState:
+        module, optimizer, _ = aux
+        return cls(module, optimizer, *children)
+
+    # torch's formats
+
+    def state_dict(self) -> collections.OrderedDict[str, torch.Tensor]:
+        """The module's `state_dict()` with this state's values, as CPU torch tensors.
+
+        A buffer kept per replica is folded as a checkpoint folds it: floating values are
+        averaged over the replicas, others (`num_batches_tracked`) taken from replica 0.
+        """
+        values = {**self.params, **self.buffers}
+        names = _names_by_identity(self.module)
+        return collections.OrderedDict(
+            (key, to_torch(_folded(values[names[id(tensor)]])))
+            for key, tensor in self.module.state_dict(keep_vars=True).items()
+        )
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> TrainState:
+        """A state whose params and buffers are `state_dict`'s (a module's `state_dict()`
+        format); every name of this state must be in it, with its shape."""
+        names = _names_by_identity(self.module)
+        keys = {names[id(t)]: k for k, t in self.module.state_dict(keep_vars=True).items()}
+        missing = [keys[n] for n in {**self.params, **self.buffers} if keys.get(n) not in state_dict]
+        if missing:
+            raise KeyError(f"state_dict has no entry for {missing}")
+        loaded = {n: to_jax(state_dict[k]) for n, k in keys.items()}
+        for name, old in {**self.params, **self.buffers}.items():
+            if tuple(loaded[name].shape) != tuple(_folded(old).shape):
+                raise ValueError(
+                    f"state_dict[{keys[name]!r}] has shape {tuple(loaded[name].shape)}, "
+                    f"the module's is {tuple(_folded(old).shape)}"
+                )
+        return self.replace(
+            params={n: loaded[n] for n in self.params},
+            buffers={n: loaded[n] for n in self.buffers},
+        )
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The torch optimizer's `state_dict()` with this state's values."""
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError("optimizer_state_dict needs a torch.optim optimizer")
+        saved = self.optimizer.state_dict()
+        saved["state"] = {
+            index: {k: to_torch(_folded(v)) for k, v in entry.items()}
+            for index, entry in self.opt_state.items()
+        }
+        return saved
+
+
+def trainable(module: torch.nn.Module, params: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `params` whose parameter requires a gradient."""
+    flags = dict((n, p.requires_grad) for n, p in module.named_parameters())
+    return {name: value for name, value in params.items() if flags[name]}
+
+
+def parameter_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter `optimizer` updates, in its `state_dict()` order."""
+    names = _names_by_identity(module)
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    unknown = [i for i, p in enumerate(order) if id(p) not in names]
+    if unknown:
+        raise ValueError(
+            f"optimizer updates parameters {unknown} (state_dict indices) that are not "
+            "the module's; create the optimizer from module.parameters()"
+        )
+    return [names[id(p)] for p in order]
+
+
+def to_jax(tensor: torch.Tensor) -> jax.Array:
+    """A copy: through dlpack the array would share the tensor's memory, and a later
+    in-place update of the module (an eager forward) would change the state."""
+    return mappings.t2j(tensor.detach().cpu(), use_dlpack=False)
+
+
+def to_torch(array: Any) -> torch.Tensor:
+    return mappings.j2t(jnp.asarray(array), use_dlpack=False)  # torch may write to it
+
+
+def _torch_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    parameter_names(module, optimizer)  # every parameter is the module's
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        index: {k: to_jax(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for index, p in enumerate(order)
+        if (entry := optimizer.state.get(p))
+    }
+
+
+def _names_by_identity(module: torch.nn.Module) -> dict[int, str]:
+    """id(tensor) -> the state's name for it (a tied parameter's first name)."""
+    names: dict[int, str] = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        names.setdefault(id(tensor), name)
+    return names
+
+
+def _traced_settings(state: TrainState) -> tuple:
+    """What a trace reads from the torch objects, compared to reuse a compiled step."""
+    modes = tuple(m.training for m in state.module.modules())
+    grads = tuple(p.requires_grad for _, p in state.module.named_parameters())
+    groups = ()
+    if isinstance(state.optimizer, torch.optim.Optimizer):
+        groups = tuple(
+            tuple(sorted((k, _hashable(v)) for k, v in group.items() if k != "params"))
+            for group in state.optimizer.param_groups
+        )
+    return modes, grads, groups
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.detach().cpu().reshape(-1).tolist()))
+    if isinstance(value, list | tuple):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+def _folded(array: Any) -> Any:
+    """A per-replica (stacked) value folded as a checkpoint folds it; others as they are."""
+    sharding = getattr(array, "sharding", None)
+    axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
+    if not axes or not all(str(a).startswith(STACKED_PREFIX) for a in axes):
+        return array
+    if jnp.issubdtype(array.dtype, jnp.floating):
+        return jnp.mean(array, axis=0).astype(array.dtype)
+    return np.asarray(array)[0]
