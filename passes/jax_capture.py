@@ -209,6 +209,13 @@ def _axes(params: dict[str, Any]) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
+# Primitives that only reshape or recast one value: a parameter a frontend reshapes before
+# using it (torchax reshapes every bias) is still that parameter in the dumps.
+_RESHAPING = frozenset(
+    {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims", "transpose"}
+)
+
+
 def _frames(eqn: jex.JaxprEqn) -> tuple[tuple[str, int], ...]:
     """The equation's call stack outside JAX: the same for a parameter's use (its pvary)
     and for the reduction of its gradient (pvary's transpose)."""
@@ -231,7 +238,9 @@ class _Importer:
 
     def __init__(self, renamer: _AxisRenamer) -> None:
         self._renamer = renamer
-        self._uses: dict[tuple, list[Value]] = {}  # call stack -> parameters made varying there
+        # call stack -> (parameter, the value made varying there: it or a reshape of it)
+        self._uses: dict[tuple, list[tuple[Value, Value]]] = {}
+        self._roots: dict[Value, Value] = {}  # a reshaped value -> the value it reshapes
         self._reductions: list[tuple[tuple, Node]] = []
 
     def value(self, aval: Any) -> Value:
@@ -244,8 +253,9 @@ class _Importer:
         """Give each autodiff reduction the pytree path of its parameter, when exactly one
         step input of its size was made varying at the same call stack."""
         for frames, node in self._reductions:
-            size = node.inputs[0].size  # a bias's gradient is reduced before its reshape
-            names = {v.name for v in self._uses.get(frames, []) if v.name and v.size == size}
+            size = node.inputs[0].size  # the gradient of what was made varying
+            uses = self._uses.get(frames, [])
+            names = {root.name for root, used in uses if root.name and used.size == size}
             if len(names) == 1:
                 node.attrs["param"] = names.pop()
 
@@ -297,6 +307,8 @@ class _Importer:
             attrs = {k: j for k, v in params.items() if (j := _jsonable(v)) is not None}
             node = Node("jax." + prim, inputs, outputs, attrs, payload=self._renamer.equation(eqn))
         graph.nodes.append(node)
+        if prim in _RESHAPING and len(inputs) == 1:
+            self._roots[outputs[0]] = self._roots.get(inputs[0], inputs[0])
         return outputs
 
     def known_node(
@@ -322,7 +334,8 @@ class _Importer:
         if prim == "axis_index":  # renamed axes may be several: a tuple binds no primitive
             return Node("axis_index", inputs, outputs, {"axes": self.axes(params)})
         if prim == "pvary":
-            self._uses.setdefault(_frames(eqn), []).extend(inputs)
+            uses = [(self._roots.get(v, v), v) for v in inputs]
+            self._uses.setdefault(_frames(eqn), []).extend(uses)
             return Node("pvary", inputs, outputs, {"axes": self.axes(params)})
         if prim == "all_gather" and params.get("tiled"):
             attrs = {"axes": self.axes(params), "dimension": params["all_gather_dimension"]}

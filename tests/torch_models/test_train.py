@@ -1,0 +1,266 @@
+"""PyTorch modules trained by strategy.compile through torchax, against eager torch on one
+device (tests/torch_models/models.py computes the data-parallel reference by hand)."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import xla_strategies as xs
+import xla_strategies.torch as xst
+from xla_strategies.passes.ir_text import print_graph
+from tests.torch_models.models import (
+    Net,
+    TinyLM,
+    classification_loss,
+    eager_data_parallel,
+    image_batches,
+    lm_loss,
+    token_batches,
+)
+
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+STRATEGIES = {
+    "mirrored": lambda: xs.MirroredStrategy(),
+    "tpu": lambda: xs.TPUStrategy("v5e-8", emulate=True),
+}
+
+
+def _train(strategy, model, optimizer, loss_fn, batches):
+    state = xst.TrainState.create(model, optimizer)
+
+    @strategy.compile
+    def train_step(state, *batch):
+        return xst.train_step(state, loss_fn, *batch)
+
+    losses = []
+    for batch in strategy.experimental_distribute_dataset(batches):
+        state, loss = train_step(state, *batch)
+        losses.append(float(strategy.reduce("mean", loss, axis=None)))
+    return state, losses, train_step
+
+
+def _assert_params_match(state, reference):
+    for name, param in reference.named_parameters():
+        np.testing.assert_allclose(
+            np.asarray(state.params[name]), param.detach().numpy(), **TOL, err_msg=name
+        )
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_cnn_with_batchnorm_and_sgd_momentum_matches_eager_torch(kind):
+    torch.manual_seed(0)
+    model = Net()
+    batches = image_batches(3)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+    reference, buffers, ref_losses = eager_data_parallel(
+        model, sgd, classification_loss, batches
+    )
+    state, losses, _ = _train(
+        STRATEGIES[kind](), model, sgd(model), classification_loss, batches
+    )
+
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    _assert_params_match(state, reference)
+    # BatchNorm statistics are per replica (each replica's own batch), as under DDP
+    for name in ("bn1.running_mean", "bn2.running_var"):
+        value = state.buffers[name]
+        assert value.shape[0] == 8
+        np.testing.assert_allclose(
+            np.asarray(value), np.stack([b[name].numpy() for b in buffers]), **TOL
+        )
+    assert int(np.asarray(state.buffers["bn1.num_batches_tracked"])) == 3
+    # the user's module is untouched by training: its values are the state's to hand back
+    assert float(model.bn1.running_var.sum()) == 6.0
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_transformer_with_tied_embedding_and_adamw_matches_eager_torch(kind):
+    torch.manual_seed(0)
+    model = TinyLM()
+    batches = token_batches(3)
+
+    def adamw(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    reference, _, ref_losses = eager_data_parallel(model, adamw, lm_loss, batches)
+    state, losses, _ = _train(STRATEGIES[kind](), model, adamw(model), lm_loss, batches)
+
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    assert "decoder.weight" not in state.params  # tied: one parameter, one gradient
+    _assert_params_match(state, reference)
+    # the optimizer state converts back to torch's format and loads into the optimizer
+    optimizer = adamw(copy.deepcopy(model))
+    optimizer.load_state_dict(state.optimizer_state_dict())
+    reference_optimizer = adamw(reference)
+    assert optimizer.state_dict()["state"][0]["step"] == 3
+
+
+def test_optax_optimizer_matches_torch_sgd():
+    import optax
+
+    torch.manual_seed(0)
+    model = Net()
+    batches = image_batches(2)
+    reference, _, _ = eager_data_parallel(
+        model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), classification_loss, batches
+    )
+    state, _, _ = _train(
+        xs.MirroredStrategy(), model, optax.sgd(0.05), classification_loss, batches
+    )
+    _assert_params_match(state, reference)
+
+
+def test_lr_scheduler_changes_reach_the_compiled_step():
+    """A learning rate changed between steps is not baked into a stale program."""
+    torch.manual_seed(0)
+    model = Net()
+    batches = image_batches(3)
+    strategy = xs.MirroredStrategy()
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+    state = xst.TrainState.create(model, optimizer)
+
+    @strategy.compile
+    def train_step(state, images, labels):
+        return xst.train_step(state, classification_loss, images, labels)
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        state, _ = train_step(state, *batch)
+        scheduler.step()
+
+    reference, _, _ = eager_data_parallel(
+        model,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        classification_loss,
+        batches,
+        make_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.1),
+    )
+    assert train_step.cache_size == 3  # one program per learning rate
+    _assert_params_match(state, reference)
+
+
+def test_state_dict_round_trips_through_the_module():
+    torch.manual_seed(0)
+    model = Net()
+    strategy = xs.MirroredStrategy()
+    state, _, _ = _train(
+        strategy,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        classification_loss,
+        image_batches(2),
+    )
+    trained = Net()
+    trained.load_state_dict(state.state_dict())
+    trained.eval()
+    model.eval()
+    images = image_batches(1, rows=8, seed=5)[0][0]
+
+    @strategy.compile
+    def predict(state, images):
+        return xst.apply(state, images)
+
+    # the folded statistics are the replicas' mean, the parameters are the state's
+    np.testing.assert_allclose(
+        trained.bn1.running_mean.numpy(),
+        np.asarray(state.buffers["bn1.running_mean"]).mean(0),
+        **TOL,
+    )
+    np.testing.assert_array_equal(trained.fc1.weight.detach().numpy(), state.params["fc1.weight"])
+    # a state loaded from the module evaluates as the module does in eager torch
+    loaded = xst.TrainState.create(Net().eval()).load_state_dict(trained.state_dict())
+    batch = next(iter(strategy.experimental_distribute_dataset([images])))
+    predicted = np.asarray(predict(loaded, batch))  # per replica: [replicas, rows, classes]
+    with torch.no_grad():
+        eager = trained(torch.from_numpy(images)).numpy()
+    np.testing.assert_allclose(predicted.reshape(eager.shape), eager, **TOL)
+
+
+def test_checkpoint_saves_and_restores_a_torch_state(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    strategy = xs.MirroredStrategy()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    state, _, _ = _train(strategy, model, optimizer, classification_loss, image_batches(2))
+    with xs.CheckpointManager(tmp_path, strategy) as manager:
+        manager.save(2, state)
+        manager.wait_until_finished()
+        # torch optimizers create their state on the first step: restore into a state of
+        # the same structure (here a fresh run's state after its first step)
+        fresh, _, _ = _train(strategy, model, optimizer, classification_loss, image_batches(1))
+        restored = manager.restore(2, fresh)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(_data(got), _data(want))
+    assert restored.module is model and restored.optimizer is optimizer
+
+
+def _data(array):
+    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(array))
+    return np.asarray(array)
+
+
+def test_dump_names_reductions_by_state_dict_keys():
+    torch.manual_seed(0)
+    model = Net()
+    strategy = xs.MirroredStrategy()
+    _, _, train_step = _train(
+        strategy,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        classification_loss,
+        image_batches(1),
+    )
+    state = xst.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = next(iter(strategy.experimental_distribute_dataset(image_batches(1))))
+    text = print_graph(train_step.graph(state, *batch, after="combine-all-reduces"))
+    for key in ("conv1.weight", "bn1.weight", "fc2.bias"):
+        assert key in text
+
+
+def test_dropout_draws_different_masks_per_replica_and_per_step():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Dropout(0.5))
+    strategy = xs.MirroredStrategy()
+    state = xst.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.0))
+
+    def kept(model, x):
+        return (model(x) != 0).float().mean(), model(x) != 0
+
+    @strategy.compile
+    def step(state, x):
+        return xst.train_step(state, kept, x, has_aux=True)
+
+    x = np.ones((8, 4), np.float32)
+    masks = []
+    for batch in strategy.experimental_distribute_dataset([x, x]):
+        state, fraction, mask = step(state, batch)
+        masks.append(np.asarray(mask).reshape(8, 64))
+        assert 0.3 < float(np.mean(fraction)) < 0.7
+    assert len({m.tobytes() for m in masks[0]}) == 8  # each replica its own mask
+    assert not np.array_equal(masks[0], masks[1])  # and a new one every step
+
+
+def test_errors_name_what_was_wrong():
+    model = Net()
+    with pytest.raises(ValueError, match="not the module's"):
+        xst.TrainState.create(model, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1))
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        xst.TrainState.create("net")
+    strategy = xs.MirroredStrategy()
+    state = xst.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @strategy.compile
+    def bad_step(state, images, labels):
+        return xst.train_step(state, lambda m, x, y: m(x), images, labels)
+
+    with pytest.raises(ValueError, match="scalar loss"):
+        bad_step(state, *next(iter(strategy.experimental_distribute_dataset(image_batches(1)))))
