@@ -74,3 +74,20 @@ def max_relative_error(a: Any, b: Any) -> float:
         return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-30)))
 
     return max(jax.tree.leaves(jax.tree.map(leaf, a, b)))
+
+
+def run_example(script: str, *args: str, timeout: int = 300) -> str:
+    """Run `examples/<script>` from the repository root as a user would; its stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, f"examples/{script}", *args],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

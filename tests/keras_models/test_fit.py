@@ -3,15 +3,12 @@ the compiled pipeline and give single-device Keras' numbers."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
 
 import xla_strategies as xs
+from tests.helpers import run_example
 from xla_strategies.arguments import Layout
 
 R = 8
@@ -189,17 +186,9 @@ def test_models_outside_the_scope_are_untouched():
 def test_the_keras_example_learns_with_batchnorm_and_uneven_batches():
     """examples/keras_fit.py: BatchNormalization, Dropout, a validation split whose last
     training batch (38 rows) and test set (1000 rows) do not divide across 8 replicas."""
-    root = Path(__file__).parents[2]
-    done = subprocess.run(
-        [sys.executable, "examples/keras_fit.py", "--epochs", "3"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    accuracy = float(done.stdout.strip().split("accuracy ")[-1].split(";")[0])
-    assert accuracy > 0.8 and "1000 predictions" in done.stdout
+    stdout = run_example("keras_fit.py", "--epochs", "3")
+    accuracy = float(stdout.strip().split("accuracy ")[-1].split(";")[0])
+    assert accuracy > 0.8 and "1000 predictions" in stdout
 
 
 def test_a_generator_with_uneven_batches_mid_epoch():

@@ -121,4 +121,3 @@ def _check_scalar(loss: Any) -> None:
             f"loss_fn must return a scalar loss, got shape {getattr(loss, 'shape', None)} "
             f"({type(loss).__name__}); reduce it with .mean() or .sum()"
         )
-

@@ -109,7 +109,9 @@ class TrainState:
         format); every name of this state must be in it, with its shape."""
         names = _names_by_identity(self.module)
         keys = {names[id(t)]: k for k, t in self.module.state_dict(keep_vars=True).items()}
-        missing = [keys[n] for n in {**self.params, **self.buffers} if keys.get(n) not in state_dict]
+        missing = [
+            keys[n] for n in {**self.params, **self.buffers} if keys.get(n) not in state_dict
+        ]
         if missing:
             raise KeyError(f"state_dict has no entry for {missing}")
         loaded = {n: to_jax(state_dict[k]) for n, k in keys.items()}
