@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.preemption
 	$(BIN)/python -m benchmarks.parameter_server
 	$(BIN)/python -m benchmarks.keras_fit
+	$(BIN)/python -m benchmarks.torch_step
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
