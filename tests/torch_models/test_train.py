@@ -259,3 +259,25 @@ def test_errors_name_what_was_wrong():
 
     with pytest.raises(ValueError, match="scalar loss"):
         bad_step(state, *next(iter(strategy.experimental_distribute_dataset(image_batches(1)))))
+
+
+def test_sync_batchnorm_equals_batchnorm_on_one_device_over_the_global_batch():
+    torch.manual_seed(0)
+    model = Net()
+    batches = image_batches(3)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    reference, buffers, ref_losses = eager_data_parallel(
+        model, sgd, classification_loss, batches, replicas=1
+    )
+    synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+    state, losses, _ = _train(
+        xs.MirroredStrategy(), synced, sgd(synced), classification_loss, batches
+    )
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    _assert_params_match(state, reference)
+    for name in ("bn1.running_mean", "bn2.running_var"):  # the same on every replica
+        assert state.buffers[name].shape == buffers[0][name].shape
+        np.testing.assert_allclose(np.asarray(state.buffers[name]), buffers[0][name], **TOL)

@@ -28,6 +28,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from xla_strategies.context import get_replica_context
 from xla_strategies.torch.optimizer_update import apply_optimizer
+from xla_strategies.torch.sync_batch_norm import synced_batch_norm
 from xla_strategies.torch.torchax_ops import corrected_ops
 from xla_strategies.torch.train_state import TrainState, trainable
 
@@ -86,7 +87,7 @@ def _call(
 ) -> tuple[Any, dict[str, Any]]:
     """`fn(module, *args)` in torch on JAX values; its result and the buffers after it."""
     env = torchax.default_env()
-    with env, corrected_ops(env):
+    with env, corrected_ops(env), synced_batch_norm():
         tensors = env.j2t_iso({**params, **buffers})
         torch_args = env.j2t_iso(args)
         with _reparametrize_module(module, tensors, tie_weights=True):
