@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_strategies.trees import path_str
+from xla_strategies.trees import is_foreign_array, path_str
 
 #: Stacked per-replica values live on a mesh whose axis names carry this prefix.
 STACKED_PREFIX = "stacked:"
@@ -96,10 +96,13 @@ class _Declared:
 
 
 def is_traced(leaf: Any) -> bool:
-    """Arrays and Python numbers are traced; bools, strings, functions and objects are not."""
+    """Arrays (another library's too) and Python numbers are traced; bools, strings,
+    functions and other objects are not."""
     if isinstance(leaf, bool):
         return False
-    return isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex)
+    return isinstance(
+        leaf, jax.Array | np.ndarray | np.generic | int | float | complex
+    ) or is_foreign_array(leaf)
 
 
 def flatten_arguments(
@@ -131,6 +134,8 @@ def flatten_arguments(
                 "compiled step and deleted; pass the array that call returned (or compile "
                 "with donate=False)"
             )
+        if is_foreign_array(leaf):  # read on the host, then placed like a numpy array
+            leaf = np.asarray(leaf)
         number = not isinstance(leaf, jax.Array | np.ndarray | np.generic)
         # A Python number is weakly typed, and one out of range fails, as under jax.jit.
         array = jnp.asarray(leaf) if number else leaf

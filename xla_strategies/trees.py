@@ -14,17 +14,26 @@ def path_str(prefix: str, path: tuple[Any, ...]) -> str:
     return prefix + jax.tree_util.keystr(path)
 
 
+def is_foreign_array(leaf: Any) -> bool:
+    """Another library's array that converts to numpy (`__array__`): a torch CPU tensor
+    from a DataLoader, say. It is an array, read on the host, never a static value."""
+    return hasattr(type(leaf), "__array__") and not isinstance(
+        leaf, jax.Array | np.ndarray | np.generic
+    )
+
+
 def as_array(leaf: Any, where: str | Callable[[], str]) -> Any:
     """Return `leaf` as an array (jax.Array kept as is); raise TypeError naming `where`
     (a string, or a function making it, so hot paths format it only on error)."""
     if isinstance(leaf, jax.Array | np.ndarray | np.generic):
         return leaf
-    if isinstance(leaf, bool | int | float | complex):
+    if isinstance(leaf, bool | int | float | complex) or is_foreign_array(leaf):
         return np.asarray(leaf)
     where = where() if callable(where) else where
     raise TypeError(
         f"{where} is a {type(leaf).__name__}, not an array; only arrays (jax.Array, "
-        "numpy arrays or Python numbers) can be passed to replicas"
+        "numpy arrays, array-likes such as torch CPU tensors, or Python numbers) can be "
+        "passed to replicas"
     )
 
 

@@ -164,7 +164,10 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
 
 
 def to_torch(array: Any) -> torch.Tensor:
-    return mappings.j2t(jnp.asarray(array), use_dlpack=False)  # torch may write to it
+    host = np.array(array)  # a writable copy of its own: torch may write to it
+    if host.dtype == jnp.bfloat16:  # numpy knows bfloat16 only through ml_dtypes
+        return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(host)
 
 
 def _torch_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
