@@ -281,3 +281,17 @@ def test_sync_batchnorm_equals_batchnorm_on_one_device_over_the_global_batch():
     for name in ("bn1.running_mean", "bn2.running_var"):  # the same on every replica
         assert state.buffers[name].shape == buffers[0][name].shape
         np.testing.assert_allclose(np.asarray(state.buffers[name]), buffers[0][name], **TOL)
+
+
+def test_state_dict_folds_a_per_replica_integer_only_when_replicas_agree():
+    strategy = xs.MirroredStrategy()
+    state = xst.TrainState.create(Net())
+    per_replica = {
+        "agree": jax.device_put(np.full(8, 3, np.int32), strategy.stacked_sharding()),
+        "differ": jax.device_put(np.arange(8, dtype=np.int32), strategy.stacked_sharding()),
+    }
+    buffers = dict(state.buffers, **{"bn1.num_batches_tracked": per_replica["agree"]})
+    assert int(state.replace(buffers=buffers).state_dict()["bn1.num_batches_tracked"]) == 3
+    buffers["bn1.num_batches_tracked"] = per_replica["differ"]
+    with pytest.raises(ValueError, match="bn1.num_batches_tracked holds a different int32"):
+        state.replace(buffers=buffers).state_dict()

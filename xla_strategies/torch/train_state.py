@@ -94,32 +94,30 @@ class TrainState:
     def state_dict(self) -> collections.OrderedDict[str, torch.Tensor]:
         """The module's `state_dict()` with this state's values, as CPU torch tensors.
 
-        A buffer kept per replica is folded as a checkpoint folds it: floating values are
-        averaged over the replicas, others (`num_batches_tracked`) taken from replica 0.
+        A buffer kept per replica is folded: a floating one to the replicas' mean, as a
+        checkpoint folds it; an integer one to its value, which must be every replica's.
         """
         values = {**self.params, **self.buffers}
-        names = _names_by_identity(self.module)
         return collections.OrderedDict(
-            (key, to_torch(_folded(values[names[id(tensor)]])))
-            for key, tensor in self.module.state_dict(keep_vars=True).items()
+            (key, to_torch(_folded(values[name], key)))
+            for key, name in _state_dict_names(self.module).items()
         )
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> TrainState:
         """A state whose params and buffers are `state_dict`'s (a module's `state_dict()`
         format); every name of this state must be in it, with its shape."""
-        names = _names_by_identity(self.module)
-        keys = {names[id(t)]: k for k, t in self.module.state_dict(keep_vars=True).items()}
-        missing = [
-            keys[n] for n in {**self.params, **self.buffers} if keys.get(n) not in state_dict
-        ]
+        keys = {name: key for key, name in _state_dict_names(self.module).items()}
+        current = {**self.params, **self.buffers}
+        missing = [keys[n] for n in current if keys.get(n) not in state_dict]
         if missing:
             raise KeyError(f"state_dict has no entry for {missing}")
-        loaded = {n: to_jax(state_dict[k]) for n, k in keys.items()}
-        for name, old in {**self.params, **self.buffers}.items():
-            if tuple(loaded[name].shape) != tuple(_folded(old).shape):
+        loaded = {n: to_jax(state_dict[keys[n]]) for n in current}
+        for name, old in current.items():
+            shape = tuple(_folded(old, keys[name]).shape)
+            if tuple(loaded[name].shape) != shape:
                 raise ValueError(
                     f"state_dict[{keys[name]!r}] has shape {tuple(loaded[name].shape)}, "
-                    f"the module's is {tuple(_folded(old).shape)}"
+                    f"the module's is {shape}"
                 )
         return self.replace(
             params={n: loaded[n] for n in self.params},
@@ -132,7 +130,7 @@ class TrainState:
             raise TypeError("optimizer_state_dict needs a torch.optim optimizer")
         saved = self.optimizer.state_dict()
         saved["state"] = {
-            index: {k: to_torch(_folded(v)) for k, v in entry.items()}
+            index: {k: to_torch(_folded(v, f"state[{index}][{k!r}]")) for k, v in entry.items()}
             for index, entry in self.opt_state.items()
         }
         return saved
@@ -147,7 +145,7 @@ def trainable(module: torch.nn.Module, params: dict[str, Any]) -> dict[str, Any]
 def parameter_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The name of each parameter `optimizer` updates, in its `state_dict()` order."""
     names = _names_by_identity(module)
-    order = [p for group in optimizer.param_groups for p in group["params"]]
+    order = _in_order(optimizer)
     unknown = [i for i, p in enumerate(order) if id(p) not in names]
     if unknown:
         raise ValueError(
@@ -172,12 +170,16 @@ def to_torch(array: Any) -> torch.Tensor:
 
 def _torch_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     parameter_names(module, optimizer)  # every parameter is the module's
-    order = [p for group in optimizer.param_groups for p in group["params"]]
     return {
         index: {k: to_jax(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-        for index, p in enumerate(order)
+        for index, p in enumerate(_in_order(optimizer))
         if (entry := optimizer.state.get(p))
     }
+
+
+def _in_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in its `state_dict()` order (its state's indices)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _names_by_identity(module: torch.nn.Module) -> dict[int, str]:
@@ -186,6 +188,13 @@ def _names_by_identity(module: torch.nn.Module) -> dict[int, str]:
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         names.setdefault(id(tensor), name)
     return names
+
+
+def _state_dict_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each `module.state_dict()` key -> the state's name for its tensor (a tied
+    parameter's keys all name its first name)."""
+    names = _names_by_identity(module)
+    return {key: names[id(t)] for key, t in module.state_dict(keep_vars=True).items()}
 
 
 def _traced_settings(state: TrainState) -> tuple:
@@ -211,12 +220,20 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _folded(array: Any) -> Any:
-    """A per-replica (stacked) value folded as a checkpoint folds it; others as they are."""
+def _folded(array: Any, key: str) -> Any:
+    """A per-replica (stacked) value as one value: a floating one's mean over the replicas,
+    as a checkpoint folds it; an integer one's value, which every replica must share (it
+    has no mean). Others as they are."""
     sharding = getattr(array, "sharding", None)
     axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
     if not axes or not all(str(a).startswith(STACKED_PREFIX) for a in axes):
         return array
-    if jnp.issubdtype(array.dtype, jnp.floating):
+    if jnp.issubdtype(array.dtype, jnp.inexact):
         return jnp.mean(array, axis=0).astype(array.dtype)
-    return np.asarray(array)[0]
+    rows = np.asarray(array)
+    if not (rows == rows[0]).all():
+        raise ValueError(
+            f"{key} holds a different {rows.dtype} value on each replica, and integers have "
+            "no mean to fold them into one; read them with strategy.experimental_local_results"
+        )
+    return rows[0]
