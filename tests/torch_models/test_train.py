@@ -44,6 +44,18 @@ def _train(strategy, model, optimizer, loss_fn, batches):
     return state, losses, train_step
 
 
+def _trained_net(steps, make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)):
+    """`Net` trained `steps` steps on MirroredStrategy: the strategy, the module, its
+    optimizer, the state and the compiled step."""
+    torch.manual_seed(0)
+    model = Net()
+    strategy = xs.MirroredStrategy()
+    optimizer = make_optimizer(model)
+    batches = image_batches(steps)
+    state, _, train_step = _train(strategy, model, optimizer, classification_loss, batches)
+    return strategy, model, optimizer, state, train_step
+
+
 def _assert_params_match(state, reference):
     for name, param in reference.named_parameters():
         np.testing.assert_allclose(
@@ -144,16 +156,7 @@ def test_lr_scheduler_changes_reach_the_compiled_step():
 
 
 def test_state_dict_round_trips_through_the_module():
-    torch.manual_seed(0)
-    model = Net()
-    strategy = xs.MirroredStrategy()
-    state, _, _ = _train(
-        strategy,
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        classification_loss,
-        image_batches(2),
-    )
+    strategy, model, _, state, _ = _trained_net(2)
     trained = Net()
     trained.load_state_dict(state.state_dict())
     trained.eval()
@@ -181,11 +184,9 @@ def test_state_dict_round_trips_through_the_module():
 
 
 def test_checkpoint_saves_and_restores_a_torch_state(tmp_path):
-    torch.manual_seed(0)
-    model = Net()
-    strategy = xs.MirroredStrategy()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    state, _, _ = _train(strategy, model, optimizer, classification_loss, image_batches(2))
+    strategy, model, optimizer, state, _ = _trained_net(
+        2, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)
+    )
     with xs.CheckpointManager(tmp_path, strategy) as manager:
         manager.save(2, state)
         manager.wait_until_finished()
@@ -205,17 +206,7 @@ def _data(array):
 
 
 def test_dump_names_reductions_by_state_dict_keys():
-    torch.manual_seed(0)
-    model = Net()
-    strategy = xs.MirroredStrategy()
-    _, _, train_step = _train(
-        strategy,
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        classification_loss,
-        image_batches(1),
-    )
-    state = xst.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    strategy, _, _, state, train_step = _trained_net(0)
     batch = next(iter(strategy.experimental_distribute_dataset(image_batches(1))))
     text = print_graph(train_step.graph(state, *batch, after="combine-all-reduces"))
     for key in ("conv1.weight", "bn1.weight", "fc2.bias"):
