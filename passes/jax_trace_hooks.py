@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from xla_strategies.patching import patched
+
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
 GRADIENT_SCOPE = "xla_strategies.gradient_scale"
 GRADIENT_AXES = re.compile(re.escape(GRADIENT_SCOPE) + r"\(([^)]*)\)")
@@ -28,35 +30,6 @@ GRADIENT_AXES = re.compile(re.escape(GRADIENT_SCOPE) + r"\(([^)]*)\)")
 def varying_axes(aval: Any) -> frozenset[str]:
     varying = getattr(getattr(aval, "mat", None), "varying", None)
     return frozenset(getattr(aval, "vma", ()) if varying is None else varying)
-
-
-_patch_lock = threading.Lock()
-_patches: dict[tuple[int, Any], list[Any]] = {}  # (id(owner), key) -> [original, users]
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, key: Any, replacement: Callable[[Any], Any]) -> Any:
-    """`owner[key]` (a dict) or `owner.key` replaced by `replacement(original)` while any
-    trace in any thread needs it, and restored when the last one is done."""
-    get, put = (
-        (owner.__getitem__, owner.__setitem__)
-        if isinstance(owner, dict)
-        else (lambda k: getattr(owner, k), lambda k, v: setattr(owner, k, v))
-    )
-    slot = (id(owner), key)
-    with _patch_lock:
-        if slot not in _patches:
-            original = get(key)
-            _patches[slot] = [original, 0]
-            put(key, replacement(original))
-        _patches[slot][1] += 1
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _patches[slot][1] -= 1
-            if _patches[slot][1] == 0:
-                put(key, _patches.pop(slot)[0])
 
 
 @contextlib.contextmanager
@@ -73,7 +46,7 @@ def tagging_autodiff_reductions() -> Any:
 
         return tagged
 
-    with _patched(ad.primitive_transposes, core.pvary_p, tagging):
+    with patched(ad.primitive_transposes, core.pvary_p, tagging):
         yield
 
 
@@ -105,7 +78,7 @@ def marking_gradient_scales() -> Any:
 
     _capturing.depth = getattr(_capturing, "depth", 0) + 1
     try:
-        with _patched(api, "vjp", marking), _patched(jax, "vjp", marking):
+        with patched(api, "vjp", marking), patched(jax, "vjp", marking):
             yield
     finally:
         _capturing.depth -= 1

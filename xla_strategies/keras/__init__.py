@@ -23,16 +23,16 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from xla_strategies.patching import patched
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
 
 
 _local = threading.local()  # this thread's strategies in scope, innermost last
-_lock = threading.Lock()
-_installed: list[Any] = []  # [keras.Model, compile as it was, how many scopes use it]
 
 
 @contextlib.contextmanager
@@ -44,46 +44,26 @@ def models_compiled_in(strategy: Strategy) -> Iterator[None]:
         return
     stack = _local.__dict__.setdefault("strategies", [])
     stack.append(strategy)
-    _install(keras.Model)
     try:
-        yield
+        # once for every thread's scopes; the wrapper asks this thread's
+        with patched(keras.Model, "compile", _attaching):
+            yield
     finally:
         stack.pop()
-        _uninstall()
 
 
-def _install(model_class: type) -> None:
-    """Wrap `compile` once for every thread's scopes; the wrapper asks this thread's."""
+def _attaching(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`compile` that also gives the model to the innermost strategy of the calling
+    thread's scopes, if it has any."""
     from xla_strategies.keras.trainer import attach
 
-    with _lock:
-        if _installed:
-            _installed[2] += 1
-            return
-        own = "compile" in vars(model_class)
-        original = model_class.compile
+    def compile(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        original(model, *args, **kwargs)
+        strategies = getattr(_local, "strategies", None)
+        if strategies:
+            attach(model, strategies[-1])
 
-        def compile(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            original(model, *args, **kwargs)
-            strategies = getattr(_local, "strategies", None)
-            if strategies:
-                attach(model, strategies[-1])
-
-        model_class.compile = compile
-        _installed.extend([model_class, original if own else None, 1])
-
-
-def _uninstall() -> None:
-    with _lock:
-        _installed[2] -= 1
-        if _installed[2]:
-            return
-        model_class, original, _ = _installed
-        if original is None:
-            del model_class.compile  # it was inherited: inherit it again
-        else:
-            model_class.compile = original
-        _installed.clear()
+    return compile
 
 
 def _backend(keras) -> str:  # noqa: ANN001

@@ -20,13 +20,13 @@ import torch
 from torchax import interop
 
 from xla_strategies.context import get_replica_context
-from xla_strategies.passes.jax_trace_hooks import _patched
+from xla_strategies.patching import patched
 
 
 @contextlib.contextmanager
 def synced_batch_norm() -> Iterator[None]:
     """While active, SyncBatchNorm in training mode uses the global batch's statistics."""
-    with _patched(torch.nn.SyncBatchNorm, "forward", _synced_forward):
+    with patched(torch.nn.SyncBatchNorm, "forward", _synced_forward):
         yield
 
 

@@ -18,7 +18,6 @@ the last trace in any thread, so other torchax users in the process see it as it
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +26,8 @@ import jax.numpy as jnp
 import torch
 from torch._decomp import decomposition_table
 from torchax.ops import jaten, ops_registry
+
+from xla_strategies.patching import patched
 
 
 def _max_pool_with_indices(inputs: Any, kernel_size: Any, *args: Any, **kwargs: Any) -> Any:
@@ -50,30 +51,15 @@ _CORRECTED: dict[Any, tuple[Callable[..., Any], bool]] = {
     _aten.max_pool3d_with_indices: (_max_pool_with_indices, True),
 }
 
-_lock = threading.Lock()
-_saved: dict[str, Any] = {"users": 0, "ops": {}}
-
 
 @contextlib.contextmanager
 def corrected_ops(env: Any) -> Iterator[None]:
     """While active (in any thread), `env` runs the implementations above."""
-    with _lock:
-        if _saved["users"] == 0:
-            _saved["ops"] = {op: env._ops.get(op) for op in _CORRECTED}
-            for op, (fn, is_jax) in _CORRECTED.items():
-                env._ops[op] = _operator(op, fn, is_jax)
-        _saved["users"] += 1
-    try:
+    with contextlib.ExitStack() as stack:
+        for op, (fn, is_jax) in _CORRECTED.items():
+            operator = _operator(op, fn, is_jax)
+            stack.enter_context(patched(env._ops, op, lambda _, new=operator: new))
         yield
-    finally:
-        with _lock:
-            _saved["users"] -= 1
-            if _saved["users"] == 0:
-                for op, original in _saved["ops"].items():
-                    if original is None:
-                        env._ops.pop(op, None)
-                    else:
-                        env._ops[op] = original
 
 
 def _operator(op: Any, fn: Callable[..., Any], is_jax: bool) -> Any:
