@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from xla_strategies.arguments import Layout
+from xla_strategies.arguments import Layout, fold_stacked
 from xla_strategies.trees import map_arrays
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ class CheckpointManager:
         target_sharding = self.strategy.stacked_sharding() if stacked else state
 
         def aggregate(value: jax.Array) -> jax.Array:
-            mean = jnp.mean(value, axis=0).astype(leaf.dtype)
+            mean = fold_stacked(value, jax.tree_util.keystr(path))
             if stacked:
                 mean = jnp.broadcast_to(mean, leaf.shape)
             return jax.device_put(mean, target_sharding)

@@ -95,6 +95,22 @@ class _Declared:
     value: Any
 
 
+def fold_stacked(values: Any, where: str) -> Any:
+    """Per-replica values (stacked on a leading replica axis) as one value, as
+    tf.distribute reads a `SyncOnRead` variable: a floating value's mean over the replicas,
+    in its dtype; an integer or bool value's common value, and a ValueError naming `where`
+    when the replicas differ, since integers have no mean to fold them into."""
+    if jnp.issubdtype(values.dtype, jnp.inexact):
+        return jnp.mean(values, axis=0).astype(values.dtype)
+    rows = np.asarray(values)
+    if not (rows == rows[0]).all():
+        raise ValueError(
+            f"{where} holds a different {rows.dtype} value on each replica, and integers have "
+            "no mean to fold them into one; read them with strategy.experimental_local_results"
+        )
+    return rows[0]
+
+
 def is_traced(leaf: Any) -> bool:
     """Arrays (another library's too) and Python numbers are traced; bools, strings,
     functions and other objects are not."""

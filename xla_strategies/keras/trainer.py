@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from xla_strategies.arguments import Layout
+from xla_strategies.arguments import Layout, fold_stacked
 from xla_strategies.context import get_replica_context
 from xla_strategies.reduce_op import ReduceOp
 
@@ -134,10 +134,10 @@ class _Trainer:
         return jax.tree.map(self._mirrored, state)
 
     def _mirrored(self, value: Any) -> Any:
-        """A stacked per-replica value as its mean; anything else as it is."""
+        """A stacked per-replica value folded to one (`fold_stacked`); others as they are."""
         strategies = (self.strategy, *self._sub_strategies.values())
         if any(s.layout(value) is Layout.STACKED for s in strategies):
-            return jnp.mean(value, axis=0).astype(value.dtype)
+            return fold_stacked(value, f"a Keras variable of shape {value.shape[1:]}")
         return value
 
     def _strategy_for(self, data: Any) -> Any:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torchax.ops import mappings
 
-from xla_strategies.arguments import STACKED_PREFIX
+from xla_strategies.arguments import STACKED_PREFIX, fold_stacked
 
 _CHILDREN = ("params", "buffers", "opt_state", "rng")
 
@@ -94,8 +94,9 @@ class TrainState:
     def state_dict(self) -> collections.OrderedDict[str, torch.Tensor]:
         """The module's `state_dict()` with this state's values, as CPU torch tensors.
 
-        A buffer kept per replica is folded: a floating one to the replicas' mean, as a
-        checkpoint folds it; an integer one to its value, which must be every replica's.
+        A buffer kept per replica is folded by `fold_stacked`: a floating one to the
+        replicas' mean, as a checkpoint folds it; an integer one to its value, which must
+        be every replica's.
         """
         values = {**self.params, **self.buffers}
         return collections.OrderedDict(
@@ -221,19 +222,9 @@ def _hashable(value: Any) -> Any:
 
 
 def _folded(array: Any, key: str) -> Any:
-    """A per-replica (stacked) value as one value: a floating one's mean over the replicas,
-    as a checkpoint folds it; an integer one's value, which every replica must share (it
-    has no mean). Others as they are."""
+    """A per-replica (stacked) value as one value (`fold_stacked`); others as they are."""
     sharding = getattr(array, "sharding", None)
     axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
     if not axes or not all(str(a).startswith(STACKED_PREFIX) for a in axes):
         return array
-    if jnp.issubdtype(array.dtype, jnp.inexact):
-        return jnp.mean(array, axis=0).astype(array.dtype)
-    rows = np.asarray(array)
-    if not (rows == rows[0]).all():
-        raise ValueError(
-            f"{key} holds a different {rows.dtype} value on each replica, and integers have "
-            "no mean to fold them into one; read them with strategy.experimental_local_results"
-        )
-    return rows[0]
+    return fold_stacked(array, key)
