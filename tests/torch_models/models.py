@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-R = 8  # replicas: the suite runs on 8 emulated CPU devices
+from tests.frameworks.reference import R
 
 
 class Net(nn.Module):

@@ -12,8 +12,10 @@ import torch
 
 import xla_strategies as xs
 import xla_strategies.torch as xst
+from tests.frameworks.reference import TOL
 from tests.torch_models.models import (
     Net,
+    R,
     TinyLM,
     classification_loss,
     eager_data_parallel,
@@ -23,14 +25,13 @@ from tests.torch_models.models import (
 )
 from xla_strategies.passes.ir_text import print_graph
 
-TOL = {"rtol": 2e-5, "atol": 2e-6}
 STRATEGIES = {
     "mirrored": lambda: xs.MirroredStrategy(),
     "tpu": lambda: xs.TPUStrategy("v5e-8", emulate=True),
 }
 
 
-def _train(strategy, model, optimizer, loss_fn, batches):
+def _train(strategy, model, optimizer, loss_fn, batches, after_step=None):
     state = xst.TrainState.create(model, optimizer)
 
     @strategy.compile
@@ -41,6 +42,8 @@ def _train(strategy, model, optimizer, loss_fn, batches):
     for batch in strategy.experimental_distribute_dataset(batches):
         state, loss = train_step(state, *batch)
         losses.append(float(strategy.reduce("mean", loss, axis=None)))
+        if after_step is not None:
+            after_step()
     return state, losses, train_step
 
 
@@ -63,8 +66,19 @@ def _assert_params_match(state, reference):
         )
 
 
-@pytest.mark.parametrize("kind", STRATEGIES)
-def test_cnn_with_batchnorm_and_sgd_momentum_matches_eager_torch(kind):
+# strategy, and whether the model's BatchNorm layers are converted to SyncBatchNorm
+BATCHNORMS = {
+    "mirrored": (STRATEGIES["mirrored"], False),
+    "tpu": (STRATEGIES["tpu"], False),
+    "mirrored-syncbn": (STRATEGIES["mirrored"], True),
+}
+
+
+@pytest.mark.parametrize("case", BATCHNORMS)
+def test_cnn_with_batchnorm_and_sgd_momentum_matches_eager_torch(case):
+    """BatchNorm keeps each replica's statistics, as under DDP; SyncBatchNorm equals
+    BatchNorm on one device over the whole batch, its statistics the same everywhere."""
+    make_strategy, sync = BATCHNORMS[case]
     torch.manual_seed(0)
     model = Net()
     batches = image_batches(3)
@@ -72,21 +86,22 @@ def test_cnn_with_batchnorm_and_sgd_momentum_matches_eager_torch(kind):
     def sgd(m):
         return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
-    reference, buffers, ref_losses = eager_data_parallel(model, sgd, classification_loss, batches)
-    state, losses, _ = _train(STRATEGIES[kind](), model, sgd(model), classification_loss, batches)
+    reference, buffers, ref_losses = eager_data_parallel(
+        model, sgd, classification_loss, batches, replicas=1 if sync else R
+    )
+    trained = torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)) if sync else model
+    state, losses, _ = _train(make_strategy(), trained, sgd(trained), classification_loss, batches)
 
     np.testing.assert_allclose(losses, ref_losses, **TOL)
     _assert_params_match(state, reference)
-    # BatchNorm statistics are per replica (each replica's own batch), as under DDP
     for name in ("bn1.running_mean", "bn2.running_var"):
-        value = state.buffers[name]
-        assert value.shape[0] == 8
-        np.testing.assert_allclose(
-            np.asarray(value), np.stack([b[name].numpy() for b in buffers]), **TOL
-        )
+        expected = np.stack([b[name].numpy() for b in buffers])
+        expected = expected[0] if sync else expected  # one value, or one per replica
+        assert state.buffers[name].shape == expected.shape
+        np.testing.assert_allclose(np.asarray(state.buffers[name]), expected, **TOL)
     assert int(np.asarray(state.buffers["bn1.num_batches_tracked"])) == 3
     # the user's module is untouched by training: its values are the state's to hand back
-    assert float(model.bn1.running_var.sum()) == 6.0
+    assert float(trained.bn1.running_var.sum()) == 6.0
 
 
 @pytest.mark.parametrize("kind", STRATEGIES)
@@ -130,19 +145,16 @@ def test_lr_scheduler_changes_reach_the_compiled_step():
     torch.manual_seed(0)
     model = Net()
     batches = image_batches(3)
-    strategy = xs.MirroredStrategy()
-
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
-    state = xst.TrainState.create(model, optimizer)
-
-    @strategy.compile
-    def train_step(state, images, labels):
-        return xst.train_step(state, classification_loss, images, labels)
-
-    for batch in strategy.experimental_distribute_dataset(batches):
-        state, _ = train_step(state, *batch)
-        scheduler.step()
+    state, _, train_step = _train(
+        xs.MirroredStrategy(),
+        model,
+        optimizer,
+        classification_loss,
+        batches,
+        after_step=scheduler.step,
+    )
 
     reference, _, _ = eager_data_parallel(
         model,
@@ -252,28 +264,6 @@ def test_errors_name_what_was_wrong():
         bad_step(state, *next(iter(strategy.experimental_distribute_dataset(image_batches(1)))))
 
 
-def test_sync_batchnorm_equals_batchnorm_on_one_device_over_the_global_batch():
-    torch.manual_seed(0)
-    model = Net()
-    batches = image_batches(3)
-
-    def sgd(m):
-        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-
-    reference, buffers, ref_losses = eager_data_parallel(
-        model, sgd, classification_loss, batches, replicas=1
-    )
-    synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
-    state, losses, _ = _train(
-        xs.MirroredStrategy(), synced, sgd(synced), classification_loss, batches
-    )
-    np.testing.assert_allclose(losses, ref_losses, **TOL)
-    _assert_params_match(state, reference)
-    for name in ("bn1.running_mean", "bn2.running_var"):  # the same on every replica
-        assert state.buffers[name].shape == buffers[0][name].shape
-        np.testing.assert_allclose(np.asarray(state.buffers[name]), buffers[0][name], **TOL)
-
-
 def test_state_dict_folds_a_per_replica_integer_only_when_replicas_agree():
     strategy = xs.MirroredStrategy()
     state = xst.TrainState.create(Net())
@@ -286,3 +276,26 @@ def test_state_dict_folds_a_per_replica_integer_only_when_replicas_agree():
     buffers["bn1.num_batches_tracked"] = per_replica["differ"]
     with pytest.raises(ValueError, match="bn1.num_batches_tracked holds a different int32"):
         state.replace(buffers=buffers).state_dict()
+
+
+def test_train_and_eval_modes_and_frozen_parameters_reach_the_compiled_step():
+    """Flags a trace reads from the module (`training`, `requires_grad`) are part of the
+    state's structure: changing one compiles again instead of reusing a stale program."""
+    strategy, model, _, state, train_step = _trained_net(0)
+    images = next(iter(strategy.experimental_distribute_dataset([image_batches(1)[0][0]])))
+
+    @strategy.compile
+    def predict(state, images):
+        return xst.apply(state, images)
+
+    in_training = np.asarray(predict(state, images))
+    model.eval()
+    in_eval = np.asarray(predict(state, images))
+    assert predict.cache_size == 2 and not np.allclose(in_training, in_eval)
+    model.train()
+
+    model.fc2.weight.requires_grad_(False)
+    batch = next(iter(strategy.experimental_distribute_dataset(image_batches(1))))
+    new_state, _ = train_step(state, *batch)
+    np.testing.assert_array_equal(new_state.params["fc2.weight"], state.params["fc2.weight"])
+    assert not np.array_equal(new_state.params["fc1.weight"], state.params["fc1.weight"])

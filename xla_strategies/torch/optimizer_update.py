@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torchax
 
-from xla_strategies.torch.train_state import TrainState, parameter_names, trainable
+from xla_strategies.torch.train_state import TrainState, parameter_names
 
 # Switches the traced step needs, applied only while it runs (see the module docstring).
 _TRACED_SWITCHES = {"foreach": False, "capturable": True, "fused": None}
@@ -32,7 +32,7 @@ def apply_optimizer(state: TrainState, grads: dict[str, Any]) -> tuple[dict[str,
         return _torch_optim_update(state, grads)
     import optax
 
-    params = trainable(state.module, state.params)
+    params = {name: state.params[name] for name in grads}  # the trainable ones
     updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
     return {**state.params, **optax.apply_updates(params, updates)}, opt_state
 

@@ -199,16 +199,20 @@ def _state_dict_names(module: torch.nn.Module) -> dict[str, str]:
 
 
 def _traced_settings(state: TrainState) -> tuple:
-    """What a trace reads from the torch objects, compared to reuse a compiled step."""
-    modes = tuple(m.training for m in state.module.modules())
-    grads = tuple(p.requires_grad for _, p in state.module.named_parameters())
+    """What a trace reads from the torch objects, compared to reuse a compiled step. It
+    runs on every call of a step, so it walks the modules once, reading each one's own
+    parameters (`_parameters`, without `named_parameters`' name building)."""
+    flags = tuple(
+        (m.training, *(p.requires_grad for p in m._parameters.values() if p is not None))
+        for m in state.module.modules()
+    )
     groups = ()
     if isinstance(state.optimizer, torch.optim.Optimizer):
         groups = tuple(
             tuple(sorted((k, _hashable(v)) for k, v in group.items() if k != "params"))
             for group in state.optimizer.param_groups
         )
-    return modes, grads, groups
+    return flags, groups
 
 
 def _hashable(value: Any) -> Any:
