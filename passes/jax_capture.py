@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.jax_lowering import replica_spec
 from xla_strategies.passes.jax_trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
@@ -69,9 +70,7 @@ def capture(
         output_names: called after tracing, the pytree path of each output.
         name: the graph's name.
     """
-    axes = tuple(mesh.axis_names)
-    replica_spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
-    specs = tuple(replica_spec if split else PartitionSpec() for split in per_replica)
+    specs = tuple(replica_spec(mesh) if split else PartitionSpec() for split in per_replica)
     squeeze = list(stacked) or [False] * len(flat_args)
     box: dict[str, Any] = {}
 
@@ -87,7 +86,9 @@ def capture(
         with tagging_autodiff_reductions(), marking_gradient_scales():
             jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:
-        _diagnose_unknown_axis(lambda: jax.make_jaxpr(traced)(*flat_args), axes, exc)
+        _diagnose_unknown_axis(
+            lambda: jax.make_jaxpr(traced)(*flat_args), tuple(mesh.axis_names), exc
+        )
         raise
     closed = box["jaxpr"]
     importer = _Importer(_AxisRenamer(rename or {}))

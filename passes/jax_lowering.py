@@ -27,7 +27,8 @@ class LoweringError(RuntimeError):
     """The graph cannot be turned into a JAX program."""
 
 
-def _replica_spec(mesh: Mesh) -> PartitionSpec:
+def replica_spec(mesh: Mesh) -> PartitionSpec:
+    """Dim 0 split (or stacked) over all of `mesh`'s axes: a per-replica value's spec."""
     axes = tuple(mesh.axis_names)
     return PartitionSpec(axes if len(axes) > 1 else axes[0])
 
@@ -35,13 +36,13 @@ def _replica_spec(mesh: Mesh) -> PartitionSpec:
 def value_spec(value: Value, mesh: Mesh) -> PartitionSpec:
     """The `shard_map` spec of a graph input or output: varying values are split (or
     stacked) on dim 0 over the replica axes; invariant ones are whole."""
-    return _replica_spec(mesh) if value.varying_axes else PartitionSpec()
+    return replica_spec(mesh) if value.varying_axes else PartitionSpec()
 
 
 def input_shardings(graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None) -> list[Any]:
     """The global sharding of each graph input: stacked inputs live on `stacked_mesh`."""
     return [
-        NamedSharding(stacked_mesh, _replica_spec(stacked_mesh))
+        NamedSharding(stacked_mesh, replica_spec(stacked_mesh))
         if i in graph.stacked_inputs and stacked_mesh is not None
         else NamedSharding(mesh, value_spec(v, mesh))
         for i, v in enumerate(graph.inputs)
@@ -81,7 +82,7 @@ def lower(
         program,
         in_shardings=tuple(input_shardings(graph, mesh, stacked_mesh)),
         out_shardings=tuple(
-            NamedSharding(out_mesh, _replica_spec(out_mesh)) if s else NamedSharding(mesh, spec)
+            NamedSharding(out_mesh, replica_spec(out_mesh)) if s else NamedSharding(mesh, spec)
             for s, spec in zip(stacked_out, out_specs, strict=True)
         ),
         donate_argnums=tuple(donate_argnums),

@@ -98,6 +98,8 @@ class CheckpointManager:
     ) -> bool:
         """Write `state` (and the iterator's position) as checkpoint `step`. Returns whether
         a save started (steps off the interval are skipped unless `force`)."""
+        if not (force or self._manager.should_save(step)):
+            return False  # a training loop calls this every step: skip the work too
         map_arrays(lambda a, _: a, state, "save(state)")  # every leaf must be an array
         items = {
             "state": self._ocp.args.PyTreeSave(state),
@@ -105,8 +107,7 @@ class CheckpointManager:
         }
         if dataset_iterator is not None:
             items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
-        if force or self._manager.should_save(step):
-            self.wait_until_finished()  # a failure of the previous save is reported as such
+        self.wait_until_finished()  # a failure of the previous save is reported as such
         with self._refused_writes(f"could not save step {step}"):
             return self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
 

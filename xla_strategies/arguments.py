@@ -67,8 +67,9 @@ class Signature:
     treedef: Any
     leaves: tuple[ArraySpec | Static, ...]
 
-    @property
+    @functools.cached_property
     def arrays(self) -> list[ArraySpec]:
+        """The traced leaves' specs (computed once: donation reads it per state pair)."""
         return [leaf for leaf in self.leaves if isinstance(leaf, ArraySpec)]
 
     def traced_indices(self) -> list[int]:

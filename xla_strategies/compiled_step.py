@@ -30,7 +30,7 @@ from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_capture import capture
-from xla_strategies.passes.jax_lowering import lower
+from xla_strategies.passes.jax_lowering import lower, replica_spec
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import declared_outputs, donated_state
@@ -186,7 +186,7 @@ class CompiledStep:
         strategy = self.strategy
         mesh, rename = self._capture_mesh()
         specs = signature.arrays
-        split = PartitionSpec(mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0])
+        split = replica_spec(mesh)
         flat_args = [
             jax.ShapeDtypeStruct(
                 spec.shape,

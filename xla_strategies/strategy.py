@@ -29,6 +29,7 @@ from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
 from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.insert_reductions import InsertReductions
+from xla_strategies.passes.jax_lowering import replica_spec
 from xla_strategies.passes.pipeline import PassPipeline, fill_options
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.distributed_dataset import (
@@ -91,10 +92,7 @@ class Strategy:
 
     def input_spec(self, per_replica: bool) -> PartitionSpec:
         """Per-replica inputs split dim 0 over all mesh axes; mirrored ones are whole."""
-        if not per_replica:
-            return PartitionSpec()
-        axes = tuple(self._mesh.axis_names)
-        return PartitionSpec(axes if len(axes) > 1 else axes[0])
+        return replica_spec(self._mesh) if per_replica else PartitionSpec()
 
     @property
     def stacked_mesh(self) -> Mesh:
@@ -103,8 +101,7 @@ class Strategy:
 
     def stacked_sharding(self) -> NamedSharding:
         """Where a stacked per-replica value lives: row r on replica r."""
-        axes = tuple(self._stacked_mesh.axis_names)
-        return NamedSharding(self._stacked_mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+        return NamedSharding(self._stacked_mesh, replica_spec(self._stacked_mesh))
 
     def layout(self, array: Any) -> Layout:
         """Whether `array` is a split batch, stacked per-replica values, or mirrored."""
@@ -114,9 +111,9 @@ class Strategy:
         mesh, first = sharding.mesh, sharding.spec[:1]
         # Runs for every argument of every step: meshes compare by identity first, and
         # the leading specs are computed once, in __init__.
-        if _same_mesh(mesh, self._mesh, self._mesh):
+        if _same_mesh(mesh, self._mesh):
             return Layout.SPLIT if first == self._split_first else Layout.MIRRORED
-        if not _same_mesh(mesh, self._stacked_mesh, self._mesh) or first != self._stacked_first:
+        if not _same_mesh(mesh, self._stacked_mesh) or first != self._stacked_first:
             return Layout.MIRRORED
         if array.shape[:1] != (self.num_replicas_in_sync,):
             raise ValueError(
@@ -236,16 +233,14 @@ class Strategy:
 
     # helpers
 
-    def _is_stacked(self, array: Any) -> bool:
-        return self.layout(array) is Layout.STACKED
-
     def _stacked(self, array: Any) -> Any | None:
         """Per-replica data as [replicas, per-replica value...]: a step's stacked output as
         it is; a distributed batch (k examples per replica) reshaped to [replicas, k, ...].
         None for a mirrored value."""
-        if self._is_stacked(array):
+        layout = self.layout(array)
+        if layout is Layout.STACKED:
             return jnp.asarray(array)
-        if not self.is_per_replica(array):
+        if layout is Layout.MIRRORED:
             return None
         n = self.num_replicas_in_sync
         return jnp.reshape(jnp.asarray(array), (n, array.shape[0] // n, *array.shape[1:]))
@@ -274,7 +269,7 @@ class Strategy:
     def _local_parts(self, array: Any, devices: list[jax.Device]) -> list[Any]:
         if not isinstance(array, jax.Array):
             return [jax.device_put(array, d) for d in devices]
-        stacked = self._is_stacked(array)
+        stacked = self.layout(array) is Layout.STACKED
         shards = {s.device: s.data for s in array.addressable_shards}
         if all(d in shards for d in devices):
             return [shards[d][0] if stacked else shards[d] for d in devices]
@@ -285,10 +280,10 @@ class Strategy:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
-def _same_mesh(mesh: Mesh, reference: Mesh, devices_of: Mesh) -> bool:
-    """`mesh` is `reference`: the same object, or its axis names over `devices_of`'s devices."""
+def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
+    """`mesh` is `reference`: the same object, or its axis names over its devices."""
     return mesh is reference or (
-        mesh.axis_names == reference.axis_names and np.array_equal(mesh.devices, devices_of.devices)
+        mesh.axis_names == reference.axis_names and np.array_equal(mesh.devices, reference.devices)
     )
 
 
