@@ -10,14 +10,12 @@ from jax.sharding import SingleDeviceSharding
 
 from xla_strategies.devices import resolve_device, resolve_devices
 from xla_strategies.passes import (
+    DEFAULT_PIPELINE,
     CombineAllReduces,
-    FoldInvariantReductions,
-    HoistAllReduces,
-    InsertReductions,
     PassPipeline,
-    ReassociateAllReduces,
     ReduceToOneDevice,
 )
+from xla_strategies.passes.pipeline import parse_spec
 from xla_strategies.strategy import Strategy
 
 BUCKET_BYTES = 32 << 20
@@ -59,16 +57,16 @@ class CentralStorageStrategy(Strategy):
         # The replica that receives the gradients and computes the update.
         self.update_device = chosen if chosen in devices else devices[0]
         self.root = devices.index(self.update_device)
-        # Rewrite the reductions before bucketing, so any broadcasts are bucketed too. Big
-        # buckets: XLA combines all-reduces but not collective permutes, and every bucket
-        # costs log2(N) rounds (one bucket: 79.8 ms a step, 64 KiB buckets: 85.5 ms,
-        # benchmarks/README.md).
+        # The default pipeline, with the reductions rewritten before bucketing, so any
+        # broadcasts are bucketed too. Big buckets: XLA combines all-reduces but not
+        # collective permutes, and every bucket costs log2(N) rounds (one bucket: 79.8 ms
+        # a step, 64 KiB buckets: 85.5 ms, benchmarks/README.md).
+        before_combine = [
+            p for p in parse_spec(DEFAULT_PIPELINE) if not isinstance(p, CombineAllReduces)
+        ]
         self.default_pipeline = PassPipeline(
             passes=(
-                InsertReductions(),
-                FoldInvariantReductions(),
-                HoistAllReduces(),
-                ReassociateAllReduces(),
+                *before_combine,
                 ReduceToOneDevice(root=self.root, broadcast_outputs=False),
                 CombineAllReduces(threshold_bytes=BUCKET_BYTES),
             )
