@@ -52,7 +52,6 @@ def capture(
     stacked: Sequence[bool] = (),
     rename: Mapping[str, Sequence[str]] | None = None,
     input_names: Sequence[str] = (),
-    output_names: Callable[[], Sequence[str]] | None = None,
     name: str = "step",
 ) -> Graph:
     """Trace `fn(*flat_args)` per replica and import it.
@@ -67,7 +66,6 @@ def capture(
         rename: capture-mesh axis name -> the strategy's axes it stands for (a step
             compiled with `axis_name=`); the IR only ever names the strategy's axes.
         input_names: pytree paths of the flat arguments, for the IR and errors.
-        output_names: called after tracing, the pytree path of each output.
         name: the graph's name.
     """
     specs = tuple(replica_spec(mesh) if split else PartitionSpec() for split in per_replica)
@@ -97,8 +95,6 @@ def capture(
         value.name = label
     importer.name_parameters()
     graph.stacked_inputs = frozenset(i for i, s in enumerate(squeeze) if s)
-    if output_names is not None:
-        graph.output_names = list(output_names())
     return graph
 
 

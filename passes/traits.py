@@ -51,7 +51,8 @@ def is_declared(op: str) -> bool:
     return op in _TRAITS
 
 
-LOOPS = frozenset({Trait.COUNTED_LOOP, Trait.WHILE_LOOP})
+#: Traits of an op that holds nested regions (a loop, a call, branches).
+REGION_TRAITS = frozenset({Trait.COUNTED_LOOP, Trait.WHILE_LOOP, Trait.CALL_ONCE, Trait.BRANCHES})
 
 # The IR's own ops.
 declare_all(("all_reduce", "reduce_to_one"), Trait.COLLECTIVE, Trait.REDUCES)

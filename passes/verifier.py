@@ -12,9 +12,7 @@ from collections.abc import Callable, Mapping
 
 from xla_strategies.passes.ir import REDUCE_OPS, Graph, Node, Value
 from xla_strategies.passes.ir_text import format_type
-from xla_strategies.passes.traits import Trait, is_declared
-
-_REGION_TRAITS = frozenset({Trait.COUNTED_LOOP, Trait.WHILE_LOOP, Trait.CALL_ONCE, Trait.BRANCHES})
+from xla_strategies.passes.traits import REGION_TRAITS, Trait, is_declared
 
 
 class VerificationError(ValueError):
@@ -76,7 +74,7 @@ def _check_node(node: Node, mesh_axes: Mapping[str, int] | None) -> list[str]:
             return [f"collective over unknown mesh axis {unknown} (mesh axes: {known})"]
     if not node.is_foreign and not is_declared(node.op):
         problems.append(f"unknown op {node.op!r}: not one of the IR's ops nor a foreign jax.* op")
-    if node.regions or node.traits & _REGION_TRAITS:
+    if node.regions or node.traits & REGION_TRAITS:
         message = _check_regions(node)
         if message:
             problems.append(message)

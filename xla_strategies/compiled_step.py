@@ -214,9 +214,9 @@ class CompiledStep:
             stacked=[spec.layout is Layout.STACKED for spec in specs],
             rename=rename,
             input_names=argument_paths(signature),
-            output_names=lambda: outputs.names,
             name=self.name,
         )
+        graph.output_names = list(outputs.names)  # known once the step has been traced
         if self.mirrored_outputs is not None:
             declared = declared_outputs(self.mirrored_outputs, outputs)
             graph.declared_mirrored = frozenset(i for i, op in declared.items() if op is None)
