@@ -153,7 +153,11 @@ class Graph:
     aggregated to the reduction (`sum`, `mean`, `max`, `min`) that makes them mirrored;
     `rooted_outputs` those only the root replica holds correctly. `stacked_inputs` are the
     input positions that hold one value per replica (stacked on a leading replica axis
-    outside the step) rather than a split batch.
+    outside the step) rather than a split batch. `state_outputs` maps an output position to
+    the input position it is the next value of (a step's state: `params, opt_state = ...`).
+    `sharded_inputs` and `sharded_outputs` map positions to the dimension of a mirrored
+    value that is held split across all replicas between steps (weight-update sharding);
+    such a value's type is the per-replica block.
     """
 
     inputs: list[Value]
@@ -167,6 +171,9 @@ class Graph:
     # Outputs correct on the root replica only (reduce-to-one-device); the runtime keeps
     # the root's copy.
     rooted_outputs: frozenset[int] = frozenset()
+    state_outputs: dict[int, int] = field(default_factory=dict)
+    sharded_inputs: dict[int, int] = field(default_factory=dict)
+    sharded_outputs: dict[int, int] = field(default_factory=dict)
 
     def output_name(self, index: int) -> str:
         """The pytree path of output `index`, or a positional fallback."""

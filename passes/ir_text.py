@@ -12,7 +12,9 @@
 
 Flags after a value: on a function input, `stacked` (one value per replica, stacked outside
 the step, rather than a split batch); on a returned value, `mirrored` (declared so),
-`aggregate=<op>` (declared aggregated) and `rooted` (correct on the root replica only).
+`aggregate=<op>` (declared aggregated), `rooted` (correct on the root replica only) and
+`state=%K` (the next value of input K). On both, `sharded=D`: a mirrored value held split
+on dimension D across the replicas between steps; its type is one replica's block.
 
 Values are renumbered in definition order on printing, so `print(parse(text)) == text` for
 any printed text. Attributes are JSON. `// by <pass>` records the pass that made a node.
@@ -74,6 +76,10 @@ class _Printer:
             if index in graph.output_aggregation:
                 flag += f" aggregate={graph.output_aggregation[index]}"
             flag += " rooted" if index in graph.rooted_outputs else ""
+            if index in graph.state_outputs:
+                flag += f" state=%{graph.state_outputs[index]}"
+            if index in graph.sharded_outputs:
+                flag += f" sharded={graph.sharded_outputs[index]}"
             name = graph.output_names[index] if index < len(graph.output_names) else None
             returns.append(f"{self.use(value)}{flag}{_loc(name)}")
         self.lines.append(f"{pad}return {', '.join(returns)}".rstrip())
@@ -82,7 +88,10 @@ class _Printer:
 def _printed(graph: Graph) -> _Printer:
     printer = _Printer()
     params = ", ".join(
-        printer.define(v) + (" stacked" if i in graph.stacked_inputs else "") + _loc(v.name)
+        printer.define(v)
+        + (" stacked" if i in graph.stacked_inputs else "")
+        + (f" sharded={graph.sharded_inputs[i]}" if i in graph.sharded_inputs else "")
+        + _loc(v.name)
         for i, v in enumerate(graph.inputs)
     )
     printer.lines.append(f"func @{graph.name}({params}) {{")
@@ -116,6 +125,7 @@ _BLANKS = re.compile(r"\s*")
 _COMMENT = re.compile(r"//[^\n]*")
 _IDENT = re.compile(r"[A-Za-z_][\w.\-]*")
 _VALUE = re.compile(r"%[\w.\-]+")
+_INT = re.compile(r"\d+")
 _TYPE = re.compile(r"([A-Za-z0-9_]+)\[([0-9,\s]*)\](?:\{([\w,\s\-]*)\})?")
 
 
@@ -210,29 +220,36 @@ class _Parser:
         self.cur.expect(")")
         return name
 
-    def params(self, scope: dict[str, Value]) -> tuple[list[Value], frozenset[int]]:
-        """The values a function or region takes, and which of them are `stacked`."""
+    def params(self, scope: dict[str, Value]) -> tuple[list[Value], frozenset[int], dict]:
+        """The values a function or region takes, which of them are `stacked`, and the
+        dimension of each `sharded` one."""
         self.cur.expect("(")
         values: list[Value] = []
         stacked: set[int] = set()
+        sharded: dict[int, int] = {}
         while not self.cur.accept(")"):
             if values:
                 self.cur.expect(",")
             value = self.define(scope)
             if self.cur.accept("stacked"):
                 stacked.add(len(values))
+            if self.cur.accept("sharded="):
+                sharded[len(values)] = self.integer("a dimension")
             value.name = self.loc()
             values.append(value)
-        return values, frozenset(stacked)
+        return values, frozenset(stacked), sharded
+
+    def integer(self, what: str) -> int:
+        return int(self.cur.match(_INT, what).group(0))
 
     def graph(self) -> Graph:
         self.cur.expect("func")
         self.cur.expect("@")
         name = self.cur.match(_IDENT, "a function name").group(0)
         scope: dict[str, Value] = {}
-        inputs, stacked = self.params(scope)
+        inputs, stacked, sharded = self.params(scope)
         graph = self.body(inputs, scope, name)
-        graph.stacked_inputs = stacked
+        graph.stacked_inputs, graph.sharded_inputs = stacked, sharded
         self.cur.skip()
         if self.cur.pos != len(self.cur.text):
             raise self.cur.error("unexpected text after the function")
@@ -257,6 +274,10 @@ class _Parser:
                 graph.output_aggregation[len(graph.outputs) - 1] = op
             if self.cur.accept("rooted"):
                 rooted.add(len(graph.outputs) - 1)
+            if self.cur.accept("state=%"):
+                graph.state_outputs[len(graph.outputs) - 1] = self.integer("an input number")
+            if self.cur.accept("sharded="):
+                graph.sharded_outputs[len(graph.outputs) - 1] = self.integer("a dimension")
             graph.output_names.append(self.loc())
         graph.declared_mirrored = frozenset(mirrored)
         graph.rooted_outputs = frozenset(rooted)
@@ -287,7 +308,7 @@ class _Parser:
         node = Node(op, inputs, outputs, attrs, created_by=created_by)
         while self.cur.accept("region"):
             region_scope: dict[str, Value] = {}
-            params, _ = self.params(region_scope)
+            params, _, _ = self.params(region_scope)
             name = f"{op}.region{len(node.regions)}"
             node.regions.append(self.body(params, region_scope, name))
         return node

@@ -33,20 +33,54 @@ def replica_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(axes if len(axes) > 1 else axes[0])
 
 
-def value_spec(value: Value, mesh: Mesh) -> PartitionSpec:
+def value_spec(value: Value, mesh: Mesh, sharded_dim: int | None = None) -> PartitionSpec:
     """The `shard_map` spec of a graph input or output: varying values are split (or
-    stacked) on dim 0 over the replica axes; invariant ones are whole."""
+    stacked) on dim 0 over the replica axes; a value held sharded is split on its dimension;
+    invariant ones are whole."""
+    if sharded_dim is not None:
+        return PartitionSpec(*[None] * sharded_dim, *replica_spec(mesh))
     return replica_spec(mesh) if value.varying_axes else PartitionSpec()
 
 
-def input_shardings(graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None) -> list[Any]:
-    """The global sharding of each graph input: stacked inputs live on `stacked_mesh`."""
+def input_shardings(
+    graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None, sharded_mesh: Mesh | None = None
+) -> list[Any]:
+    """The global sharding of each graph input: stacked inputs live on `stacked_mesh`,
+    inputs held sharded on `sharded_mesh`, the rest on `mesh`."""
+    meshes = (mesh, stacked_mesh, sharded_mesh)
     return [
-        NamedSharding(stacked_mesh, replica_spec(stacked_mesh))
-        if i in graph.stacked_inputs and stacked_mesh is not None
-        else NamedSharding(mesh, value_spec(v, mesh))
+        _global_sharding(v, i in graph.stacked_inputs, graph.sharded_inputs.get(i), meshes)
         for i, v in enumerate(graph.inputs)
     ]
+
+
+def output_shardings(
+    graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None, sharded_mesh: Mesh | None = None
+) -> list[Any]:
+    """The global sharding of each graph output: varying outputs come back stacked, those
+    the graph holds sharded come back sharded."""
+    meshes = (mesh, stacked_mesh, sharded_mesh)
+    return [
+        _global_sharding(v, _comes_back_stacked(graph, i), graph.sharded_outputs.get(i), meshes)
+        for i, v in enumerate(graph.outputs)
+    ]
+
+
+def _comes_back_stacked(graph: Graph, index: int) -> bool:
+    return bool(graph.outputs[index].varying_axes) and index not in graph.sharded_outputs
+
+
+def _global_sharding(
+    value: Value, stacked: bool, sharded_dim: int | None, meshes: tuple[Mesh, ...]
+) -> NamedSharding:
+    mesh, stacked_mesh, sharded_mesh = meshes
+    if stacked:
+        target = stacked_mesh or mesh
+        return NamedSharding(target, replica_spec(target))
+    if sharded_dim is not None:
+        target = sharded_mesh or mesh
+        return NamedSharding(target, value_spec(value, target, sharded_dim))
+    return NamedSharding(mesh, value_spec(value, mesh))
 
 
 def lower(
@@ -55,6 +89,7 @@ def lower(
     donate_argnums: Sequence[int] = (),
     stacked_mesh: Mesh | None = None,
     compiler_options: dict[str, str] | None = None,
+    sharded_mesh: Mesh | None = None,
 ) -> Callable[..., tuple[jax.Array, ...]]:
     """A jitted function of the flat global arguments that runs `graph` on every replica.
 
@@ -62,13 +97,17 @@ def lower(
     varying inputs are split on dim 0 unless the graph marks them stacked (one row per
     replica, squeezed before the graph sees them), and varying outputs come back stacked.
     Stacked values live on `stacked_mesh` (the same devices under reserved axis names), so
-    their sharding tells them apart from a split batch.
+    their sharding tells them apart from a split batch; values the graph holds sharded
+    (weight-update sharding) live on `sharded_mesh` for the same reason.
     """
-    in_specs = tuple(value_spec(v, mesh) for v in graph.inputs)
-    out_specs = tuple(value_spec(v, mesh) for v in graph.outputs)
+    in_specs = tuple(
+        value_spec(v, mesh, graph.sharded_inputs.get(i)) for i, v in enumerate(graph.inputs)
+    )
+    out_specs = tuple(
+        value_spec(v, mesh, graph.sharded_outputs.get(i)) for i, v in enumerate(graph.outputs)
+    )
     stacked_in = [i in graph.stacked_inputs for i in range(len(graph.inputs))]
-    stacked_out = [bool(v.varying_axes) for v in graph.outputs]
-    out_mesh = stacked_mesh or mesh
+    stacked_out = [_comes_back_stacked(graph, i) for i in range(len(graph.outputs))]
 
     def body(*flat):
         flat = [x[0] if s else x for x, s in zip(flat, stacked_in, strict=True)]
@@ -78,13 +117,11 @@ def lower(
     program = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
+    meshes = (mesh, stacked_mesh, sharded_mesh)
     return jax.jit(
         program,
-        in_shardings=tuple(input_shardings(graph, mesh, stacked_mesh)),
-        out_shardings=tuple(
-            NamedSharding(out_mesh, replica_spec(out_mesh)) if s else NamedSharding(mesh, spec)
-            for s, spec in zip(stacked_out, out_specs, strict=True)
-        ),
+        in_shardings=tuple(input_shardings(graph, *meshes)),
+        out_shardings=tuple(output_shardings(graph, *meshes)),
         donate_argnums=tuple(donate_argnums),
         compiler_options=compiler_options or None,
     )
@@ -118,8 +155,18 @@ def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
         )
     eqn = node.payload
     with _user_source(eqn), _equation_context(eqn.ctx) as params:
-        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params(eqn.params)))
+        bound = _resized(node, params(eqn.params))
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(bound))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _resized(node: Node, params: dict) -> dict:
+    """A pass may give a foreign node other shapes than it was captured with (one replica's
+    block of an elementwise update); an equation that names its result's shape then gets
+    the node's."""
+    if "shape" in params and tuple(params["shape"]) != node.outputs[0].shape:
+        return {**params, "shape": node.outputs[0].shape}
+    return params
 
 
 def _user_source(eqn: Any) -> Any:
@@ -246,6 +293,14 @@ def _remat(node: Node, args: list[Any]) -> list[Any]:
     return list(fn(*args))
 
 
+def _replica_slice(node: Node, args: list[Any]) -> list[Any]:
+    """This replica's block of a mirrored value: block i of dimension `dimension` on replica
+    i, numbered over `axes` as tiled collectives number them."""
+    dim, block = node.attrs["dimension"], node.outputs[0].shape[node.attrs["dimension"]]
+    start = lax.axis_index(tuple(node.attrs["axes"])) * block
+    return [lax.dynamic_slice_in_dim(args[0], start, block, axis=dim)]
+
+
 def _slice(node: Node, args: list[Any]) -> list[Any]:
     return [lax.slice(args[0], node.attrs["start"], node.attrs["limit"])]
 
@@ -277,6 +332,7 @@ _RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
     ],
     "concatenate": lambda n, a: [jnp.concatenate(a, axis=n.attrs.get("dimension", 0))],
     "slice": _slice,
+    "replica_slice": _replica_slice,
     "reshape": lambda n, a: [jnp.reshape(a[0], n.outputs[0].shape)],
     "add": lambda n, a: [sum(a[1:], a[0])],
     "scale": lambda n, a: [a[0] * np.asarray(n.attrs["factor"], dtype=n.outputs[0].dtype)],

@@ -3,7 +3,12 @@ foreign op `jax.<primitive>`. The only place passes learn what a JAX primitive d
 
 from __future__ import annotations
 
-from xla_strategies.passes.traits import Trait, declare, declare_all
+from xla_strategies.passes.traits import (
+    Trait,
+    declare,
+    declare_all,
+    declare_dimension_reduction,
+)
 
 
 def _jax(*names: str) -> list[str]:
@@ -11,9 +16,14 @@ def _jax(*names: str) -> list[str]:
 
 
 declare_all(
-    _jax("transpose", "reshape", "squeeze", "expand_dims", "neg", "copy", "copy_p", "reduce_sum"),
+    _jax("transpose", "reshape", "squeeze", "expand_dims"),
     Trait.LINEAR,
 )
+declare_all(_jax("neg", "copy", "copy_p"), Trait.LINEAR, Trait.ELEMENTWISE)
+declare_dimension_reduction("jax.reduce_sum", "sum", Trait.LINEAR)
+declare_dimension_reduction("jax.reduce_max", "max")
+declare_dimension_reduction("jax.reduce_min", "min")
+declare("jax.broadcast_in_dim", Trait.BROADCAST_IN_DIM)
 declare("jax.mul", Trait.SCALING, Trait.ELEMENTWISE)
 declare("jax.div", Trait.DIVIDING, Trait.ELEMENTWISE)
 declare_all(_jax("add", "add_any"), Trait.ADDING, Trait.ELEMENTWISE)
@@ -36,6 +46,26 @@ declare_all(
         "select_n",
         "convert_element_type",
         "pow",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "and",
+        "or",
+        "not",
+        "is_finite",
+        "square",
+        "log1p",
+        "expm1",
+        "erf",
+        "nextafter",
+        "clamp",
+        "floor",
+        "ceil",
+        "round",
+        "rem",
     ),
     Trait.ELEMENTWISE,
 )

@@ -25,9 +25,15 @@ class Trait(enum.Enum):
     BRANCHES = "branches"  # operand 0 picks one of the regions, run on the rest
     CONTRACTION = "contraction"  # a matmul: costs 2 x output x contracted size flops
     SIDE_EFFECT = "side-effect"
+    # reduces its operand over the dimensions in its `axes` attribute, combining elements
+    # as `dimension_reduction(op)` says (sum, max, min)
+    DIMENSION_REDUCTION = "dimension-reduction"
+    # places its operand's dimensions at `broadcast_dimensions` of a result of `shape`
+    BROADCAST_IN_DIM = "broadcast-in-dim"
 
 
 _TRAITS: dict[str, frozenset[Trait]] = {}
+_COMBINERS: dict[str, str] = {}
 
 
 def declare(op: str, *traits: Trait) -> None:
@@ -47,6 +53,18 @@ def traits_of(op: str) -> frozenset[Trait]:
     return _TRAITS.get(op, frozenset())
 
 
+def declare_dimension_reduction(op: str, combiner: str, *traits: Trait) -> None:
+    """Declare `op` a reduction over dimensions that combines elements with `combiner`
+    (`sum`, `max` or `min`), so a pass can finish a partial one with that all-reduce."""
+    declare(op, Trait.DIMENSION_REDUCTION, *traits)
+    _COMBINERS[op] = combiner
+
+
+def dimension_reduction(op: str) -> str:
+    """How a DIMENSION_REDUCTION op combines elements: `sum`, `max` or `min`."""
+    return _COMBINERS[op]
+
+
 def is_declared(op: str) -> bool:
     return op in _TRAITS
 
@@ -62,3 +80,5 @@ declare_all(("reshape", "scale"), Trait.LINEAR)
 declare("add", Trait.ADDING, Trait.ELEMENTWISE)
 declare("convert", Trait.ELEMENTWISE)
 declare_all(("concatenate", "slice", "constant", "pvary", "axis_index"))
+# this replica's block of a mirrored value along `dimension`: all_gather's inverse, no traffic
+declare("replica_slice")

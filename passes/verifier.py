@@ -172,6 +172,7 @@ _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
     "broadcast": _check_elementwise,
     "reduce_scatter": lambda n, m: _check_resize(n, m, grow=False),
     "all_gather": lambda n, m: _check_resize(n, m, grow=True),
+    "replica_slice": lambda n, m: _check_resize(n, m, grow=False),
     "concatenate": _check_concatenate,
     "reshape": _check_same_size,
     "convert": _check_same_size,

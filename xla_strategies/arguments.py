@@ -29,6 +29,9 @@ from xla_strategies.trees import is_foreign_array, path_str
 
 #: Stacked per-replica values live on a mesh whose axis names carry this prefix.
 STACKED_PREFIX = "stacked:"
+#: Mirrored state a pass holds split across the replicas (weight-update sharding) lives on a
+#: mesh whose axis names carry this prefix, so it never looks like a split batch.
+SHARDED_PREFIX = "sharded:"
 
 
 class Layout(enum.Enum):

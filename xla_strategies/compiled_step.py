@@ -30,10 +30,10 @@ from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_capture import capture
-from xla_strategies.passes.jax_lowering import lower, replica_spec
+from xla_strategies.passes.jax_lowering import input_shardings, lower, replica_spec
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
-from xla_strategies.state import declared_outputs, donated_state
+from xla_strategies.state import declared_outputs, donated_state, state_outputs
 from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
@@ -48,7 +48,9 @@ class Executable:
     run: Callable[..., tuple[jax.Array, ...]]
     outputs: Outputs
     donated: tuple[int, ...]
-    mirrored: tuple[bool, ...]  # per traced argument: replicated before the call
+    # per traced argument: where a mirrored one is put before the call (replicated, or split
+    # when a pass holds it sharded); None for per-replica arguments, placed already
+    placements: tuple[NamedSharding | None, ...]
     captured_text_stats: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -95,7 +97,6 @@ class CompiledStep:
         self.pipeline = strategy.pipeline(op, pipeline)
         self.donate = donate
         self._cache: dict[Signature, Executable] = {}
-        self._replicated = NamedSharding(strategy.mesh, PartitionSpec())
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -147,12 +148,13 @@ class CompiledStep:
         )
 
     def _place(self, flat: list[Any], executable: Executable) -> list[Any]:
-        """Mirrored leaves replicated; a donated buffer that is also passed elsewhere (the
-        same array as two pieces of state, say) copied: XLA cannot donate a buffer that
-        another argument still reads."""
+        """Mirrored leaves where the program takes them (replicated, or split across the
+        replicas for state a pass holds sharded); a donated buffer that is also passed
+        elsewhere (the same array as two pieces of state, say) copied: XLA cannot donate a
+        buffer that another argument still reads."""
         placed = [
-            _put(leaf, self._replicated) if mirrored else leaf
-            for leaf, mirrored in zip(flat, executable.mirrored, strict=True)
+            leaf if sharding is None else _put(leaf, sharding)
+            for leaf, sharding in zip(flat, executable.placements, strict=True)
         ]
         if executable.donated:
             uses = Counter(id(leaf) for leaf in placed)
@@ -217,6 +219,7 @@ class CompiledStep:
             name=self.name,
         )
         graph.output_names = list(outputs.names)  # known once the step has been traced
+        graph.state_outputs = state_outputs(signature, outputs, graph)
         if self.mirrored_outputs is not None:
             declared = declared_outputs(self.mirrored_outputs, outputs)
             graph.declared_mirrored = frozenset(i for i, op in declared.items() if op is None)
@@ -240,16 +243,25 @@ class CompiledStep:
         dump.instrument(pipeline).run(graph, ctx)
         seconds["pipeline"] = time.perf_counter() - start
         seconds["verify"] = ctx.stats["verify_seconds"]  # part of the pipeline's time
-        donated = donated_state(signature, outputs, graph) if self.donate else ()
+        donated = donated_state(graph) if self.donate else ()
         strategy = self.strategy
         run = lower(
-            graph, strategy.mesh, donated, strategy.stacked_mesh, strategy.compiler_options()
+            graph,
+            strategy.mesh,
+            donated,
+            strategy.stacked_mesh,
+            strategy.compiler_options(),
+            strategy.sharded_mesh,
         )
         dump.write(graph, run, signature.arrays)
         if options.stop_after_compile:
             raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
-        mirrored = tuple(spec.layout is Layout.MIRRORED for spec in signature.arrays)
-        return Executable(graph, run, outputs, donated, mirrored, captured_stats, seconds)
+        shardings = input_shardings(graph, strategy.mesh, None, strategy.sharded_mesh)
+        placements = tuple(
+            sharding if spec.layout is Layout.MIRRORED else None
+            for spec, sharding in zip(signature.arrays, shardings, strict=True)
+        )
+        return Executable(graph, run, outputs, donated, placements, captured_stats, seconds)
 
 
 def _put(leaf: Any, sharding: NamedSharding) -> Any:

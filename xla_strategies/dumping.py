@@ -76,8 +76,10 @@ class StepDump:
         """The ledger, timeline, StableHLO and compiled HLO, when dumping to a directory."""
         if self.directory is None:
             return
-        mesh, stacked_mesh = self.strategy.mesh, self.strategy.stacked_mesh
-        shardings = input_shardings(graph, mesh, stacked_mesh)
+        strategy = self.strategy
+        shardings = input_shardings(
+            graph, strategy.mesh, strategy.stacked_mesh, strategy.sharded_mesh
+        )
         args = abstract([(a.shape, a.dtype) for a in arrays], shardings)
         write_artifacts(self.directory, graph, run, args, self.ledger, self.strategy.topology)
 

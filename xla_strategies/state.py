@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from xla_strategies.arguments import Layout, Outputs, Signature
-from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.ir import Graph, Value
 from xla_strategies.reduce_op import ReduceOp
 
 
@@ -54,19 +54,20 @@ def declared_outputs(prefix: Any, outputs: Outputs) -> dict[int, str | None]:
     return declared
 
 
-def donated_state(signature: Signature, outputs: Outputs, graph: Graph) -> tuple[int, ...]:
-    """Traced argument indices of the step's state: a positional argument that comes back at
-    the same position of a tuple of outputs, with the same structure, and each leaf with the
-    same per-replica type and layout (mirrored stays mirrored, stacked comes back stacked),
-    holding at least one non-scalar array (`params, opt_state, ... = step(params, ...)`).
-    Anything else, e.g. an evaluation step's inputs or a batch, is never donated."""
+def state_outputs(signature: Signature, outputs: Outputs, graph: Graph) -> dict[int, int]:
+    """Traced output position -> traced argument position, for the step's state: a
+    positional argument that comes back at the same position of a tuple of outputs, with
+    the same structure, and each leaf with the same per-replica type and layout (mirrored
+    stays mirrored, stacked comes back stacked), holding at least one non-scalar array
+    (`params, opt_state, ... = step(params, ...)`). Anything else, e.g. an evaluation
+    step's inputs or a batch, is not state."""
     traced_arg = {leaf: k for k, leaf in enumerate(signature.traced_indices())}
     traced_out = {leaf: k for k, leaf in enumerate(outputs.traced_indices())}
     args = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))[0]
     results = jax.tree.unflatten(outputs.treedef, range(len(outputs.leaves)))
     if not isinstance(results, tuple | list):
-        return ()
-    donated: list[int] = []
+        return {}
+    state: dict[int, int] = {}
     for arg, result in zip(args, results, strict=False):
         if jax.tree.structure(arg) != jax.tree.structure(result):
             continue
@@ -83,13 +84,30 @@ def donated_state(signature: Signature, outputs: Outputs, graph: Graph) -> tuple
             )
             and any(graph.inputs[a].shape for a, _ in pairs)
         ):
-            donated.extend(a for a, _ in pairs)
-    return tuple(donated)
+            state.update((r, a) for a, r in pairs)
+    return state
+
+
+def donated_state(graph: Graph) -> tuple[int, ...]:
+    """The argument positions of the state the optimised graph still hands back in the
+    layout it takes it (a pass that holds state sharded holds its next value sharded)."""
+    return tuple(
+        sorted(
+            arg
+            for out, arg in graph.state_outputs.items()
+            if _same_type(graph.inputs[arg], graph.outputs[out])
+            and graph.sharded_inputs.get(arg) == graph.sharded_outputs.get(out)
+        )
+    )
+
+
+def _same_type(value: Value, result: Value) -> bool:
+    return (value.shape, value.dtype) == (result.shape, result.dtype)
 
 
 def _same_state(signature: Signature, graph: Graph, arg: int, out: int) -> bool:
     layout = signature.arrays[arg].layout
     value, result = graph.inputs[arg], graph.outputs[out]
-    if (value.shape, value.dtype) != (result.shape, result.dtype) or layout is Layout.SPLIT:
+    if not _same_type(value, result) or layout is Layout.SPLIT:
         return False
     return bool(result.varying_axes) == (layout is Layout.STACKED)

@@ -10,6 +10,11 @@ run. Values are plain `jax.Array`s and their sharding says what they are (`Layou
   sharded over `strategy.stacked_mesh`, whose axis names are the replica axes with the
   reserved prefix `STACKED_PREFIX`. A stacked value of shape `[R, ...]` and a batch of R rows
   therefore never look alike, whatever their shapes.
+
+Mirrored state that weight-update sharding holds split across the replicas between steps
+(optimizer state) lives on `strategy.sharded_mesh`, under the prefix `SHARDED_PREFIX`. It is
+still one mirrored value of its logical shape: a step takes it as it is, and anything else
+reads it whole.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies.arguments import STACKED_PREFIX, Layout
+from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
 from xla_strategies.passes import DEFAULT_PIPELINE
@@ -55,6 +60,7 @@ class Strategy:
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
         self._mesh = Mesh(array, axis_names)
         self._stacked_mesh = Mesh(array, tuple(STACKED_PREFIX + a for a in axis_names))
+        self._sharded_mesh = Mesh(array, tuple(SHARDED_PREFIX + a for a in axis_names))
         self._split_first = self.input_spec(True)[:1]
         self._stacked_first = self.stacked_sharding().spec[:1]
         self._compiled_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -98,6 +104,11 @@ class Strategy:
     def stacked_mesh(self) -> Mesh:
         """The mesh of stacked per-replica values: this mesh's devices, reserved axis names."""
         return self._stacked_mesh
+
+    @property
+    def sharded_mesh(self) -> Mesh:
+        """The mesh of mirrored state held split across the replicas between steps."""
+        return self._sharded_mesh
 
     def stacked_sharding(self) -> NamedSharding:
         """Where a stacked per-replica value lives: row r on replica r."""
@@ -269,9 +280,12 @@ class Strategy:
     def _local_parts(self, array: Any, devices: list[jax.Device]) -> list[Any]:
         if not isinstance(array, jax.Array):
             return [jax.device_put(array, d) for d in devices]
-        stacked = self.layout(array) is Layout.STACKED
+        layout = self.layout(array)
+        stacked = layout is Layout.STACKED
         shards = {s.device: s.data for s in array.addressable_shards}
-        if all(d in shards for d in devices):
+        # a mirrored value held sharded (weight-update sharding) has no whole copy to hand out
+        own_part = layout is not Layout.MIRRORED or array.sharding.is_fully_replicated
+        if own_part and all(d in shards for d in devices):
             return [shards[d][0] if stacked else shards[d] for d in devices]
         parts = self._per_replica_parts(array)
         return [jax.device_put(part, d) for part, d in zip(parts, devices, strict=False)]
