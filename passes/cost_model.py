@@ -255,3 +255,25 @@ def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.02, cap: int = 1 
     while size < cap and latency > overhead * (collective_time("all_reduce", size, axes) - latency):
         size <<= 1
     return size
+
+
+#: Device memory bandwidth the elementwise optimizer update is bound by (a rough rate, as
+#: the timeline's roofline uses).
+UPDATE_BYTES_PER_S = 1e11
+
+
+def weight_update_estimates(
+    gradient_bytes: float, update_bytes: float, axes: Sequence[AxisLink]
+) -> tuple[float, float]:
+    """(replicated, sharded) seconds for reducing the gradients and updating the weights:
+    an all-reduce and the whole update on every replica, against a reduce-scatter, 1/p of
+    the update and an all-gather of the new weights (Xu et al. 2020)."""
+    p = math.prod(a.size for a in axes)
+    update = update_bytes / UPDATE_BYTES_PER_S
+    replicated = collective_time("all_reduce", gradient_bytes, axes) + update
+    sharded = (
+        collective_time("reduce_scatter", gradient_bytes, axes)
+        + update / p
+        + collective_time("all_gather", gradient_bytes, axes)
+    )
+    return replicated, sharded

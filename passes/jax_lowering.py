@@ -163,9 +163,11 @@ def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
 def _resized(node: Node, params: dict) -> dict:
     """A pass may give a foreign node other shapes than it was captured with (one replica's
     block of an elementwise update); an equation that names its result's shape then gets
-    the node's."""
-    if "shape" in params and tuple(params["shape"]) != node.outputs[0].shape:
-        return {**params, "shape": node.outputs[0].shape}
+    the node's (`shape` of broadcast_in_dim, `new_sizes` of reshape)."""
+    shape = node.outputs[0].shape if node.outputs else None
+    for name in ("shape", "new_sizes"):
+        if name in params and tuple(params[name]) != shape:
+            return {**params, name: shape}
     return params
 
 

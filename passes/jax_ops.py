@@ -16,9 +16,10 @@ def _jax(*names: str) -> list[str]:
 
 
 declare_all(
-    _jax("transpose", "reshape", "squeeze", "expand_dims"),
+    _jax("transpose", "squeeze", "expand_dims"),
     Trait.LINEAR,
 )
+declare("jax.reshape", Trait.LINEAR, Trait.RESHAPE)
 declare_all(_jax("neg", "copy", "copy_p"), Trait.LINEAR, Trait.ELEMENTWISE)
 declare_dimension_reduction("jax.reduce_sum", "sum", Trait.LINEAR)
 declare_dimension_reduction("jax.reduce_max", "max")

@@ -181,6 +181,26 @@ def fill_options(
     return dataclasses.replace(pipeline, passes=tuple(passes))
 
 
+def with_pass(pipeline: PassPipeline, pass_: Pass, before: tuple[str, ...] = ()) -> PassPipeline:
+    """`pipeline` running `pass_`: in place of each pass of its name, else inserted before
+    the first pass named in `before` (at the end when none is); enabled either way."""
+    passes = list(pipeline.passes)
+    found = [i for i, p in enumerate(passes) if p.name == pass_.name]
+    for i in found:
+        passes[i] = pass_
+    if not found:
+        at = next((i for i, p in enumerate(passes) if p.name in before), len(passes))
+        passes.insert(at, pass_)
+    return dataclasses.replace(
+        pipeline, passes=tuple(passes), disabled=pipeline.disabled - {pass_.name}
+    )
+
+
+def without_pass(pipeline: PassPipeline, name: str) -> PassPipeline:
+    """`pipeline` with the pass of that name disabled."""
+    return dataclasses.replace(pipeline, disabled=pipeline.disabled | {name})
+
+
 def _convert(raw: str, annotation: Any, where: str) -> Any:
     kind = str(annotation)
     try:

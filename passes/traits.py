@@ -30,6 +30,7 @@ class Trait(enum.Enum):
     DIMENSION_REDUCTION = "dimension-reduction"
     # places its operand's dimensions at `broadcast_dimensions` of a result of `shape`
     BROADCAST_IN_DIM = "broadcast-in-dim"
+    RESHAPE = "reshape"  # the same elements in row-major order, in its result's shape
 
 
 _TRAITS: dict[str, frozenset[Trait]] = {}
@@ -76,7 +77,8 @@ REGION_TRAITS = frozenset({Trait.COUNTED_LOOP, Trait.WHILE_LOOP, Trait.CALL_ONCE
 declare_all(("all_reduce", "reduce_to_one"), Trait.COLLECTIVE, Trait.REDUCES)
 declare("reduce_scatter", Trait.COLLECTIVE, Trait.REDUCES)
 declare_all(("all_gather", "all_to_all", "collective_permute", "broadcast"), Trait.COLLECTIVE)
-declare_all(("reshape", "scale"), Trait.LINEAR)
+declare("reshape", Trait.LINEAR, Trait.RESHAPE)
+declare("scale", Trait.LINEAR, Trait.ELEMENTWISE)
 declare("add", Trait.ADDING, Trait.ELEMENTWISE)
 declare("convert", Trait.ELEMENTWISE)
 declare_all(("concatenate", "slice", "constant", "pvary", "axis_index"))

@@ -16,6 +16,7 @@ from xla_strategies.passes import (
     ReduceToOneDevice,
 )
 from xla_strategies.passes.pipeline import parse_spec
+from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.strategy import Strategy
 
 BUCKET_BYTES = 32 << 20
@@ -42,6 +43,7 @@ class CentralStorageStrategy(Strategy):
     """
 
     pipeline_label = "central_storage"
+    shards_weight_updates = False
 
     def __init__(
         self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None
@@ -62,7 +64,9 @@ class CentralStorageStrategy(Strategy):
         # collective permutes, and every bucket costs log2(N) rounds (one bucket: 79.8 ms
         # a step, 64 KiB buckets: 85.5 ms, benchmarks/README.md).
         before_combine = [
-            p for p in parse_spec(DEFAULT_PIPELINE) if not isinstance(p, CombineAllReduces)
+            p
+            for p in parse_spec(DEFAULT_PIPELINE)
+            if not isinstance(p, CombineAllReduces | ShardWeightUpdates)
         ]
         self.default_pipeline = PassPipeline(
             passes=(

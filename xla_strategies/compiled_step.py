@@ -31,13 +31,18 @@ from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_capture import capture
 from xla_strategies.passes.jax_lowering import input_shardings, lower, replica_spec
-from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.passes.pipeline import PassPipeline, with_pass, without_pass
+from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import declared_outputs, donated_state, state_outputs
 from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
+
+# Passes that bucket or split collectives: weight-update sharding goes before them, so its
+# reduce-scatters and all-gathers are bucketed and decomposed like the all-reduces.
+_AFTER_SHARDING = ("combine-all-reduces", "decompose-all-reduces")
 
 
 @dataclass
@@ -69,6 +74,7 @@ class CompiledStep:
         static_argnames: str | Sequence[str] = (),
         axis_name: str | None = None,
         pipeline: str | PassPipeline | None = None,
+        shard_weight_updates: bool | None = None,
         donate: bool = True,
         name: str | None = None,
     ) -> None:
@@ -85,6 +91,15 @@ class CompiledStep:
             )
         if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
             raise TypeError(f"axis_name must be a non-empty string, got {axis_name!r}")
+        if shard_weight_updates not in (None, True, False):
+            raise TypeError(
+                f"shard_weight_updates must be True, False or None, got {shard_weight_updates!r}"
+            )
+        if shard_weight_updates and not strategy.shards_weight_updates:
+            raise ValueError(
+                f"shard_weight_updates=True: {type(strategy).__name__} keeps the variables on "
+                "one device and updates them there, so there is no update to shard"
+            )
         self.strategy = strategy
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "step")
@@ -94,7 +109,8 @@ class CompiledStep:
             fn, _int_set(static_argnums, "static_argnums"), _name_set(static_argnames, fn)
         )
         self.axis_name = axis_name
-        self.pipeline = strategy.pipeline(op, pipeline)
+        self.shard_weight_updates = shard_weight_updates
+        self.pipeline = self._pipeline(pipeline)
         self.donate = donate
         self._cache: dict[Signature, Executable] = {}
         self.__wrapped__ = fn
@@ -170,6 +186,16 @@ class CompiledStep:
             cached = self._cache[signature] = self._build(signature)
         return cached
 
+    def _pipeline(self, spec: str | PassPipeline | None) -> PassPipeline:
+        """The strategy's pipeline for `spec`, with weight-update sharding forced on (in
+        place of the cost model's choice) or off when the step says so."""
+        pipeline = self.strategy.pipeline(self.gradient_reduction, spec)
+        if self.shard_weight_updates is None:
+            return pipeline
+        if not self.shard_weight_updates:
+            return without_pass(pipeline, ShardWeightUpdates.name)
+        return with_pass(pipeline, ShardWeightUpdates(mode="on"), before=_AFTER_SHARDING)
+
     def _pass_context(self) -> PassContext:
         return PassContext(
             mesh_axes=dict(self.strategy.mesh.shape), topology=self.strategy.topology
@@ -236,7 +262,7 @@ class CompiledStep:
         captured_stats = _reduction_stats(graph)
         pipeline = self.pipeline
         if options.pipeline:
-            pipeline = self.strategy.pipeline(self.gradient_reduction, options.pipeline)
+            pipeline = self._pipeline(options.pipeline)
         dump = StepDump(options, self.name, self.strategy)
         start = time.perf_counter()
         ctx = self._pass_context()

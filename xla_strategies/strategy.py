@@ -52,6 +52,8 @@ class Strategy:
     default_pipeline: ClassVar[str | PassPipeline] = DEFAULT_PIPELINE
     #: The label of this strategy's pipeline in dump file names.
     pipeline_label: ClassVar[str] = "strategy"
+    #: Whether every replica updates the weights, so the update can be sharded.
+    shards_weight_updates: ClassVar[bool] = True
 
     def __init__(self, devices: Any, axis_names: tuple[str, ...] = ("replica",)) -> None:
         """`devices`: a sequence (one axis) or an array with one dimension per axis name."""
@@ -186,6 +188,9 @@ class Strategy:
 
         Options: `gradient_reduction` (ReduceOp.MEAN or SUM), `mirrored_outputs` (a pytree
         prefix of bools over the outputs), `pipeline` (a spec string or `PassPipeline`),
+        `shard_weight_updates` (True: each replica updates its block of the weights and
+        keeps its block of the optimizer state; False: never; None, the default: the
+        topology's cost model decides), `static_argnums`, `static_argnames`, `axis_name`,
         `donate` (donate state buffers, default True), `name`.
         """
         if fn is None:
