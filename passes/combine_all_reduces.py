@@ -8,7 +8,22 @@ flatten, concatenate, one all_reduce, slice and reshape back. A flat buffer was 
 faster than XLA's tuple-shaped combined all-reduce on CPU. A reduction joins a bucket only
 if no member's result is read before it, which also keeps dependent reductions apart.
 CentralStorageStrategy's `reduce_to_one` and `broadcast` are bucketed the same way, each
-kind (and root) apart.
+kind (and root) apart, and so are weight-update sharding's `reduce_scatter`s and
+`all_gather`s whose blocks are contiguous (every dimension before the split one is 1):
+each member is viewed as [replicas, block size], the views are concatenated along the
+second dimension, and one collective over the first moves every member's block.
+
+    Before (8 replicas):
+      %2: f32[2,4]{replica} = reduce_scatter(%0) {"axes": ["replica"], "dimension": 0}
+      %3: f32[1,3]{replica} = reduce_scatter(%1) {"axes": ["replica"], "dimension": 0}
+    After:
+      %4: f32[8,8]{replica} = reshape(%0)
+      %5: f32[8,3]{replica} = reshape(%1)
+      %6: f32[8,11]{replica} = concatenate(%4, %5) {"dimension": 1}
+      %7: f32[1,11]{replica} = reduce_scatter(%6) {"axes": ["replica"], "dimension": 0}
+      %8: f32[1,8]{replica} = slice(%7) {"limit": [1, 8], "start": [0, 0]}
+      %2: f32[2,4]{replica} = reshape(%8)
+      ...
 
     Before:
       %2: f32[4,3] = all_reduce(%0) {"axes": ["replica"], "reduce_op": "mean"}
@@ -78,9 +93,13 @@ class CombineAllReduces(Pass):
         for region in graph.graphs():
             # One bucket at a time, then look again: combining moves nodes.
             while bucket := self._next_bucket(region, threshold):
-                tuple_ok = ctx.topology is None and bucket.members[0].op == "all_reduce"
-                own_bytes = OWN_OPERAND_BYTES if tuple_ok else 0
-                _combine(region, bucket, len(sizes), self.name, own_bytes)
+                op = bucket.members[0].op
+                if op in BLOCK_COLLECTIVES:
+                    _combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes)
+                else:
+                    tuple_ok = ctx.topology is None and op == "all_reduce"
+                    own_bytes = OWN_OPERAND_BYTES if tuple_ok else 0
+                    _combine(region, bucket, len(sizes), self.name, own_bytes)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         return bool(sizes)
@@ -100,9 +119,9 @@ class CombineAllReduces(Pass):
             ]
             for bucket in tainting:
                 bucket.tainted.update(node.outputs)
-            if node.op not in COMBINABLE or len(node.inputs) != 1 or _is_combined(node):
+            if not _combinable(node):
                 continue
-            key, size = _key(node), node.inputs[0].nbytes
+            key, size = _key(node), _volume(node)
             first = self.first_bucket_bytes and key not in started
             limit = self.first_bucket_bytes if first else threshold
             bucket = open_buckets.get(key)
@@ -118,8 +137,23 @@ class CombineAllReduces(Pass):
 
 
 # Collectives whose members can share one flat buffer; `_key` keeps the kinds apart.
-COMBINABLE = ("all_reduce", "reduce_to_one", "broadcast")
+BLOCK_COLLECTIVES = ("reduce_scatter", "all_gather")
+COMBINABLE = ("all_reduce", "reduce_to_one", "broadcast", *BLOCK_COLLECTIVES)
 _KEPT_ATTRS = ("axes", "reduce_op", "origin", "root", "size")
+
+
+def _combinable(node: Node) -> bool:
+    if node.op not in COMBINABLE or len(node.inputs) != 1 or _is_combined(node):
+        return False
+    if node.op not in BLOCK_COLLECTIVES:
+        return True
+    block = node.outputs[0] if node.op == "reduce_scatter" else node.inputs[0]
+    return all(size == 1 for size in block.shape[: node.attrs["dimension"]])
+
+
+def _volume(node: Node) -> int:
+    """The bytes a bucket member moves: the whole tensor, also for a gather of a block."""
+    return max(node.inputs[0].nbytes, node.outputs[0].nbytes)
 
 
 def _threshold_for(ctx: PassContext) -> int:
@@ -199,6 +233,47 @@ def _combine(
             emit("reshape", [piece], result)
         offset += flat.size
     _replace_members(graph, bucket, new)
+
+
+def _combine_blocks(
+    graph: Graph, bucket: _Bucket, index: int, created_by: str, mesh_axes: dict[str, int]
+) -> None:
+    """One reduce-scatter (or all-gather) for the bucket: each member as [replicas, its
+    block size] (contiguous blocks make that a reshape), concatenated along dimension 1,
+    one collective along dimension 0, and each member's columns sliced out again."""
+    members, first = bucket.members, bucket.members[0]
+    replicas = math.prod(mesh_axes[a] for a in first.attrs["axes"])
+    scatter = first.op == "reduce_scatter"
+    source, result = first.inputs[0], first.outputs[0]
+    new: list[Node] = []
+
+    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
+        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
+        return out
+
+    rows_in, rows_out = (replicas, 1) if scatter else (1, replicas)
+    views = [
+        emit("reshape", [m.inputs[0]], m.inputs[0].like(shape=(rows_in, _block_size(m))))
+        for m in members
+    ]
+    total = sum(v.shape[1] for v in views)
+    buffer = emit("concatenate", views, source.like(shape=(rows_in, total)), dimension=1)
+    attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}
+    attrs.update(dimension=0, bucket=index, members=[_label(m) for m in members])
+    combined = emit(first.op, [buffer], result.like(shape=(rows_out, total)), **attrs)
+    offset = 0
+    for member, view in zip(members, views, strict=True):
+        width = view.shape[1]
+        piece = member.outputs[0].like(shape=(rows_out, width))
+        emit("slice", [combined], piece, start=[0, offset], limit=[rows_out, offset + width])
+        new.append(Node("reshape", [piece], [member.outputs[0]], created_by=created_by))
+        offset += width
+    _replace_members(graph, bucket, new)
+
+
+def _block_size(node: Node) -> int:
+    block = node.outputs[0] if node.op == "reduce_scatter" else node.inputs[0]
+    return block.size
 
 
 def _replace_members(graph: Graph, bucket: _Bucket, new: list[Node]) -> None:

@@ -274,7 +274,7 @@ class _Sharder:
                 self.stats["sharded_state"] += 1
                 self.stats["sharded_state_bytes"] += value.nbytes
             elif value not in self.gathered:
-                self.gather(value)
+                self.gather(value, graph.output_name(index))
 
     def hold_sharded(self, graph: Graph, arg: int, dim: int, users: dict) -> bool:
         """Take input `arg` as this replica's block if all that reads it is its slice on
@@ -331,10 +331,11 @@ class _Sharder:
             for node in dead:
                 self.nodes.remove(node)
 
-    def gather(self, value: Value) -> None:
-        """Define `value` again, whole, from its block."""
+    def gather(self, value: Value, output: str | None = None) -> None:
+        """Define `value` again, whole, from its block (`output`: the step output it is)."""
         block, dim = self.blocks[value]
-        self.emit("all_gather", [block], value, {"axes": self.axes, "dimension": dim})
+        attrs = {"axes": self.axes, "dimension": dim} | ({"output": output} if output else {})
+        self.emit("all_gather", [block], value, attrs)
         self.gathered.add(value)
 
     def emit(self, op: str, inputs: list[Value], out: Value, attrs: dict) -> None:

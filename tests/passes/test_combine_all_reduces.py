@@ -163,3 +163,43 @@ def test_tuple_buckets_keep_the_numbers():
         ours(grads),
         plain(grads),
     )
+
+
+SCATTERS = """\
+func @step(%0: f32[16,4]{replica}, %1: f32[8,3]{replica}, %2: f32[3,8]{replica}) {
+  %3: f32[2,4]{replica} = reduce_scatter(%0) {"axes": ["replica"], "dimension": 0, "origin": "autodiff"}
+  %4: f32[1,3]{replica} = reduce_scatter(%1) {"axes": ["replica"], "dimension": 0, "origin": "autodiff"}
+  %5: f32[3,1]{replica} = reduce_scatter(%2) {"axes": ["replica"], "dimension": 1, "origin": "autodiff"}
+  %6: f32[16,4] = all_gather(%3) {"axes": ["replica"], "dimension": 0}
+  %7: f32[8,3] = all_gather(%4) {"axes": ["replica"], "dimension": 0}
+  return %6, %7, %5
+}
+"""
+
+
+def test_reduce_scatters_and_all_gathers_of_contiguous_blocks_share_one_collective():
+    changed, after, _ = _run(SCATTERS, threshold_bytes=1 << 20)
+    assert changed
+    filecheck(
+        after,
+        """
+        CHECK: %[[A:[0-9]+]]: f32[8,8]{replica} = reshape(%0)
+        CHECK-NEXT: %[[B:[0-9]+]]: f32[8,3]{replica} = reshape(%1)
+        CHECK-NEXT: %[[BUF:[0-9]+]]: f32[8,11]{replica} = concatenate(%[[A]], %[[B]]) {"dimension": 1}
+        CHECK-NEXT: %[[RS:[0-9]+]]: f32[1,11]{replica} = reduce_scatter(%[[BUF]])
+        CHECK-SAME: "bucket": 0, "dimension": 0
+        CHECK-NEXT: slice(%[[RS]]) {"limit": [1, 8], "start": [0, 0]}
+        CHECK: slice(%[[RS]]) {"limit": [1, 11], "start": [0, 8]}
+        CHECK: f32[8,11] = all_gather(%{{[0-9]+}})
+        CHECK-SAME: "bucket": 1, "dimension": 0
+        CHECK: f32[8,3] = slice(%{{[0-9]+}}) {"limit": [8, 11], "start": [0, 8]}
+        """,
+    )
+    # the block of a [3,8] split on dimension 1 is not contiguous: it keeps its own collective
+    assert 'reduce_scatter(%2) {"axes": ["replica"], "dimension": 1' in after
+
+
+def test_block_collectives_respect_the_threshold_by_the_whole_tensor():
+    _, after, ctx = _run(SCATTERS, threshold_bytes=16 * 4 * 4)  # one 16x4 tensor per bucket
+    assert ctx.stats["combine-all-reduces"]["buckets"] == 0
+    assert after.count("reduce_scatter") == 3 and after.count("all_gather") == 2

@@ -1,0 +1,210 @@
+"""shard-weight-updates on IR text: which reductions become reduce-scatters, what runs on
+blocks, what is gathered, and which state is held sharded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.filecheck import filecheck
+from tests.passes.pass_testing import MESH, run_pass
+from xla_strategies.passes import PassContext, ShardWeightUpdates, parse
+from xla_strategies.passes.shard_weight_updates import block_shape, shard_dimension
+
+# SGD with momentum: weights %0 (read by the forward pass), momentum %1, a batch %2
+MOMENTUM = """\
+func @step(%0: f32[16,4] loc("w"), %1: f32[16,4] loc("m"), %2: f32[16,4]{replica}) {
+  %3: f32[16,4]{replica} = jax.mul(%0, %2)
+  %4: f32[16,4] = all_reduce(%3) {"axes": ["replica"], "origin": "autodiff", "param": "w", "reduce_op": "sum"}
+  %5: f32[16,4] = scale(%4) {"axes": ["replica"], "factor": 0.125, "origin": "gradient"}
+  %6: f32[] = constant() {"value": 0.9}
+  %7: f32[16,4] = jax.mul(%1, %6)
+  %8: f32[16,4] = jax.add(%7, %5)
+  %9: f32[16,4] = jax.sub(%0, %8)
+  return %9 state=%0, %8 state=%1
+}
+"""
+
+
+def _run(text: str, mesh=MESH, **options) -> tuple[bool, str, PassContext]:
+    return run_pass(ShardWeightUpdates(**options), text, mesh)
+
+
+def test_momentum_is_held_sharded_and_the_weights_gathered():
+    changed, after, ctx = _run(MOMENTUM)
+    assert changed
+    filecheck(
+        after,
+        """
+        CHECK: func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{replica} sharded=0 loc("m"), %2: f32[16,4]{replica})
+        CHECK: %[[G:[0-9]+]]: f32[2,4]{replica} = reduce_scatter(%3)
+        CHECK-SAME: "dimension": 0
+        CHECK-SAME: "param": "w"
+        CHECK-NEXT: %[[S:[0-9]+]]: f32[2,4]{replica} = scale(%[[G]])
+        CHECK-NOT: all_reduce
+        CHECK: %[[MB:[0-9]+]]: f32[2,4]{replica} = jax.mul(%1, %{{[0-9]+}})
+        CHECK-NEXT: %[[M:[0-9]+]]: f32[2,4]{replica} = jax.add(%[[MB]], %[[S]])
+        CHECK-NEXT: %[[W:[0-9]+]]: f32[2,4]{replica} = replica_slice(%0) {"axes": ["replica"], "dimension": 0}
+        CHECK-NEXT: %[[NW:[0-9]+]]: f32[2,4]{replica} = jax.sub(%[[W]], %[[M]])
+        CHECK-NEXT: %[[FULL:[0-9]+]]: f32[16,4] = all_gather(%[[NW]]) {"axes": ["replica"], "dimension": 0, "output": "output #0"}
+        CHECK-NEXT: return %[[FULL]] state=%0, %[[M]] state=%1 sharded=0
+        """,
+    )
+    stats = ctx.stats["shard-weight-updates"]
+    assert stats["sharded_gradients"] == 1 and stats["sharded_state"] == 1
+    assert stats["sharded_state_bytes"] == 16 * 4 * 4
+
+
+def test_global_norm_becomes_a_partial_sum_and_one_small_all_reduce():
+    text = """\
+func @step(%0: f32[8,3], %1: f32[8,3]{replica}) {
+  %2: f32[8,3]{replica} = jax.mul(%0, %1)
+  %3: f32[8,3] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+  %4: f32[8,3] = jax.integer_pow(%3) {"y": 2}
+  %5: f32[] = jax.reduce_sum(%4) {"axes": [0, 1]}
+  %6: f32[] = jax.sqrt(%5)
+  %7: f32[8,3] = jax.div(%3, %6)
+  %8: f32[8,3] = jax.sub(%0, %7)
+  return %8 state=%0
+}
+"""
+    _, after, _ = _run(text)
+    filecheck(
+        after,
+        """
+        CHECK: %[[G:[0-9]+]]: f32[1,3]{replica} = reduce_scatter(%2)
+        CHECK-NEXT: %[[SQ:[0-9]+]]: f32[1,3]{replica} = jax.integer_pow(%[[G]])
+        CHECK-NEXT: %[[PART:[0-9]+]]: f32[]{replica} = jax.reduce_sum(%[[SQ]]) {"axes": [0, 1]}
+        CHECK-NEXT: %[[SUM:[0-9]+]]: f32[] = all_reduce(%[[PART]])
+        CHECK-SAME: "origin": "weight-update", "reduce_op": "sum"
+        CHECK-NEXT: %[[NORM:[0-9]+]]: f32[] = jax.sqrt(%[[SUM]])
+        CHECK-NEXT: jax.div(%[[G]], %[[NORM]])
+        CHECK: all_gather
+        """,
+    )
+
+
+def test_a_reduction_along_another_dimension_keeps_the_block():
+    """Adafactor's row statistics: a mean over the unsharded dimension stays sharded."""
+    text = """\
+func @step(%0: f32[8,6], %1: f32[8], %2: f32[8,6]{replica}) {
+  %3: f32[8,6]{replica} = jax.mul(%0, %2)
+  %4: f32[8,6] = all_reduce(%3) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+  %5: f32[8] = jax.reduce_sum(%4) {"axes": [1]}
+  %6: f32[8] = jax.add(%1, %5)
+  %7: f32[8,6] = jax.broadcast_in_dim(%6) {"broadcast_dimensions": [0], "shape": [8, 6]}
+  %8: f32[8,6] = jax.mul(%4, %7)
+  %9: f32[8,6] = jax.sub(%0, %8)
+  return %9 state=%0, %6 state=%1
+}
+"""
+    _, after, ctx = _run(text)
+    filecheck(
+        after,
+        """
+        CHECK: func @step(%0: f32[8,6], %1: f32[1]{replica} sharded=0, %2: f32[8,6]{replica})
+        CHECK: %[[ROW:[0-9]+]]: f32[1]{replica} = jax.reduce_sum(%{{[0-9]+}}) {"axes": [1]}
+        CHECK-NEXT: %[[V:[0-9]+]]: f32[1]{replica} = jax.add(%1, %[[ROW]])
+        CHECK-NEXT: f32[1,6]{replica} = jax.broadcast_in_dim(%[[V]])
+        CHECK-NOT: all_reduce
+        CHECK: return %{{[0-9]+}} state=%0, %[[V]] state=%1 sharded=0
+        """,
+    )
+    assert ctx.stats["shard-weight-updates"]["gathered_for_ops"] == 0
+
+
+def test_an_op_not_proved_elementwise_reads_the_gradient_whole():
+    text = """\
+func @step(%0: f32[8,8], %1: f32[8,8]{replica}) {
+  %2: f32[8,8] = all_reduce(%1) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+  %3: f32[8,8] = jax.transpose(%2) {"permutation": [1, 0]}
+  %4: f32[8,8] = jax.sub(%0, %3)
+  return %4 state=%0
+}
+"""
+    _, after, ctx = _run(text)
+    filecheck(
+        after,
+        """
+        CHECK: %[[G:[0-9]+]]: f32[1,8]{replica} = reduce_scatter(%1)
+        CHECK-NEXT: %[[FULL:[0-9]+]]: f32[8,8] = all_gather(%[[G]]) {"axes": ["replica"], "dimension": 0}
+        CHECK-NEXT: jax.transpose(%[[FULL]])
+        """,
+    )
+    assert any("gathered" in r and "jax.transpose" in r for r in ctx.remarks)
+
+
+def test_a_gradient_with_no_dividing_dimension_keeps_its_all_reduce():
+    text = """\
+func @step(%0: f32[5,3], %1: f32[5,3]{replica}) {
+  %2: f32[5,3] = all_reduce(%1) {"axes": ["replica"], "origin": "autodiff", "param": "b", "reduce_op": "sum"}
+  %3: f32[5,3] = jax.sub(%0, %2)
+  return %3 state=%0
+}
+"""
+    changed, after, ctx = _run(text)
+    assert not changed and "reduce_scatter" not in after
+    assert any("kept the all-reduce of b f32[5,3]" in r for r in ctx.remarks)
+
+
+def test_state_also_read_elsewhere_comes_back_whole():
+    """The momentum is also returned as it came in, so its update is gathered."""
+    text = MOMENTUM.replace(
+        "return %9 state=%0, %8 state=%1", "return %9 state=%0, %8 state=%1, %1"
+    )
+    _, after, _ = _run(text)
+    assert "sharded=0" not in after
+    assert after.count("all_gather") == 2
+
+
+def test_user_collectives_and_partial_reductions_are_left_alone():
+    text = """\
+func @step(%0: f32[8], %1: f32[8]{replica}) {
+  %2: f32[8] = all_reduce(%1) {"axes": ["replica"], "origin": "user", "reduce_op": "sum"}
+  %3: f32[8] = jax.sub(%0, %2)
+  return %3 state=%0
+}
+"""
+    changed, _, _ = _run(text)
+    assert not changed
+    over_part = """\
+func @step(%0: f32[8], %1: f32[8]{dcn,ici}) {
+  %2: f32[8]{dcn} = all_reduce(%1) {"axes": ["ici"], "origin": "autodiff", "reduce_op": "sum"}
+  return %2
+}
+"""
+    changed, _, _ = _run(over_part, mesh={"dcn": 2, "ici": 4})
+    assert not changed  # a reduction over part of the replicas is not a whole gradient
+
+
+def test_auto_mode_is_off_without_a_topology_and_says_so():
+    changed, _, ctx = _run(MOMENTUM, mode="auto")
+    assert not changed
+    assert any("mode=auto}: off: no topology" in r for r in ctx.remarks)
+
+
+def test_auto_mode_asks_the_cost_model_on_a_topology():
+    from xla_strategies.topology import Topology
+
+    topology = Topology.from_name("v5e-8")
+    ctx = PassContext(mesh_axes=topology.mesh_axes, topology=topology)
+    axes = list(topology.mesh_axes)
+    text = MOMENTUM.replace('"axes": ["replica"]', f'"axes": {json.dumps(axes)}')
+    graph = parse(text.replace("{replica}", "{" + ",".join(axes) + "}"))
+    assert ShardWeightUpdates(mode="auto").run(graph, ctx)
+    assert any("mode=auto}: on:" in r and "ms sharded" in r for r in ctx.remarks)
+
+
+def test_bad_mode_is_an_error():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ShardWeightUpdates(mode="sometimes")
+
+
+def test_dimension_choice_and_block_shapes():
+    assert shard_dimension((12, 32), 8) == 1
+    assert shard_dimension((1, 32), 8) == 1
+    assert shard_dimension((64, 768), 8) == 0
+    assert shard_dimension((5, 3), 8) is None
+    assert shard_dimension((4,), 8) is None  # a block must hold at least one row
+    assert block_shape((12, 32), 1, 8) == (12, 4)
