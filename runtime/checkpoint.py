@@ -8,6 +8,10 @@ its own shards and the primary host commits. Restoring places the state with the
 restoring strategy's shardings, so a checkpoint saved under one strategy restores under
 another (MirroredStrategy(8) to OneDeviceStrategy, or a different replica count).
 
+Optimizer state that weight-update sharding holds split across the replicas is one
+mirrored value: it is saved as its logical array, and restores into a target of any replica
+count, sharded (read straight into each device's block) or not.
+
 Per-replica state (stacked values, such as BatchNorm statistics a step keeps per replica)
 is saved whole, every replica's value, with a note of which leaves are stacked. Restored
 into a stacked target of the same replica count it comes back exactly; into a mirrored
@@ -204,7 +208,9 @@ class CheckpointManager:
         state = self.strategy.state_sharding()
         keep = lambda value: value  # noqa: E731
         if list(_normalized(path)) not in layout.get("stacked", []):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=state), keep
+            # optimizer state a step holds sharded is read straight into its blocks
+            sharding = leaf.sharding if self.strategy.is_held_sharded(leaf) else state
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), keep
         saved_replicas = layout["replicas"]
         stacked = self.strategy.layout(leaf) is Layout.STACKED
         per_replica = leaf.shape[1:] if stacked else leaf.shape

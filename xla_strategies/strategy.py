@@ -137,6 +137,11 @@ class Strategy:
             )
         return Layout.STACKED
 
+    def is_held_sharded(self, array: Any) -> bool:
+        """Whether `array` is mirrored state a step holds split across the replicas."""
+        sharding = getattr(array, "sharding", None)
+        return isinstance(sharding, NamedSharding) and _same_mesh(sharding.mesh, self._sharded_mesh)
+
     def is_per_replica(self, array: Any) -> bool:
         """Whether replicas see different parts of `array` (a split batch or stacked values)."""
         return self.layout(array) is not Layout.MIRRORED

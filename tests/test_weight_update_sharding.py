@@ -1,0 +1,245 @@
+"""Weight-update sharding end to end: the same numbers as the replicated update, the
+optimizer state held split across the devices in its logical shape, and checkpoints that
+move between replica counts and between the sharded and replicated update."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import xla_strategies as xs
+from tests import helpers
+from xla_strategies.arguments import Layout
+from xla_strategies.demo import models
+
+STEPS = 3
+
+
+def _clipped_adamw() -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def _train(strategy, step_fn, params, tx, batches, **options):
+    """(params, opt_state) after training, the last step's compiled step, and its state."""
+    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    step = strategy.compile(step_fn, **options)
+    for batch in strategy.experimental_distribute_dataset(batches):
+        *state, _ = step(*state, batch)
+    return tuple(state), step
+
+
+def _assert_close(a, b, tol: float) -> None:
+    """Every leaf within `tol` of `b`, relative to the leaf's largest magnitude: sums taken
+    in another order differ by an ulp of the operands, which an element that cancels to
+    near zero (a weight minus its update) would make a large elementwise relative error."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        scale = np.max(np.abs(y), initial=0.0)
+        assert np.max(np.abs(x - y), initial=0.0) <= tol * scale, (x, y)
+
+
+def _opt_state_sharded(opt_state, strategy) -> list[bool]:
+    return [strategy.is_held_sharded(x) for x in jax.tree.leaves(opt_state) if x.ndim]
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [xs.MirroredStrategy, lambda: xs.TPUStrategy("v5e-8", emulate=True)],
+    ids=["mirrored", "tpu-v5e-8"],
+)
+def test_clipped_adamw_matches_the_replicated_update(make_strategy):
+    with jax.enable_x64(True):
+        strategy = make_strategy()
+        graphdef, params, cfg = helpers.transformer(np.float64, layers=2)
+        step_fn, tx = models.lm_train_step(graphdef, _clipped_adamw()), _clipped_adamw()
+        batches = helpers.lm_batches(STEPS, cfg)
+        (p_on, s_on), step = _train(
+            strategy, step_fn, params, tx, batches, shard_weight_updates=True
+        )
+        (p_off, s_off), _ = _train(
+            strategy, step_fn, params, tx, batches, shard_weight_updates=False
+        )
+        _assert_close(p_on, p_off, 1e-12)
+        _assert_close(s_on, s_off, 1e-12)
+        sharded = _opt_state_sharded(s_on, strategy)
+        assert sum(sharded) >= 0.8 * len(sharded)  # leaves with no dividing dimension stay
+        assert not any(_opt_state_sharded(s_off, strategy))
+        assert step.cache_size == 1  # the sharded state is taken as it comes back
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.sgd(0.1, momentum=0.9),
+        optax.lion(1e-3, weight_decay=0.01),
+        optax.adafactor(1e-2, min_dim_size_to_factor=16),
+        optax.chain(
+            optax.clip_by_global_norm(1.0),
+            optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+        ),
+    ],
+    ids=["sgd-momentum", "lion", "adafactor", "adam-schedule"],
+)
+def test_optax_optimizers_match_the_replicated_update(tx):
+    with jax.enable_x64(True):
+        strategy = xs.MirroredStrategy()
+        graphdef, params = helpers.mlp(np.float64)
+        step_fn = models.mlp_train_step(graphdef, tx)
+        batches = helpers.mlp_batches(STEPS, dtype=np.float64)
+        (p_on, s_on), step = _train(
+            strategy, step_fn, params, tx, batches, shard_weight_updates=True
+        )
+        (p_off, s_off), _ = _train(
+            strategy, step_fn, params, tx, batches, shard_weight_updates=False
+        )
+        _assert_close(p_on, p_off, 1e-12)
+        _assert_close(s_on, s_off, 1e-12)
+        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+        assert step.executable(p_on, s_on, batch).graph.count_ops("reduce_scatter") >= 1
+        assert step.cache_size == 1
+
+
+def test_sharded_state_is_one_mirrored_value_to_read():
+    strategy = xs.MirroredStrategy()
+    graphdef, params = helpers.mlp()
+    tx = optax.adam(1e-2)
+    (_, opt_state), _ = _train(
+        strategy,
+        models.mlp_train_step(graphdef, tx),
+        params,
+        tx,
+        helpers.mlp_batches(2),
+        shard_weight_updates=True,
+    )
+    mu = opt_state[0].mu["layers"][1]["kernel"].value  # f32[32,32]
+    assert mu.shape == (32, 32) and strategy.is_held_sharded(mu)
+    assert {s.data.shape for s in mu.addressable_shards} == {(4, 32)}
+    whole = np.asarray(mu)
+    assert strategy.layout(mu) is Layout.MIRRORED
+    np.testing.assert_array_equal(np.asarray(strategy.reduce("mean", mu)), whole)
+    np.testing.assert_array_equal(np.asarray(strategy.reduce("sum", mu)), 8 * whole)
+    parts = strategy.experimental_local_results(mu)
+    assert len(parts) == 8 and all(p.shape == (32, 32) for p in parts)
+    assert all(np.array_equal(np.asarray(p), whole) for p in parts)
+    assert [next(iter(p.devices())) for p in parts] == list(strategy.devices)
+    assert str(mu) == str(whole)  # printing reads the whole value
+
+
+def test_optimizer_state_bytes_per_device_fall_to_one_over_n():
+    strategy = xs.MirroredStrategy()
+    graphdef, params, cfg = helpers.transformer(width=64, layers=2)
+    tx = optax.adamw(1e-3)
+    (_, s_on), _ = _train(
+        strategy,
+        models.lm_train_step(graphdef, tx),
+        params,
+        tx,
+        helpers.lm_batches(1, cfg),
+        shard_weight_updates=True,
+    )
+    device = strategy.devices[3]
+    held = sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves(s_on)
+        for shard in leaf.addressable_shards
+        if shard.device == device
+    )
+    replicated = sum(leaf.nbytes for leaf in jax.tree.leaves(s_on))
+    assert held <= (1 / 8 + 0.05) * replicated, (held, replicated)
+
+
+def test_checkpoints_move_between_replica_counts_and_the_replicated_update(tmp_path):
+    with jax.enable_x64(True):
+        graphdef, params = helpers.mlp(np.float64)
+        tx = _clipped_adamw()
+        step_fn = models.mlp_train_step(graphdef, tx)
+        batches = helpers.mlp_batches(4, dtype=np.float64)
+        eight = xs.MirroredStrategy()
+        state, _ = _train(eight, step_fn, params, tx, batches[:2], shard_weight_updates=True)
+        with xs.CheckpointManager(tmp_path, eight) as manager:
+            manager.save(2, state, force=True)
+            manager.wait_until_finished()
+        expected, _ = _train(eight, step_fn, params, tx, batches, shard_weight_updates=False)
+        for devices, shard in ((jax.devices()[:4], True), (jax.devices()[:4], False)):
+            four = xs.MirroredStrategy(devices)
+            target = four.replicate(params), four.replicate(tx.init(params))
+            with xs.CheckpointManager(tmp_path, four) as manager:
+                restored = manager.restore(target=target)
+            _assert_close(restored, state, 0)  # the logical arrays, exactly
+            step = four.compile(step_fn, shard_weight_updates=shard)
+            for batch in four.experimental_distribute_dataset(batches[2:]):
+                *restored, _ = step(*restored, batch)
+            _assert_close(tuple(restored), expected, 1e-12)
+            assert any(_opt_state_sharded(restored[1], four)) == shard
+
+
+def test_a_sharded_target_restores_into_its_blocks(tmp_path):
+    strategy = xs.MirroredStrategy()
+    graphdef, params = helpers.mlp()
+    tx = optax.adam(1e-2)
+    state, _ = _train(
+        strategy,
+        models.mlp_train_step(graphdef, tx),
+        params,
+        tx,
+        helpers.mlp_batches(1),
+        shard_weight_updates=True,
+    )
+    with xs.CheckpointManager(tmp_path, strategy) as manager:
+        manager.save(1, state, force=True)
+        manager.wait_until_finished()
+        restored = manager.restore(target=state)
+    for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        assert after.sharding == before.sharding
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+
+
+def test_the_pass_works_from_a_pipeline_spec_and_its_options_are_checked():
+    strategy = xs.MirroredStrategy()
+    spec = "insert-reductions,shard-weight-updates,combine-all-reduces"
+    graphdef, params = helpers.mlp()
+    tx = optax.sgd(0.1, momentum=0.9)
+    step_fn = models.mlp_train_step(graphdef, tx)
+    batches = helpers.mlp_batches(2)
+    (p_spec, s_spec), step = _train(strategy, step_fn, params, tx, batches, pipeline=spec)
+    (p_ref, _), _ = _train(xs.OneDeviceStrategy(), step_fn, params, tx, batches)
+    _assert_close(p_spec, p_ref, 1e-5)
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    assert step.executable(p_spec, s_spec, batch).graph.count_ops("reduce_scatter") >= 1
+    with pytest.raises(TypeError, match="shard_weight_updates must be True, False or None"):
+        strategy.compile(step_fn, shard_weight_updates="yes")
+    with pytest.raises(ValueError, match="CentralStorageStrategy keeps the variables on one"):
+        xs.CentralStorageStrategy().compile(step_fn, shard_weight_updates=True)
+
+
+def test_the_default_pipeline_says_what_the_cost_model_decided(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_STRATEGIES_DUMP_TO", str(tmp_path))
+    graphdef, params = helpers.mlp()
+    tx = optax.adam(1e-2)
+    step_fn = models.mlp_train_step(graphdef, tx)
+    for strategy in (xs.MirroredStrategy(), xs.TPUStrategy("v5e-8", emulate=True)):
+        _train(strategy, step_fn, params, tx, helpers.mlp_batches(1))
+    remarks = "\n".join(p.read_text() for p in tmp_path.rglob("*.txt"))
+    assert "shard-weight-updates{mode=auto}: off: no topology" in remarks
+    assert "shard-weight-updates{mode=auto}: on:" in remarks
+
+
+def test_global_norm_clipping_sees_the_whole_gradient():
+    """A clip that fires changes every leaf by the global factor, sharded or not."""
+    strategy = xs.MirroredStrategy()
+    w = {"a": jnp.arange(64.0).reshape(16, 4), "b": jnp.ones((8,))}
+    tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
+
+    def step(w, opt_state, x):
+        grads = jax.grad(lambda w: sum(jnp.sum(v * x.mean()) for v in jax.tree.leaves(w)))(w)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state, grads
+
+    x = strategy.experimental_distribute_dataset([np.arange(16.0)]).__iter__().__next__()
+    sharded = strategy.compile(step, shard_weight_updates=True)(w, tx.init(w), x)
+    replicated = strategy.compile(step, shard_weight_updates=False)(w, tx.init(w), x)
+    _assert_close(sharded, replicated, 1e-6)
