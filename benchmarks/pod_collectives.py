@@ -9,6 +9,11 @@ For each model's gradient set and each topology:
   decomposed as `decompose-all-reduces` chooses;
 - bound: one all-reduce of every byte at the bandwidth/latency bound.
 
+A second table (`shard-weight-updates`) compares, for BERT-large and Llama-2-7B on v5e-256
+and v5p-1024, the replicated update (our all-reduce buckets, then AdamW over every weight on
+every chip) with the sharded one (the same buckets as reduce-scatters, AdamW over each
+chip's block, all-gathers of the new weights), and the optimizer state each chip holds.
+
 Nothing here runs collectives: these are the model's numbers, validated against published
 measurements in tests/passes/test_cost_model_validation.py.
 Run: `python -m benchmarks.pod_collectives` (or `make bench`). Writes results/pod_collectives.json.
@@ -32,6 +37,10 @@ MODELS = {
     "Llama-2-7B": (llama2_7b, 2),  # bf16
 }
 TOPOLOGIES = ["v4-1024", "v5e-256", "v5p-1024", "v6e-256", "2xv5p-512", "4xdgx-h100"]
+SHARDED_CELLS = [(m, t) for m in ("BERT-large", "Llama-2-7B") for t in ("v5e-256", "v5p-1024")]
+# AdamW reads the weight, its gradient and both moments, and writes the weight and moments.
+ADAMW_TOUCHES = 7
+ADAM_STATE_COPIES = 2
 
 
 def buckets(sizes: list[int], threshold: int) -> list[int]:
@@ -72,6 +81,53 @@ def sync_times(sizes: list[int], topology: str) -> dict[str, Any]:
     }
 
 
+def sharded_update(shapes: list[tuple[int, ...]], itemsize: int, topology: str) -> dict:
+    """Replicated against sharded weight update (shard-weight-updates) on `topology`:
+    collective and AdamW time per step and the optimizer state per chip. A tensor with no
+    dimension that divides by the chip count keeps a replicated update, as the pass does."""
+    from xla_strategies.passes import cost_model
+    from xla_strategies.passes.shard_weight_updates import shard_dimension
+    from xla_strategies.topology import Topology
+
+    top = Topology.from_name(topology)
+    links, chips = top.axis_links(), top.num_devices
+    sizes = [math.prod(s) * itemsize for s in shapes]
+    split = [shard_dimension(s, chips) is not None for s in shapes]
+    bucket = cost_model.bucket_bytes(links)
+    sharded_bytes = [b for b, ok in zip(sizes, split, strict=True) if ok]
+    kept_bytes = [b for b, ok in zip(sizes, split, strict=True) if not ok]
+
+    def time(op: str, tensors: list[int]) -> float:
+        return sum(cost_model.collective_time(op, b, links) for b in buckets(tensors, bucket))
+
+    rate = top.memory_bandwidth or cost_model.UPDATE_BYTES_PER_S
+    update = ADAMW_TOUCHES * sum(sizes) / rate
+    kept_update = ADAMW_TOUCHES * sum(kept_bytes) / rate
+    state = ADAM_STATE_COPIES * 4 * sum(math.prod(s) for s in shapes)  # float32 moments
+    kept_state = (
+        ADAM_STATE_COPIES
+        * 4
+        * sum(math.prod(s) for s, ok in zip(shapes, split, strict=True) if not ok)
+    )
+    replicated = time("all_reduce", sizes) + update
+    sharded = (
+        time("reduce_scatter", sharded_bytes)
+        + time("all_gather", sharded_bytes)
+        + time("all_reduce", kept_bytes)
+        + (update - kept_update) / chips
+        + kept_update
+    )
+    return {
+        "replicated_s": replicated,
+        "sharded_s": sharded,
+        "update_replicated_s": update,
+        "opt_state_bytes_replicated": state,
+        "opt_state_bytes_sharded": (state - kept_state) / chips + kept_state,
+        "tensors_kept_replicated": len(kept_bytes),
+        "memory_bandwidth": rate,
+    }
+
+
 def measure() -> dict[str, Any]:
     results: dict[str, Any] = {}
     for model, (shapes, itemsize) in MODELS.items():
@@ -81,6 +137,10 @@ def measure() -> dict[str, Any]:
             "bytes": sum(sizes),
             "topologies": {t: sync_times(sizes, t) for t in TOPOLOGIES},
         }
+    for model, topology in SHARDED_CELLS:
+        shapes, itemsize = MODELS[model]
+        cell = results[model]["topologies"][topology]
+        cell["shard_weight_updates"] = sharded_update(shapes(), itemsize, topology)
     return results
 
 
@@ -100,11 +160,28 @@ def print_table(results: dict[str, Any]) -> None:
             )
 
 
+def print_sharded_table(results: dict[str, Any]) -> None:
+    print("\nshard-weight-updates: gradient sync + AdamW per step (ms), optimizer state per chip")
+    print(
+        f"{'model':<13}{'topology':<12}{'replicated':>11}{'sharded':>9}{'speedup':>9}"
+        f"{'state MB/chip':>15}{'sharded':>9}{'kept':>6}"
+    )
+    for model, topology in SHARDED_CELLS:
+        c = results[model]["topologies"][topology]["shard_weight_updates"]
+        print(
+            f"{model:<13}{topology:<12}{c['replicated_s'] * 1e3:>11.2f}"
+            f"{c['sharded_s'] * 1e3:>9.2f}{c['replicated_s'] / c['sharded_s']:>9.2f}"
+            f"{c['opt_state_bytes_replicated'] / 1e6:>15.1f}"
+            f"{c['opt_state_bytes_sharded'] / 1e6:>9.1f}{c['tensors_kept_replicated']:>6}"
+        )
+
+
 def main() -> None:
     results = measure()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pod_collectives.json").write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
+    print_sharded_table(results)
 
 
 if __name__ == "__main__":

@@ -257,19 +257,23 @@ def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.02, cap: int = 1 
     return size
 
 
-#: Device memory bandwidth the elementwise optimizer update is bound by (a rough rate, as
-#: the timeline's roofline uses).
+#: Device memory bandwidth the elementwise optimizer update is bound by, where the
+#: hardware file gives none (a rough rate, as the timeline's roofline uses).
 UPDATE_BYTES_PER_S = 1e11
 
 
 def weight_update_estimates(
-    gradient_bytes: float, update_bytes: float, axes: Sequence[AxisLink]
+    gradient_bytes: float,
+    update_bytes: float,
+    axes: Sequence[AxisLink],
+    memory_bandwidth: float | None = None,
 ) -> tuple[float, float]:
     """(replicated, sharded) seconds for reducing the gradients and updating the weights:
-    an all-reduce and the whole update on every replica, against a reduce-scatter, 1/p of
-    the update and an all-gather of the new weights (Xu et al. 2020)."""
+    an all-reduce and the whole update (`update_bytes` read and written at
+    `memory_bandwidth`) on every replica, against a reduce-scatter, 1/p of the update and
+    an all-gather of the new weights (Xu et al. 2020)."""
     p = math.prod(a.size for a in axes)
-    update = update_bytes / UPDATE_BYTES_PER_S
+    update = update_bytes / (memory_bandwidth or UPDATE_BYTES_PER_S)
     replicated = collective_time("all_reduce", gradient_bytes, axes) + update
     sharded = (
         collective_time("reduce_scatter", gradient_bytes, axes)

@@ -95,7 +95,7 @@ def _cost_model_says_on(graph: Graph, ctx: PassContext) -> bool:
     gradient_bytes = sum(n.outputs[0].nbytes for n in seeds)
     links = ctx.topology.axis_links(tuple(axes))
     replicated, sharded = weight_update_estimates(
-        gradient_bytes, _update_bytes(graph, seeds), links
+        gradient_bytes, _update_bytes(graph, seeds), links, ctx.topology.memory_bandwidth
     )
     on = sharded < replicated
     ctx.remarks.append(

@@ -46,17 +46,29 @@ def _opt_state_sharded(opt_state, strategy) -> list[bool]:
     return [strategy.is_held_sharded(x) for x in jax.tree.leaves(opt_state) if x.ndim]
 
 
+def _transformer():
+    graphdef, params, cfg = helpers.transformer(np.float64, layers=2)
+    return graphdef, params, models.lm_train_step, helpers.lm_batches(STEPS, cfg)
+
+
+def _mlp():
+    graphdef, params = helpers.mlp(np.float64)
+    return graphdef, params, models.mlp_train_step, helpers.mlp_batches(STEPS, dtype=np.float64)
+
+
 @pytest.mark.parametrize(
-    "make_strategy",
-    [xs.MirroredStrategy, lambda: xs.TPUStrategy("v5e-8", emulate=True)],
-    ids=["mirrored", "tpu-v5e-8"],
+    ("make_strategy", "model"),
+    [
+        (xs.MirroredStrategy, _transformer),
+        (lambda: xs.TPUStrategy("v5e-8", emulate=True), _mlp),  # a 2-D mesh
+    ],
+    ids=["mirrored-transformer", "tpu-v5e-8-mlp"],
 )
-def test_clipped_adamw_matches_the_replicated_update(make_strategy):
+def test_clipped_adamw_matches_the_replicated_update(make_strategy, model):
     with jax.enable_x64(True):
         strategy = make_strategy()
-        graphdef, params, cfg = helpers.transformer(np.float64, layers=2)
-        step_fn, tx = models.lm_train_step(graphdef, _clipped_adamw()), _clipped_adamw()
-        batches = helpers.lm_batches(STEPS, cfg)
+        graphdef, params, make_step, batches = model()
+        step_fn, tx = make_step(graphdef, _clipped_adamw()), _clipped_adamw()
         (p_on, s_on), step = _train(
             strategy, step_fn, params, tx, batches, shard_weight_updates=True
         )

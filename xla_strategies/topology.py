@@ -47,6 +47,9 @@ class Topology:
     name: str
     hardware: str
     axes: tuple[AxisLink, ...]
+    #: each device's memory bandwidth (bytes/s), which an elementwise update is bound by;
+    #: None where the hardware file gives none
+    memory_bandwidth: float | None = None
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -67,7 +70,8 @@ class Topology:
                     f"{name!r}: GPU nodes take a count prefix ('4x{found['hardware']}'), not a size"
                 )
             axes = _node_axes(config, count)
-        return cls(name, found["hardware"], tuple(axes))
+        memory = config.get("memory_bandwidth_bytes_per_s")
+        return cls(name, found["hardware"], tuple(axes), memory)
 
     @property
     def mesh_axes(self) -> dict[str, int]:
