@@ -143,6 +143,20 @@ class Node:
         return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a mirrored value is held across the replicas: dimension `dim` cut into one block
+    per replica, numbered over `axes` in this order (the order tiled collectives and
+    `replica_slice` use), so block i of the value is on the replica whose index over
+    `axes` is i. Every replica axis is named: each replica holds one block."""
+
+    dim: int
+    axes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.dim}{{{','.join(self.axes)}}}"
+
+
 @dataclass(eq=False)
 class Graph:
     """A program (or a region of one).
@@ -155,9 +169,9 @@ class Graph:
     input positions that hold one value per replica (stacked on a leading replica axis
     outside the step) rather than a split batch. `state_outputs` maps an output position to
     the input position it is the next value of (a step's state: `params, opt_state = ...`).
-    `sharded_inputs` and `sharded_outputs` map positions to the dimension of a mirrored
-    value that is held split across all replicas between steps (weight-update sharding);
-    such a value's type is the per-replica block.
+    `sharded_inputs` and `sharded_outputs` map positions to the `Split` of a mirrored value
+    held split across all replicas between steps (weight-update sharding); such a value's
+    type is the per-replica block.
     """
 
     inputs: list[Value]
@@ -172,8 +186,8 @@ class Graph:
     # the root's copy.
     rooted_outputs: frozenset[int] = frozenset()
     state_outputs: dict[int, int] = field(default_factory=dict)
-    sharded_inputs: dict[int, int] = field(default_factory=dict)
-    sharded_outputs: dict[int, int] = field(default_factory=dict)
+    sharded_inputs: dict[int, Split] = field(default_factory=dict)
+    sharded_outputs: dict[int, Split] = field(default_factory=dict)
 
     def output_name(self, index: int) -> str:
         """The pytree path of output `index`, or a positional fallback."""

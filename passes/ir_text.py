@@ -13,8 +13,9 @@
 Flags after a value: on a function input, `stacked` (one value per replica, stacked outside
 the step, rather than a split batch); on a returned value, `mirrored` (declared so),
 `aggregate=<op>` (declared aggregated), `rooted` (correct on the root replica only) and
-`state=%K` (the next value of input K). On both, `sharded=D`: a mirrored value held split
-on dimension D across the replicas between steps; its type is one replica's block.
+`state=%K` (the next value of input K). On both, `sharded=D{axes}`: a mirrored value held
+split on dimension D across the replicas between steps, its blocks numbered over the axes
+in that order; its type is one replica's block.
 
 Values are renumbered in definition order on printing, so `print(parse(text)) == text` for
 any printed text. Attributes are JSON. `// by <pass>` records the pass that made a node.
@@ -26,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from xla_strategies.passes.ir import Graph, Node, Value, long_dtype, short_dtype
+from xla_strategies.passes.ir import Graph, Node, Split, Value, long_dtype, short_dtype
 
 _INDENT = "  "
 
@@ -220,13 +221,15 @@ class _Parser:
         self.cur.expect(")")
         return name
 
-    def params(self, scope: dict[str, Value]) -> tuple[list[Value], frozenset[int], dict]:
+    def params(
+        self, scope: dict[str, Value]
+    ) -> tuple[list[Value], frozenset[int], dict[int, Split]]:
         """The values a function or region takes, which of them are `stacked`, and the
         dimension of each `sharded` one."""
         self.cur.expect("(")
         values: list[Value] = []
         stacked: set[int] = set()
-        sharded: dict[int, int] = {}
+        sharded: dict[int, Split] = {}
         while not self.cur.accept(")"):
             if values:
                 self.cur.expect(",")
@@ -234,13 +237,23 @@ class _Parser:
             if self.cur.accept("stacked"):
                 stacked.add(len(values))
             if self.cur.accept("sharded="):
-                sharded[len(values)] = self.integer("a dimension")
+                sharded[len(values)] = self.split()
             value.name = self.loc()
             values.append(value)
         return values, frozenset(stacked), sharded
 
     def integer(self, what: str) -> int:
         return int(self.cur.match(_INT, what).group(0))
+
+    def split(self) -> Split:
+        """`D{axis,...}` after `sharded=`."""
+        dim = self.integer("a dimension")
+        self.cur.expect("{")
+        axes = [self.cur.match(_IDENT, "a mesh axis").group(0)]
+        while self.cur.accept(","):
+            axes.append(self.cur.match(_IDENT, "a mesh axis").group(0))
+        self.cur.expect("}")
+        return Split(dim, tuple(axes))
 
     def graph(self) -> Graph:
         self.cur.expect("func")
@@ -277,7 +290,7 @@ class _Parser:
             if self.cur.accept("state=%"):
                 graph.state_outputs[len(graph.outputs) - 1] = self.integer("an input number")
             if self.cur.accept("sharded="):
-                graph.sharded_outputs[len(graph.outputs) - 1] = self.integer("a dimension")
+                graph.sharded_outputs[len(graph.outputs) - 1] = self.split()
             graph.output_names.append(self.loc())
         graph.declared_mirrored = frozenset(mirrored)
         graph.rooted_outputs = frozenset(rooted)

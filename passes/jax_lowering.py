@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.passes import tree_collectives
-from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.ir import Graph, Node, Split, Value
 
 
 class LoweringError(RuntimeError):
@@ -33,13 +33,21 @@ def replica_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(axes if len(axes) > 1 else axes[0])
 
 
-def value_spec(value: Value, mesh: Mesh, sharded_dim: int | None = None) -> PartitionSpec:
+def value_spec(value: Value, mesh: Mesh, split: Split | None = None) -> PartitionSpec:
     """The `shard_map` spec of a graph input or output: varying values are split (or
-    stacked) on dim 0 over the replica axes; a value held sharded is split on its dimension;
-    invariant ones are whole."""
-    if sharded_dim is not None:
-        return PartitionSpec(*[None] * sharded_dim, *replica_spec(mesh))
+    stacked) on dim 0 over the replica axes; a value held sharded is split on its dimension
+    over its axes, in its order; invariant ones are whole."""
+    if split is not None:
+        return split_spec(split, mesh, mesh)
     return replica_spec(mesh) if value.varying_axes else PartitionSpec()
+
+
+def split_spec(split: Split, graph_mesh: Mesh, mesh: Mesh) -> PartitionSpec:
+    """The spec of a `Split` value on `mesh`, a mesh over the same devices as the graph's
+    whose axes may carry other names (the sharded mesh's `sharded:` prefix)."""
+    names = dict(zip(graph_mesh.axis_names, mesh.axis_names, strict=True))
+    axes = tuple(names[a] for a in split.axes)
+    return PartitionSpec(*[None] * split.dim, axes if len(axes) > 1 else axes[0])
 
 
 def input_shardings(
@@ -71,15 +79,15 @@ def _comes_back_stacked(graph: Graph, index: int) -> bool:
 
 
 def _global_sharding(
-    value: Value, stacked: bool, sharded_dim: int | None, meshes: tuple[Mesh, ...]
+    value: Value, stacked: bool, split: Split | None, meshes: tuple[Mesh, ...]
 ) -> NamedSharding:
     mesh, stacked_mesh, sharded_mesh = meshes
     if stacked:
         target = stacked_mesh or mesh
         return NamedSharding(target, replica_spec(target))
-    if sharded_dim is not None:
+    if split is not None:
         target = sharded_mesh or mesh
-        return NamedSharding(target, value_spec(value, target, sharded_dim))
+        return NamedSharding(target, split_spec(split, mesh, target))
     return NamedSharding(mesh, value_spec(value, mesh))
 
 

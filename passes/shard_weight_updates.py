@@ -12,9 +12,11 @@ Data-Parallel Training") shard that update instead (ZeRO-1/2 without user change
   squares) becomes a partial reduction plus one small `all_reduce`; broadcasts and
   reshapes that keep the sharded dimension follow it;
 - an updated value that is the next value of a step input read only by the update (Adam's
-  moments) stays sharded across steps: the input and output are marked `sharded=D` and
-  live split across the devices, in their logical shape. Anything else a block reaches,
-  the new parameters included, is gathered back (`all_gather`) where it is read whole.
+  moments) stays sharded across steps: the input and output are marked `sharded=D{axes}`
+  and live split across the devices, in their logical shape. Anything else a block
+  reaches, the new parameters included, is gathered back (`all_gather`) where it is read
+  whole. Blocks are numbered over the replica axes fast levels first, so a decomposed
+  reduce-scatter crosses a slow level (DCN) last.
 
 What cannot be proved elementwise is gathered first and run replicated, and a gradient with
 no dimension that divides by the replica count keeps its all-reduce: a jax.Array cannot be
@@ -28,14 +30,14 @@ dump's remarks list each of these with its reason.
       %6: f32[16,4] = jax.sub(%0, %5)
       return %6 state=%0, %5 state=%1
     After (%1 now arrives as this replica's block):
-      func @step(%0: f32[16,4], %1: f32[2,4]{replica} sharded=0, ...)
+      func @step(%0: f32[16,4], %1: f32[2,4]{replica} sharded=0{replica}, ...)
       %3: f32[2,4]{replica} = reduce_scatter(%2) {"axes": ["replica"], "dimension": 0, ...}
       %4: f32[2,4]{replica} = jax.mul(%1, %c)
       %5: f32[2,4]{replica} = jax.add(%4, %3)
       %7: f32[2,4]{replica} = replica_slice(%0) {"axes": ["replica"], "dimension": 0}
       %8: f32[2,4]{replica} = jax.sub(%7, %5)
       %9: f32[16,4] = all_gather(%8) {"axes": ["replica"], "dimension": 0}
-      return %9 state=%0, %5 state=%1 sharded=0
+      return %9 state=%0, %5 state=%1 sharded=0{replica}
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.ir import Graph, Node, Split, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.traits import Trait, dimension_reduction
 
@@ -68,7 +70,7 @@ class ShardWeightUpdates(Pass):
             )
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
-        axes = list(ctx.mesh_axes)
+        axes = _block_order(ctx)
         if ctx.num_replicas == 1 or (self.mode == "auto" and not _cost_model_says_on(graph, ctx)):
             ctx.stats[self.name] = {"sharded_gradients": 0, "sharded_state": 0}
             return False
@@ -77,6 +79,17 @@ class ShardWeightUpdates(Pass):
         ctx.stats[self.name] = sharder.stats
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
         return sharder.stats["sharded_gradients"] > 0
+
+
+def _block_order(ctx: PassContext) -> list[str]:
+    """The replica axes in the order blocks are numbered over: fast levels first on a
+    topology, so that decompose-all-reduces' reduce-scatter crosses a slow level (DCN)
+    last, with 1/(fast replicas) of the data; the mesh's order otherwise."""
+    if ctx.topology is None:
+        return list(ctx.mesh_axes)
+    from xla_strategies.passes.cost_model import fast_first
+
+    return [a.name for a in fast_first(ctx.topology.axis_links(tuple(ctx.mesh_axes)))]
 
 
 def _cost_model_says_on(graph: Graph, ctx: PassContext) -> bool:
@@ -178,7 +191,9 @@ class _Sharder:
             self.nodes.append(node)
             return
         block = self.block_of(full, dim)
-        attrs = {**node.attrs, "dimension": dim}
+        # the block order of every collective and slice of the update, whatever the
+        # reduction's own axis order was
+        attrs = {**node.attrs, "axes": self.axes, "dimension": dim}
         attrs.pop("reduce_op")
         self.emit("reduce_scatter", node.inputs, block, attrs)
         self.blocks[full] = (block, dim)
@@ -270,7 +285,7 @@ class _Sharder:
             arg = graph.state_outputs.get(index)
             if arg is not None and self.hold_sharded(graph, arg, dim, users):
                 graph.outputs[index] = block
-                graph.sharded_outputs[index] = dim
+                graph.sharded_outputs[index] = Split(dim, tuple(self.axes))
                 self.stats["sharded_state"] += 1
                 self.stats["sharded_state_bytes"] += value.nbytes
             elif value not in self.gathered:
@@ -279,9 +294,9 @@ class _Sharder:
     def hold_sharded(self, graph: Graph, arg: int, dim: int, users: dict) -> bool:
         """Take input `arg` as this replica's block if all that reads it is its slice on
         `dim`; that slice's result becomes the input."""
-        value = graph.inputs[arg]
+        value, split = graph.inputs[arg], Split(dim, tuple(self.axes))
         if arg in graph.sharded_inputs:
-            return graph.sharded_inputs[arg] == dim
+            return graph.sharded_inputs[arg] == split
         readers = users.get(value, [])
         block = self.slices.get((value, dim))
         if block is None or len(readers) != 1 or value in graph.outputs or value.varying_axes:
@@ -291,7 +306,7 @@ class _Sharder:
         self.nodes.remove(readers[0])
         block.name = value.name
         graph.inputs[arg] = block
-        graph.sharded_inputs[arg] = dim
+        graph.sharded_inputs[arg] = split
         return True
 
     # building blocks

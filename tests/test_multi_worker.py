@@ -127,6 +127,26 @@ def test_two_workers_train_like_one_device(tmp_path):
     np.testing.assert_allclose(result["stats"], stats, rtol=1e-5, atol=1e-6)
 
 
+def test_two_workers_shard_the_weight_update_like_the_replicated_one(tmp_path):
+    """Reduce-scatters and all-gathers across both hosts, the AdamW moments held split
+    over 8 devices in two processes: the replicated update's numbers, in float64."""
+    out = tmp_path / "sharded.npz"
+    check(
+        run_workers(
+            ["tests/workers/train.py", "--out", str(out), "--steps", "4", "--models", "sharded"]
+        )
+    )
+    result = np.load(out)
+    on = {k.removeprefix("sharded=True/"): v for k, v in result.items() if "=True/" in k}
+    off = {k.removeprefix("sharded=False/"): v for k, v in result.items() if "=False/" in k}
+    assert on.keys() == off.keys() and len(on) > 20
+    held, replicated = on.pop("held_sharded"), off.pop("held_sharded")
+    assert held.sum() >= len(held) - 2 and not replicated.any()  # the [5] moments stay whole
+    for key, expected in off.items():
+        scale = np.max(np.abs(expected), initial=0.0)
+        assert np.max(np.abs(on[key] - expected), initial=0.0) <= 1e-12 * scale, key
+
+
 def test_a_killed_peer_fails_the_survivor_within_the_timeout(tmp_path):
     out = tmp_path / "params.npz"
     start = time.monotonic()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xla_strategies.passes import IRParseError, VerificationError, parse, print_graph, verify
-from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.ir import Graph, Node, Split, Value
 
 MESH = {"replica": 8}
 
@@ -33,6 +33,19 @@ def test_round_trip_is_exact():
     assert graph.inputs[0].name == "args[0]['w']"
     assert graph.nodes[1].created_by == "insert-reductions"
     verify(graph, MESH)
+
+
+def test_state_and_sharded_layouts_round_trip():
+    text = """\
+func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{x,y} sharded=0{y,x} loc("m")) {
+  %2: f32[2,4]{x,y} = jax.mul(%1, %1)
+  return %0 state=%0, %2 state=%1 sharded=0{y,x} loc("out")
+}
+"""
+    graph = parse(text)
+    assert print_graph(graph) == text
+    assert graph.state_outputs == {0: 0, 1: 1}
+    assert graph.sharded_inputs == graph.sharded_outputs == {1: Split(0, ("y", "x"))}
 
 
 def test_printing_renumbers_values_canonically():
@@ -123,6 +136,7 @@ def test_verifier_rejects_unknown_collective_axis():
         ("all_gather", {"axes": ["replica"], "dimension": 0}, (8,), r"should be \(64,\)"),
         ("reshape", {}, (3, 3), "changes the element count"),
         ("slice", {"start": [0], "limit": [4]}, (3,), "does not match limit - start"),
+        ("replica_slice", {"axes": ["replica"], "dimension": 0}, (2,), r"should be \(1,\)"),
     ],
 )
 def test_verifier_checks_known_op_shapes(op, attrs, out_shape, message):

@@ -37,7 +37,7 @@ def test_momentum_is_held_sharded_and_the_weights_gathered():
     filecheck(
         after,
         """
-        CHECK: func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{replica} sharded=0 loc("m"), %2: f32[16,4]{replica})
+        CHECK: func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{replica} sharded=0{replica} loc("m"), %2: f32[16,4]{replica})
         CHECK: %[[G:[0-9]+]]: f32[2,4]{replica} = reduce_scatter(%3)
         CHECK-SAME: "dimension": 0
         CHECK-SAME: "param": "w"
@@ -48,7 +48,7 @@ def test_momentum_is_held_sharded_and_the_weights_gathered():
         CHECK-NEXT: %[[W:[0-9]+]]: f32[2,4]{replica} = replica_slice(%0) {"axes": ["replica"], "dimension": 0}
         CHECK-NEXT: %[[NW:[0-9]+]]: f32[2,4]{replica} = jax.sub(%[[W]], %[[M]])
         CHECK-NEXT: %[[FULL:[0-9]+]]: f32[16,4] = all_gather(%[[NW]]) {"axes": ["replica"], "dimension": 0, "output": "output #0"}
-        CHECK-NEXT: return %[[FULL]] state=%0, %[[M]] state=%1 sharded=0
+        CHECK-NEXT: return %[[FULL]] state=%0, %[[M]] state=%1 sharded=0{replica}
         """,
     )
     stats = ctx.stats["shard-weight-updates"]
@@ -103,12 +103,12 @@ func @step(%0: f32[8,6], %1: f32[8], %2: f32[8,6]{replica}) {
     filecheck(
         after,
         """
-        CHECK: func @step(%0: f32[8,6], %1: f32[1]{replica} sharded=0, %2: f32[8,6]{replica})
+        CHECK: func @step(%0: f32[8,6], %1: f32[1]{replica} sharded=0{replica}, %2: f32[8,6]{replica})
         CHECK: %[[ROW:[0-9]+]]: f32[1]{replica} = jax.reduce_sum(%{{[0-9]+}}) {"axes": [1]}
         CHECK-NEXT: %[[V:[0-9]+]]: f32[1]{replica} = jax.add(%1, %[[ROW]])
         CHECK-NEXT: f32[1,6]{replica} = jax.broadcast_in_dim(%[[V]])
         CHECK-NOT: all_reduce
-        CHECK: return %{{[0-9]+}} state=%0, %[[V]] state=%1 sharded=0
+        CHECK: return %{{[0-9]+}} state=%0, %[[V]] state=%1 sharded=0{replica}
         """,
     )
     assert ctx.stats["shard-weight-updates"]["gathered_for_ops"] == 0
@@ -208,3 +208,27 @@ def test_dimension_choice_and_block_shapes():
     assert shard_dimension((5, 3), 8) is None
     assert shard_dimension((4,), 8) is None  # a block must hold at least one row
     assert block_shape((12, 32), 1, 8) == (12, 4)
+
+
+def test_every_collective_and_slice_numbers_blocks_in_one_axis_order():
+    """On a multislice the blocks are numbered fast axes first; the reduce-scatter, the
+    slices, the gathers and the held layout must all use that order, whatever order the
+    gradient's all-reduce listed its axes in (a mismatch gives wrong numbers silently)."""
+    from xla_strategies.topology import Topology
+
+    topology = Topology.from_name("2xv5e-8")
+    axes = list(topology.mesh_axes)  # the mesh order, slow level first
+    text = MOMENTUM.replace('"axes": ["replica"]', f'"axes": {json.dumps(axes)}')
+    graph = parse(text.replace("{replica}", "{" + ",".join(axes) + "}"))
+    ctx = PassContext(mesh_axes=topology.mesh_axes, topology=topology)
+    assert ShardWeightUpdates().run(graph, ctx)
+    orders = {
+        tuple(n.attrs["axes"])
+        for n in graph.nodes
+        if n.op in ("reduce_scatter", "replica_slice", "all_gather")
+    }
+    orders |= {split.axes for split in graph.sharded_outputs.values()}
+    orders |= {split.axes for split in graph.sharded_inputs.values()}
+    assert len(orders) == 1
+    (order,) = orders
+    assert order[-1] == "dcn" and sorted(order) == sorted(axes)

@@ -1,5 +1,7 @@
 """A worker: trains the MLP and the transformer with MultiWorkerMirroredStrategy on
-per-host input, printing `STEP n`; the chief saves the final parameters atomically."""
+per-host input, printing `STEP n`; the chief saves the final parameters atomically.
+`--models sharded` trains a float64 MLP with clipped AdamW twice, with and without
+weight-update sharding, and saves the optimizer state too."""
 
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ def per_host(batches):
     return dataset_fn
 
 
-def train(strategy, step_fn, params, tx, batches, tag):
+def train(strategy, step_fn, params, tx, batches, tag, keep=1, **options):
+    """The first `keep` pieces of state (params, then the optimizer state), gathered."""
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
-    step = strategy.compile(step_fn)
+    step = strategy.compile(step_fn, **options)
     for n, batch in enumerate(strategy.distribute_datasets_from_function(per_host(batches))):
         *state, _ = step(*state, batch)
         jax.block_until_ready(state[0])
@@ -43,7 +46,11 @@ def train(strategy, step_fn, params, tx, batches, tag):
         f"{tag}/{jax.tree_util.keystr(p)}": np.asarray(
             jax.experimental.multihost_utils.process_allgather(x, tiled=True)
         )
-        for p, x in jax.tree_util.tree_flatten_with_path(state[0])[0]
+        for p, x in jax.tree_util.tree_flatten_with_path(tuple(state[:keep]))[0]
+    } | {
+        f"{tag}/held_sharded": np.asarray(
+            [strategy.is_held_sharded(x) for x in jax.tree.leaves(state[1]) if x.ndim]
+        )
     }
 
 
@@ -89,6 +96,22 @@ def main() -> None:
             stats = step(stats, batch)
         gathered = jax.experimental.multihost_utils.process_allgather(stats, tiled=True)
         results["stats"] = np.asarray(gathered)
+    if "sharded" in args.models:  # weight-update sharding across hosts against replicated
+        jax.config.update("jax_enable_x64", True)
+        graphdef, params = helpers.mlp(np.float64)
+        tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+        batches = helpers.mlp_batches(args.steps, dtype=np.float64)
+        for shard in (True, False):
+            results |= train(
+                strategy,
+                models.mlp_train_step(graphdef, tx),
+                params,
+                tx,
+                batches,
+                f"sharded={shard}",
+                keep=2,
+                shard_weight_updates=shard,
+            )
     if strategy.cluster_resolver.is_chief:
         out = Path(args.out)
         partial = out.with_suffix(".partial.npz")
