@@ -139,7 +139,7 @@ def test_two_workers_shard_the_weight_update_like_the_replicated_one(tmp_path):
     result = np.load(out)
     on = {k.removeprefix("sharded=True/"): v for k, v in result.items() if "=True/" in k}
     off = {k.removeprefix("sharded=False/"): v for k, v in result.items() if "=False/" in k}
-    assert on.keys() == off.keys() and len(on) > 20
+    assert on.keys() == off.keys() and len(on) >= 19  # params, count, both moments
     held, replicated = on.pop("held_sharded"), off.pop("held_sharded")
     assert held.sum() >= len(held) - 2 and not replicated.any()  # the [5] moments stay whole
     for key, expected in off.items():
