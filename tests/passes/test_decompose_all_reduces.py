@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import xla_strategies as xs
+from tests.filecheck import filecheck
 from xla_strategies.passes import DecomposeAllReduces, PassContext, parse, print_graph, verify
 
 ONE = """\
@@ -105,6 +106,11 @@ _SCRIPT = textwrap.dedent(
         errors[topology + "/" + force] = {
             "error": helpers.max_relative_error(result, reference),
             "scatters": graph.count_ops("reduce_scatter"),
+            "sharded_update_chains": sum(
+                1 for n in graph.walk()
+                if n.op == "reduce_scatter" and n.attrs.get("origin") == "autodiff"
+                and len(n.attrs["axes"]) == 1
+            ),
             "mesh": dict(strategy.mesh.shape),
         }
     print(json.dumps(errors))
@@ -129,4 +135,29 @@ def test_decomposed_training_matches_one_device_on_16_emulated_devices():
     assert results["2xv5e-8/rotated"]["mesh"] == {"dcn": 2, "x": 2, "y": 4}
     for name, r in results.items():
         assert r["scatters"] > 0, name
+        if name.endswith("/ordered"):  # the sharded update's collectives, decomposed
+            assert r["sharded_update_chains"] > 0, name
         assert r["error"] < 1e-9, (name, r)
+
+
+def test_reduce_scatters_and_all_gathers_become_one_axis_chains_in_their_order():
+    text = """\
+func @step(%0: f32[8,256]{x,y}) {
+  %1: f32[1,256]{x,y} = reduce_scatter(%0) {"axes": ["y", "x"], "bucket": 0, "dimension": 0}
+  %2: f32[8,256] = all_gather(%1) {"axes": ["y", "x"], "dimension": 0}
+  return %2
+}
+"""
+    changed, after, ctx = _run(text, "v5e-8", force="ordered")
+    assert changed
+    filecheck(
+        after,
+        """
+        CHECK: %[[A:[0-9]+]]: f32[2,256]{x,y} = reduce_scatter(%0) {"axes": ["y"], "bucket": 0, "dimension": 0}
+        CHECK-NEXT: %[[B:[0-9]+]]: f32[1,256]{x,y} = reduce_scatter(%[[A]]) {"axes": ["x"], "bucket": 0, "dimension": 0}
+        CHECK-NEXT: %[[C:[0-9]+]]: f32[2,256]{y} = all_gather(%[[B]]) {"axes": ["x"], "dimension": 0}
+        CHECK-NEXT: %[[D:[0-9]+]]: f32[8,256] = all_gather(%[[C]]) {"axes": ["y"], "dimension": 0}
+        CHECK-NEXT: return %[[D]]
+        """,
+    )
+    assert any("reduce_scatter of 8,192 bytes over ['y', 'x']: ordered" in r for r in ctx.remarks)
