@@ -9,9 +9,11 @@ faster than XLA's tuple-shaped combined all-reduce on CPU. A reduction joins a b
 if no member's result is read before it, which also keeps dependent reductions apart.
 CentralStorageStrategy's `reduce_to_one` and `broadcast` are bucketed the same way, each
 kind (and root) apart, and so are weight-update sharding's `reduce_scatter`s and
-`all_gather`s whose blocks are contiguous (every dimension before the split one is 1):
-each member is viewed as [replicas, block size], the views are concatenated along the
-second dimension, and one collective over the first moves every member's block.
+`all_gather`s: each member is viewed as [replicas, block size], the views are
+concatenated along the second dimension, and one collective over the first moves every
+member's block. A block is contiguous when every dimension before the split one is 1, and
+the view is a reshape; otherwise (a scanned layer stack [L, d, d] split on d) the split
+dimension is transposed to the front first, a local copy.
 
     Before (8 replicas):
       %2: f32[2,4]{replica} = reduce_scatter(%0) {"axes": ["replica"], "dimension": 0}
@@ -143,12 +145,7 @@ _KEPT_ATTRS = ("axes", "reduce_op", "origin", "root", "size")
 
 
 def _combinable(node: Node) -> bool:
-    if node.op not in COMBINABLE or len(node.inputs) != 1 or _is_combined(node):
-        return False
-    if node.op not in BLOCK_COLLECTIVES:
-        return True
-    block = node.outputs[0] if node.op == "reduce_scatter" else node.inputs[0]
-    return all(size == 1 for size in block.shape[: node.attrs["dimension"]])
+    return node.op in COMBINABLE and len(node.inputs) == 1 and not _is_combined(node)
 
 
 def _volume(node: Node) -> int:
@@ -253,7 +250,9 @@ def _combine_blocks(
 
     rows_in, rows_out = (replicas, 1) if scatter else (1, replicas)
     views = [
-        emit("reshape", [m.inputs[0]], m.inputs[0].like(shape=(rows_in, _block_size(m))))
+        _rows(emit, m.inputs[0], m.attrs["dimension"], replicas)
+        if scatter
+        else emit("reshape", [m.inputs[0]], m.inputs[0].like(shape=(1, _block_size(m))))
         for m in members
     ]
     total = sum(v.shape[1] for v in views)
@@ -266,9 +265,40 @@ def _combine_blocks(
         width = view.shape[1]
         piece = member.outputs[0].like(shape=(rows_out, width))
         emit("slice", [combined], piece, start=[0, offset], limit=[rows_out, offset + width])
-        new.append(Node("reshape", [piece], [member.outputs[0]], created_by=created_by))
+        if scatter:
+            new.append(Node("reshape", [piece], [member.outputs[0]], created_by=created_by))
+        else:
+            _unrows(emit, new, piece, member, created_by)
         offset += width
     _replace_members(graph, bucket, new)
+
+
+def _rows(emit, value: Value, dim: int, replicas: int) -> Value:
+    """`value` as [replicas, block size], row r its block r along `dim`."""
+    shape = value.shape
+    split = (*shape[:dim], replicas, shape[dim] // replicas, *shape[dim + 1 :])
+    flat = value.like(shape=(replicas, value.size // replicas))
+    if all(size == 1 for size in shape[:dim]):  # block r is contiguous already
+        return emit("reshape", [value], flat)
+    grouped = emit("reshape", [value], value.like(shape=split))
+    order = [dim, *range(dim), *range(dim + 1, len(split))]
+    front = emit(
+        "transpose", [grouped], value.like(shape=tuple(split[i] for i in order)), permutation=order
+    )
+    return emit("reshape", [front], flat)
+
+
+def _unrows(emit, new: list[Node], rows: Value, member: Node, created_by: str) -> None:
+    """The gathered [replicas, block size] rows of `member` as its whole result."""
+    dim, result, block = member.attrs["dimension"], member.outputs[0], member.inputs[0].shape
+    if all(size == 1 for size in block[:dim]):
+        new.append(Node("reshape", [rows], [result], created_by=created_by))
+        return
+    stacked = emit("reshape", [rows], result.like(shape=(rows.shape[0], *block)))
+    order = [*range(1, dim + 1), 0, *range(dim + 1, len(block) + 1)]
+    split = tuple(stacked.shape[i] for i in order)
+    moved = emit("transpose", [stacked], result.like(shape=split), permutation=order)
+    new.append(Node("reshape", [moved], [result], created_by=created_by))
 
 
 def _block_size(node: Node) -> int:

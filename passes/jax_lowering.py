@@ -344,6 +344,7 @@ _RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
     "slice": _slice,
     "replica_slice": _replica_slice,
     "reshape": lambda n, a: [jnp.reshape(a[0], n.outputs[0].shape)],
+    "transpose": lambda n, a: [jnp.transpose(a[0], n.attrs["permutation"])],
     "add": lambda n, a: [sum(a[1:], a[0])],
     "scale": lambda n, a: [a[0] * np.asarray(n.attrs["factor"], dtype=n.outputs[0].dtype)],
     "convert": lambda n, a: [a[0].astype(n.outputs[0].dtype)],

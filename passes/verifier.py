@@ -166,6 +166,18 @@ def _check_slice(node: Node, mesh: Mapping[str, int]) -> str | None:
     return None if want == got else f"result shape {got} does not match limit - start = {want}"
 
 
+def _check_transpose(node: Node, mesh: Mapping[str, int]) -> str | None:
+    problem = _unary(node)
+    if problem:
+        return problem
+    perm, src = node.attrs.get("permutation", []), node.inputs[0].shape
+    if sorted(perm) != list(range(len(src))):
+        return f"permutation {perm} is not one of {len(src)} dimensions"
+    want = tuple(src[p] for p in perm)
+    got = node.outputs[0].shape
+    return None if want == got else f"result shape {got} should be {want}"
+
+
 _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
     "all_reduce": _check_all_reduce,
     "reduce_to_one": _check_all_reduce,
@@ -180,6 +192,7 @@ _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
     "add": _check_elementwise,
     "scale": _check_elementwise,
     "slice": _check_slice,
+    "transpose": _check_transpose,
 }
 
 

@@ -177,7 +177,7 @@ func @step(%0: f32[16,4]{replica}, %1: f32[8,3]{replica}, %2: f32[3,8]{replica})
 """
 
 
-def test_reduce_scatters_and_all_gathers_of_contiguous_blocks_share_one_collective():
+def test_reduce_scatters_and_all_gathers_share_one_collective():
     changed, after, _ = _run(SCATTERS, threshold_bytes=1 << 20)
     assert changed
     filecheck(
@@ -185,21 +185,47 @@ def test_reduce_scatters_and_all_gathers_of_contiguous_blocks_share_one_collecti
         """
         CHECK: %[[A:[0-9]+]]: f32[8,8]{replica} = reshape(%0)
         CHECK-NEXT: %[[B:[0-9]+]]: f32[8,3]{replica} = reshape(%1)
-        CHECK-NEXT: %[[BUF:[0-9]+]]: f32[8,11]{replica} = concatenate(%[[A]], %[[B]]) {"dimension": 1}
-        CHECK-NEXT: %[[RS:[0-9]+]]: f32[1,11]{replica} = reduce_scatter(%[[BUF]])
+        // a [3,8] split on dimension 1: its blocks are columns, moved to the front first
+        CHECK-NEXT: %[[G:[0-9]+]]: f32[3,8,1]{replica} = reshape(%2)
+        CHECK-NEXT: %[[T:[0-9]+]]: f32[8,3,1]{replica} = transpose(%[[G]]) {"permutation": [1, 0, 2]}
+        CHECK-NEXT: %[[C:[0-9]+]]: f32[8,3]{replica} = reshape(%[[T]])
+        CHECK-NEXT: %[[BUF:[0-9]+]]: f32[8,14]{replica} = concatenate(%[[A]], %[[B]], %[[C]]) {"dimension": 1}
+        CHECK-NEXT: %[[RS:[0-9]+]]: f32[1,14]{replica} = reduce_scatter(%[[BUF]])
         CHECK-SAME: "bucket": 0, "dimension": 0
         CHECK-NEXT: slice(%[[RS]]) {"limit": [1, 8], "start": [0, 0]}
         CHECK: slice(%[[RS]]) {"limit": [1, 11], "start": [0, 8]}
+        CHECK: slice(%[[RS]]) {"limit": [1, 14], "start": [0, 11]}
         CHECK: f32[8,11] = all_gather(%{{[0-9]+}})
         CHECK-SAME: "bucket": 1, "dimension": 0
         CHECK: f32[8,3] = slice(%{{[0-9]+}}) {"limit": [8, 11], "start": [0, 8]}
         """,
     )
-    # the block of a [3,8] split on dimension 1 is not contiguous: it keeps its own collective
-    assert 'reduce_scatter(%2) {"axes": ["replica"], "dimension": 1' in after
+
+
+def test_a_gathered_block_of_a_later_dimension_is_transposed_back():
+    text = """\
+func @step(%0: f32[3,1]{replica}, %1: f32[2,4]{replica}) {
+  %2: f32[3,8] = all_gather(%0) {"axes": ["replica"], "dimension": 1}
+  %3: f32[16,4] = all_gather(%1) {"axes": ["replica"], "dimension": 0}
+  return %2, %3
+}
+"""
+    _, after, _ = _run(text, threshold_bytes=1 << 20)
+    filecheck(
+        after,
+        """
+        CHECK: %[[AG:[0-9]+]]: f32[8,11] = all_gather(
+        CHECK-NEXT: %[[P:[0-9]+]]: f32[8,3] = slice(%[[AG]]) {"limit": [8, 3], "start": [0, 0]}
+        CHECK-NEXT: %[[S:[0-9]+]]: f32[8,3,1] = reshape(%[[P]])
+        CHECK-NEXT: %[[T:[0-9]+]]: f32[3,8,1] = transpose(%[[S]]) {"permutation": [1, 0, 2]}
+        CHECK-NEXT: %[[W:[0-9]+]]: f32[3,8] = reshape(%[[T]])
+        CHECK: return %[[W]]
+        """,
+    )
 
 
 def test_block_collectives_respect_the_threshold_by_the_whole_tensor():
-    _, after, ctx = _run(SCATTERS, threshold_bytes=16 * 4 * 4)  # one 16x4 tensor per bucket
+    _, after, ctx = _run(SCATTERS, threshold_bytes=8 * 3 * 4)  # one tensor per bucket
     assert ctx.stats["combine-all-reduces"]["buckets"] == 0
     assert after.count("reduce_scatter") == 3 and after.count("all_gather") == 2
+    assert "transpose" not in after
