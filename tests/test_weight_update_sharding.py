@@ -31,6 +31,15 @@ def _train(strategy, step_fn, params, tx, batches, **options):
     return tuple(state), step
 
 
+def _both_ways(strategy, step_fn, params, tx, batches):
+    """Train with the update sharded and replicated; both states agree to 1e-12. Returns
+    (sharded state, replicated state, the sharded step)."""
+    sharded, step = _train(strategy, step_fn, params, tx, batches, shard_weight_updates=True)
+    replicated, _ = _train(strategy, step_fn, params, tx, batches, shard_weight_updates=False)
+    _assert_close(sharded, replicated, 1e-12)
+    return sharded, replicated, step
+
+
 def _assert_close(a, b, tol: float) -> None:
     """Every leaf within `tol` of `b`, relative to the leaf's largest magnitude: sums taken
     in another order differ by an ulp of the operands, which an element that cancels to
@@ -69,14 +78,7 @@ def test_clipped_adamw_matches_the_replicated_update(make_strategy, model):
         strategy = make_strategy()
         graphdef, params, make_step, batches = model()
         step_fn, tx = make_step(graphdef, _clipped_adamw()), _clipped_adamw()
-        (p_on, s_on), step = _train(
-            strategy, step_fn, params, tx, batches, shard_weight_updates=True
-        )
-        (p_off, s_off), _ = _train(
-            strategy, step_fn, params, tx, batches, shard_weight_updates=False
-        )
-        _assert_close(p_on, p_off, 1e-12)
-        _assert_close(s_on, s_off, 1e-12)
+        (_, s_on), (_, s_off), step = _both_ways(strategy, step_fn, params, tx, batches)
         sharded = _opt_state_sharded(s_on, strategy)
         assert sum(sharded) >= 0.8 * len(sharded)  # leaves with no dividing dimension stay
         assert not any(_opt_state_sharded(s_off, strategy))
@@ -102,31 +104,26 @@ def test_optax_optimizers_match_the_replicated_update(tx):
         graphdef, params = helpers.mlp(np.float64)
         step_fn = models.mlp_train_step(graphdef, tx)
         batches = helpers.mlp_batches(STEPS, dtype=np.float64)
-        (p_on, s_on), step = _train(
-            strategy, step_fn, params, tx, batches, shard_weight_updates=True
-        )
-        (p_off, s_off), _ = _train(
-            strategy, step_fn, params, tx, batches, shard_weight_updates=False
-        )
-        _assert_close(p_on, p_off, 1e-12)
-        _assert_close(s_on, s_off, 1e-12)
+        (p_on, s_on), _, step = _both_ways(strategy, step_fn, params, tx, batches)
         batch = next(iter(strategy.experimental_distribute_dataset(batches)))
         assert step.executable(p_on, s_on, batch).graph.count_ops("reduce_scatter") >= 1
         assert step.cache_size == 1
 
 
-def test_sharded_state_is_one_mirrored_value_to_read():
-    strategy = xs.MirroredStrategy()
+def _adam_mlp_state(strategy, steps: int = 2):
+    """(params, opt_state) of the float32 MLP after `steps` sharded Adam steps."""
     graphdef, params = helpers.mlp()
     tx = optax.adam(1e-2)
-    (_, opt_state), _ = _train(
-        strategy,
-        models.mlp_train_step(graphdef, tx),
-        params,
-        tx,
-        helpers.mlp_batches(2),
-        shard_weight_updates=True,
+    step_fn = models.mlp_train_step(graphdef, tx)
+    state, _ = _train(
+        strategy, step_fn, params, tx, helpers.mlp_batches(steps), shard_weight_updates=True
     )
+    return state
+
+
+def test_sharded_state_is_one_mirrored_value_to_read():
+    strategy = xs.MirroredStrategy()
+    _, opt_state = _adam_mlp_state(strategy)
     mu = opt_state[0].mu["layers"][1]["kernel"].value  # f32[32,32]
     assert mu.shape == (32, 32) and strategy.is_held_sharded(mu)
     assert {s.data.shape for s in mu.addressable_shards} == {(4, 32)}
@@ -143,16 +140,7 @@ def test_sharded_state_is_one_mirrored_value_to_read():
 
 def test_optimizer_state_bytes_per_device_fall_to_one_over_n():
     strategy = xs.MirroredStrategy()
-    graphdef, params, cfg = helpers.transformer(width=64, layers=2)
-    tx = optax.adamw(1e-3)
-    (_, s_on), _ = _train(
-        strategy,
-        models.lm_train_step(graphdef, tx),
-        params,
-        tx,
-        helpers.lm_batches(1, cfg),
-        shard_weight_updates=True,
-    )
+    _, s_on = _adam_mlp_state(strategy, steps=1)
     device = strategy.devices[3]
     held = sum(
         shard.data.nbytes
@@ -191,16 +179,7 @@ def test_checkpoints_move_between_replica_counts_and_the_replicated_update(tmp_p
 
 def test_a_sharded_target_restores_into_its_blocks(tmp_path):
     strategy = xs.MirroredStrategy()
-    graphdef, params = helpers.mlp()
-    tx = optax.adam(1e-2)
-    state, _ = _train(
-        strategy,
-        models.mlp_train_step(graphdef, tx),
-        params,
-        tx,
-        helpers.mlp_batches(1),
-        shard_weight_updates=True,
-    )
+    state = _adam_mlp_state(strategy, steps=1)
     with xs.CheckpointManager(tmp_path, strategy) as manager:
         manager.save(1, state, force=True)
         manager.wait_until_finished()

@@ -35,18 +35,20 @@ def per_host(batches):
 
 
 def train(strategy, step_fn, params, tx, batches, tag, keep=1, **options):
-    """The first `keep` pieces of state (params, then the optimizer state), gathered."""
+    """The params (and with keep=2 the optimizer state) after training, gathered."""
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
     step = strategy.compile(step_fn, **options)
     for n, batch in enumerate(strategy.distribute_datasets_from_function(per_host(batches))):
         *state, _ = step(*state, batch)
         jax.block_until_ready(state[0])
         print(f"STEP {n}", flush=True)
+    pieces = {"": state[0], "opt_state": state[1]} if keep > 1 else {"": state[0]}
     return {
-        f"{tag}/{jax.tree_util.keystr(p)}": np.asarray(
+        f"{tag}/{name}{jax.tree_util.keystr(p)}": np.asarray(
             jax.experimental.multihost_utils.process_allgather(x, tiled=True)
         )
-        for p, x in jax.tree_util.tree_flatten_with_path(tuple(state[:keep]))[0]
+        for name, piece in pieces.items()
+        for p, x in jax.tree_util.tree_flatten_with_path(piece)[0]
     } | {
         f"{tag}/held_sharded": np.asarray(
             [strategy.is_held_sharded(x) for x in jax.tree.leaves(state[1]) if x.ndim]
