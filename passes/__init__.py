@@ -16,15 +16,17 @@ from xla_strategies.passes.pipeline import PassPipeline, PipelineSpecError
 from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
 from xla_strategies.passes.registry import PASS_REGISTRY
+from xla_strategies.passes.schedule_all_reduces import ScheduleAllReduces
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.passes.verifier import VerificationError, verify
 
 # What every synchronous strategy runs by default, in this order: give autodiff's
 # reductions their meaning, drop reductions of values already the same everywhere, move
-# reductions out of loops, merge the parts of tied weights, shard the weight update where
-# the topology's cost model says it pays, then bucket what is left.
+# reductions out of loops or leave them pipelined there (the topology's cost model
+# decides), merge the parts of tied weights, shard the weight update where the cost model
+# says it pays, then bucket what is left.
 DEFAULT_PIPELINE = (
-    "insert-reductions,fold-invariant-reductions,hoist-all-reduces,reassociate-all-reduces,"
+    "insert-reductions,fold-invariant-reductions,schedule-all-reduces,reassociate-all-reduces,"
     "shard-weight-updates{mode=auto},combine-all-reduces"
 )
 
@@ -37,6 +39,7 @@ __all__ = [
     "HoistAllReduces",
     "ReassociateAllReduces",
     "ReduceToOneDevice",
+    "ScheduleAllReduces",
     "ShardWeightUpdates",
     "Graph",
     "IRParseError",

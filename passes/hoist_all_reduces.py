@@ -52,11 +52,11 @@ class HoistAllReduces(Pass):
         hoisted = 0
         for parent in reversed(graph.graphs()):  # innermost loops first
             for loop in [n for n in parent.nodes if any(map(n.has, _HOISTED_FROM))]:
-                hoisted += self._hoist_from(loop, parent, ctx)
+                hoisted += self.hoist_from(loop, parent, ctx)
         ctx.stats[self.name] = {"hoisted": hoisted}
         return hoisted > 0
 
-    def _hoist_from(self, loop: Node, parent: Graph, ctx: PassContext) -> int:
+    def hoist_from(self, loop: Node, parent: Graph, ctx: PassContext) -> int:
         """Hoist what can leave `loop`'s body; returns how many reductions moved."""
         body, carry_offset, num_carry = _body(loop)
         hoisted = 0

@@ -13,6 +13,7 @@ from typing import Any
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.pipeline import Instrument
+from xla_strategies.passes.timeline import step_estimate
 from xla_strategies.passes.walk import walk_per_step
 
 
@@ -74,6 +75,8 @@ class LedgerRecorder(Instrument):
     def _record(self, name: str, graph: Graph, changed: bool, seconds: float) -> None:
         entries = collectives(graph, self.topology)
         summary = totals(entries)
+        # collective time no compute hides, per step (the timeline's schedule)
+        summary["exposed_s"] = step_estimate(graph, self.topology)["exposed_s"]
         before = self.passes[-1]["totals"] if self.passes else summary
         self.passes.append(
             {

@@ -10,6 +10,7 @@ from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.insert_reductions import InsertReductions
 from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
+from xla_strategies.passes.schedule_all_reduces import ScheduleAllReduces
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 
 PASS_REGISTRY: dict[str, type[Pass]] = {
@@ -18,6 +19,7 @@ PASS_REGISTRY: dict[str, type[Pass]] = {
         InsertReductions,
         FoldInvariantReductions,
         HoistAllReduces,
+        ScheduleAllReduces,
         ReassociateAllReduces,
         ShardWeightUpdates,
         CombineAllReduces,

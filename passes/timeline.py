@@ -22,7 +22,8 @@ COLLECTIVE_BYTES_PER_S = 1e10  # without a topology
 _COMPUTE, _COLLECTIVES = 1, 2
 
 
-def _compute_seconds(node: Node) -> float:
+def compute_seconds(node: Node) -> float:
+    """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes."""
     out = sum(v.size for v in node.outputs)
     flops = out
     if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
@@ -38,6 +39,7 @@ class _Timeline:
         self.events: list[dict[str, Any]] = []
         self.ready: dict[Value, float] = {}
         self.network_free = 0.0
+        self.busy = 0.0  # compute seconds per step, loops counted per trip
 
     def event(
         self, name: str, track: int, start: float, end: float, args: dict | None = None
@@ -54,9 +56,10 @@ class _Timeline:
             if node.regions:
                 end = self.loop(node, start)
             else:
-                end = start + _compute_seconds(node)
+                end = start + compute_seconds(node)
                 if node.op not in ("constant", "pvary"):
                     self.event(node.op, _COMPUTE, start, end)
+                    self.busy += end - start
             for out in node.outputs:
                 self.ready[out] = end
             clock = end
@@ -87,8 +90,9 @@ class _Timeline:
                 region.inputs, node.inputs[-len(region.inputs) :], strict=False
             ):
                 self.ready[value] = self.ready.get(operand, start)
-            body_start = end
+            body_start, busy = end, self.busy
             body_end = self.run(region, body_start)
+            self.busy += (trips - 1) * (self.busy - busy)
             self.network_free = max(self.network_free, body_end)
             end = body_start + trips * (body_end - body_start)
         self.events[index] = _event(f"{node.op} x{trips}", _COMPUTE, start, end)
@@ -110,10 +114,24 @@ def _event(name: str, track: int, start: float, end: float, args: dict | None = 
     }
 
 
-def chrome_trace(graph: Graph, topology: Any = None) -> dict[str, Any]:
-    """The estimated schedule of one step of `graph`, as Chrome trace JSON."""
+def _laid_out(graph: Graph, topology: Any) -> tuple[_Timeline, dict[str, float]]:
     timeline = _Timeline(topology)
-    timeline.run(graph, 0.0)
+    end = max(timeline.run(graph, 0.0), timeline.network_free)
+    exposed = max(0.0, end - timeline.busy)
+    return timeline, {"step_s": end, "compute_s": timeline.busy, "exposed_s": exposed}
+
+
+def step_estimate(graph: Graph, topology: Any = None) -> dict[str, float]:
+    """The estimated step: its length, the compute in it, and the **exposed
+    communication**, the collective time no compute overlaps (the step minus its compute:
+    what the compute track spends waiting for collectives, and collectives after it)."""
+    return _laid_out(graph, topology)[1]
+
+
+def chrome_trace(graph: Graph, topology: Any = None) -> dict[str, Any]:
+    """The estimated schedule of one step of `graph`, as Chrome trace JSON: compute and
+    collectives on tracks of their own, and the step estimate in its metadata."""
+    timeline, estimate = _laid_out(graph, topology)
     names = [
         {"name": "thread_name", "ph": "M", "pid": 1, "tid": _COMPUTE, "args": {"name": "compute"}},
         {
@@ -124,4 +142,8 @@ def chrome_trace(graph: Graph, topology: Any = None) -> dict[str, Any]:
             "args": {"name": "collectives"},
         },
     ]
-    return {"traceEvents": names + timeline.events, "displayTimeUnit": "ms"}
+    return {
+        "traceEvents": names + timeline.events,
+        "displayTimeUnit": "ms",
+        "metadata": estimate,
+    }

@@ -83,7 +83,7 @@ def dumped(tmp_path_factory):
 def test_dump_indexes_every_pass_and_the_compiled_hlo(dumped):
     out, stdout = dumped
     assert "step train_step" in stdout
-    for name in ("capture", "insert-reductions", "hoist-all-reduces", "combine-all-reduces"):
+    for name in ("capture", "insert-reductions", "schedule-all-reduces", "combine-all-reduces"):
         assert name in stdout
     assert "XLA's compiled HLO runs 1 all-reduce(s) per step" in stdout
     step = out / "train_step"

@@ -181,7 +181,7 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
         "0000.mirrored.after_capture.txt",
         "0001.mirrored.after_insert-reductions.txt",
         "0002.mirrored.after_fold-invariant-reductions.txt",
-        "0003.mirrored.after_hoist-all-reduces.txt",
+        "0003.mirrored.after_schedule-all-reduces.txt",
         "0004.mirrored.after_reassociate-all-reduces.txt",
         "0005.mirrored.after_shard-weight-updates.txt",
         "0006.mirrored.after_combine-all-reduces.txt",

@@ -57,14 +57,17 @@ def print_index(out: Path) -> None:
         topology = ledger.get("topology") or "no topology"
         print(f"\nstep {step.name}  ({step.directory}; estimates on {topology})")
         print(f"  {'#':<5}{'pass':<28}{'changed':<9}", end="")
-        print(f"{'collectives/step':>17}{'bytes/step':>14}{'est. ms':>10}")
+        print(f"{'collectives/step':>17}{'bytes/step':>14}{'est. ms':>10}{'exposed ms':>12}")
         for index, record in enumerate(ledger["passes"]):
             totals = record["totals"]
             estimate = totals["estimated_s"]
             shown = f"{estimate * 1e3:.3f}" if estimate is not None else "n/a"
+            exposed = totals.get("exposed_s")  # absent in dumps from before it was recorded
+            exposed_ms = f"{exposed * 1e3:.3f}" if exposed is not None else "n/a"
             print(
                 f"  {index:04d} {record['pass']:<28}{'yes' if record['changed'] else 'no':<9}"
                 f"{totals['collectives_per_step']:>17}{totals['bytes_per_step']:>14,}{shown:>10}"
+                f"{exposed_ms:>12}"
             )
         hlo = step.compiled_hlo()
         if hlo is not None:

@@ -112,7 +112,9 @@ programs = st.builds(
 PASSES = (
     "fold-invariant-reductions",
     "hoist-all-reduces",
+    "schedule-all-reduces{force=pipeline}",
     "reassociate-all-reduces",
+    "shard-weight-updates",
     "combine-all-reduces",
 )
 PIPELINES = {

@@ -20,6 +20,7 @@ from xla_strategies.passes.collective_stats import collective_summary
 BASE = "insert-reductions"
 PIPELINES = {
     "hoist": f"{BASE},hoist-all-reduces",
+    "pipeline": f"{BASE},schedule-all-reduces{{force=pipeline}}",
     "reassociate": f"{BASE},reassociate-all-reduces",
     "combine": f"{BASE},combine-all-reduces{{threshold-bytes=4096}}",
     "default": DEFAULT_PIPELINE,
@@ -87,7 +88,7 @@ def test_hoisting_a_while_loop_accumulator_in_a_real_program():
     x = next(iter(strategy.experimental_distribute_dataset([data])))
     count = np.int32(3)
     hoisted, plain = strategy.compile(step), strategy.compile(step, pipeline=BASE)
-    graph = hoisted.graph(w, x, count, after="hoist-all-reduces")
+    graph = hoisted.graph(w, x, count, after="schedule-all-reduces")
     loop = next(n for n in graph.walk() if n.op == "jax.while")
     assert loop.regions[1].count_ops("all_reduce") == 0
     np.testing.assert_allclose(hoisted(w, x, count), plain(w, x, count), rtol=1e-6)
@@ -108,7 +109,7 @@ def test_a_reduction_that_feeds_the_next_iteration_stays_in_the_loop():
     w = np.ones((4, 2), np.float32)
     x = next(iter(strategy.experimental_distribute_dataset([np.ones((16, 4), np.float32)])))
     compiled = strategy.compile(step)
-    graph = compiled.graph(w, x, after="hoist-all-reduces")
+    graph = compiled.graph(w, x, after="schedule-all-reduces")
     loop = next(n for n in graph.walk() if n.op == "jax.scan")
     assert loop.regions[0].count_ops("all_reduce") == 1
     reference = strategy.compile(step, pipeline=BASE)

@@ -40,3 +40,30 @@ def test_transformer_timeline_nests_loop_bodies_inside_loops():
     assert "jax.scan x3" in names
     collective = next(e for e in trace["traceEvents"] if e.get("tid") == 2 and e["ph"] == "X")
     assert collective["dur"] > 0 and collective["args"]["bytes"] > 0
+
+
+def test_exposed_communication_is_the_collective_time_compute_does_not_hide():
+    from xla_strategies.passes import parse
+    from xla_strategies.passes.timeline import step_estimate
+
+    waits = """\
+func @step(%0: f32[1024,1024]{x,y}) {
+  %1: f32[1024,1024] = all_reduce(%0) {"axes": ["x", "y"], "reduce_op": "sum"}
+  %2: f32[1024,1024] = jax.dot_general(%1, %1) {"dimension_numbers": [[[1], [0]], [[], []]]}
+  return %2
+}
+"""
+    hides = (
+        waits.replace("jax.dot_general(%1, %1)", "jax.dot_general(%0, %0)")
+        .replace("return %2", "return %1, %2")
+        .replace("%2: f32[1024,1024] =", "%2: f32[1024,1024]{x,y} =")
+    )
+    topology = xs.Topology.from_name("v5e-8")
+    exposed = step_estimate(parse(waits), topology)
+    hidden = step_estimate(parse(hides), topology)
+    collective = topology.collective_time("all_reduce", 1024 * 1024 * 4)
+    assert abs(exposed["exposed_s"] - collective) < 1e-9  # the matmul waits for all of it
+    assert hidden["exposed_s"] < 1e-9  # the matmul runs while it reduces
+    assert abs(hidden["compute_s"] - exposed["compute_s"]) < 1e-12 and hidden["compute_s"] > 0
+    trace = chrome_trace(parse(waits), topology)
+    assert trace["metadata"]["exposed_s"] == exposed["exposed_s"]
