@@ -9,7 +9,14 @@ For each model's gradient set and each topology:
   decomposed as `decompose-all-reduces` chooses;
 - bound: one all-reduce of every byte at the bandwidth/latency bound.
 
-A second table (`shard-weight-updates`) compares, for BERT-large and Llama-2-7B on v5e-256
+An overlap table gives, per cell, the exposed communication (gradient-sync time no
+backward compute hides) with the reductions hoisted after the backward pass (`ours`, all
+exposed) and pipelined (each layer's reduction starting when its backward is done,
+`cost_model.pipelined_exposure`, as `schedule-all-reduces` estimates it), the estimated
+step (compute at `MFU` of the chip's bf16 peak, plus the exposed communication) and the
+exposed share of it, under the per-chip workloads in `WORKLOADS`.
+
+A further table (`shard-weight-updates`) compares, for BERT-large and Llama-2-7B on v5e-256
 and v5p-1024, the replicated update (our all-reduce buckets, then AdamW over every weight on
 every chip) with the sharded one (the same buckets as reduce-scatters, AdamW over each
 chip's block, all-gathers of the new weights), and the optimizer state each chip holds.
@@ -37,6 +44,17 @@ MODELS = {
     "Llama-2-7B": (llama2_7b, 2),  # bf16
 }
 TOPOLOGIES = ["v4-1024", "v5e-256", "v5p-1024", "v6e-256", "2xv5p-512", "4xdgx-h100"]
+# Per chip and step: layers, tokens (images for ResNet-50), and forward flops per token
+# (2 per parameter for a transformer; 4.1 GFLOP per 224x224 image for ResNet-50, whose
+# 16 bottleneck blocks count as its layers). Backward flops are twice the forward's.
+WORKLOADS = {
+    "ResNet-50": {"layers": 16, "items": 32, "forward_flops": 4.1e9},
+    "BERT-large": {"layers": 24, "items": 8 * 512, "forward_flops": None},
+    "GPT-2 medium": {"layers": 24, "items": 8 * 1024, "forward_flops": None},
+    "Llama-2-7B": {"layers": 32, "items": 4096, "forward_flops": None},
+}
+MFU = 0.5  # the fraction of the bf16 peak the compute reaches
+EXPOSED_GOAL = 0.05  # of the step, for GPT-2 medium and Llama-2-7B on v5e-256
 SHARDED_CELLS = [(m, t) for m in ("BERT-large", "Llama-2-7B") for t in ("v5e-256", "v5p-1024")]
 # AdamW reads the weight, its gradient and both moments, and writes the weight and moments.
 ADAMW_TOUCHES = 7
@@ -78,6 +96,54 @@ def sync_times(sizes: list[int], topology: str) -> dict[str, Any]:
         "our_bucket_bytes": ours_threshold,
         "our_buckets": len(ours),
         "algorithms": sorted(set(chosen)),
+    }
+
+
+def layer_bytes(sizes: list[int], layers: int) -> tuple[list[int], int]:
+    """(bytes of each repeated layer's gradients, bytes of the rest: embeddings, heads),
+    finding the run of `layers` identical blocks; a model without one (ResNet-50) is cut
+    into `layers` consecutive groups of tensors."""
+    n = len(sizes)
+    for start in range(n):
+        block = (n - start) // layers
+        while block > 0:
+            run = sizes[start : start + block * layers]
+            if all(run[i * block : (i + 1) * block] == run[:block] for i in range(layers)):
+                rest = sum(sizes) - sum(run)
+                return [sum(run[:block])] * layers, rest
+            block -= 1
+    groups = [sizes[i * n // layers : (i + 1) * n // layers] for i in range(layers)]
+    return [sum(g) for g in groups], 0
+
+
+def overlap(model: str, sizes: list[int], topology: str, hoisted: float) -> dict[str, Any]:
+    """Exposed communication hoisted and pipelined, and the estimated step, for `model`."""
+    from xla_strategies.passes import cost_model
+    from xla_strategies.topology import Topology
+
+    top = Topology.from_name(topology)
+    links, work = top.axis_links(), WORKLOADS[model]
+    params = sum(sizes) / MODELS[model][1]
+    per_item = work["forward_flops"] or 2 * params
+    compute = 3 * per_item * work["items"] / (top.peak_flops * MFU)  # forward + backward
+    per_layer, rest = layer_bytes(sizes, work["layers"])
+    backward = 2 / 3 * compute / work["layers"]
+
+    def reduce(nbytes: float) -> float:
+        return cost_model.collective_time("all_reduce", nbytes, links)
+
+    # each layer's gradients are ready when its backward ends; the embeddings' last
+    ready = [(per_layer[0], backward)]
+    pipelined = cost_model.pipelined_exposure(ready, backward, work["layers"], reduce)
+    pipelined += reduce(rest) if rest else 0.0
+    exposed = min(hoisted, pipelined)
+    return {
+        "compute_s": compute,
+        "exposed_hoisted_s": hoisted,
+        "exposed_pipelined_s": pipelined,
+        "choice": "pipeline" if pipelined < hoisted else "hoist",
+        "step_s": compute + exposed,
+        "exposed_fraction": exposed / (compute + exposed),
     }
 
 
@@ -137,6 +203,8 @@ def measure() -> dict[str, Any]:
             "bytes": sum(sizes),
             "topologies": {t: sync_times(sizes, t) for t in TOPOLOGIES},
         }
+        for topology, cell in results[model]["topologies"].items():
+            cell["overlap"] = overlap(model, sizes, topology, cell["ours"])
     for model, topology in SHARDED_CELLS:
         shapes, itemsize = MODELS[model]
         cell = results[model]["topologies"][topology]
@@ -157,6 +225,22 @@ def print_table(results: dict[str, Any]) -> None:
                 + "".join(f"{x * 1e3:>11.2f}" for x in times)
                 + f"  {t['ours'] / t['bound']:>10.2f}  {t['our_buckets']} x "
                 f"{t['our_bucket_bytes'] >> 20} MiB, {'/'.join(t['algorithms'])}{flag}"
+            )
+
+
+def print_overlap_table(results: dict[str, Any]) -> None:
+    print(f"\noverlap: exposed communication per step (ms), compute at {MFU:.0%} of bf16 peak")
+    print(
+        f"{'model':<13}{'topology':<12}{'bound':>8}{'ours':>8}{'hoisted':>9}{'pipelined':>10}"
+        f"{'choice':>10}{'step':>9}{'exposed':>9}"
+    )
+    for model, r in results.items():
+        for topology, t in r["topologies"].items():
+            o = t["overlap"]
+            print(
+                f"{model:<13}{topology:<12}{t['bound'] * 1e3:>8.2f}{t['ours'] * 1e3:>8.2f}"
+                f"{o['exposed_hoisted_s'] * 1e3:>9.2f}{o['exposed_pipelined_s'] * 1e3:>10.2f}"
+                f"{o['choice']:>10}{o['step_s'] * 1e3:>9.1f}{o['exposed_fraction']:>9.1%}"
             )
 
 
@@ -181,6 +265,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pod_collectives.json").write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
+    print_overlap_table(results)
     print_sharded_table(results)
 
 

@@ -25,7 +25,7 @@ log2(p) rounds of latency each way.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 ALGORITHMS = ("flat", "ordered", "rotated")
@@ -255,6 +255,23 @@ def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.02, cap: int = 1 
     while size < cap and latency > overhead * (collective_time("all_reduce", size, axes) - latency):
         size <<= 1
     return size
+
+
+def pipelined_exposure(
+    ready: Sequence[tuple[float, float]],
+    iteration_s: float,
+    trips: int,
+    reduce_time: Callable[[float], float],
+) -> float:
+    """Seconds of a loop's reductions that no compute hides when each runs as soon as its
+    operand is ready: `ready` holds (bytes, seconds into the iteration) per reduction, the
+    loop runs `trips` iterations of `iteration_s`, and reductions run one after another on
+    the network; what runs past the loop's last compute is exposed."""
+    network = 0.0
+    for trip in range(trips):
+        for nbytes, at in ready:
+            network = max(trip * iteration_s + at, network) + reduce_time(nbytes)
+    return max(0.0, network - trips * iteration_s)
 
 
 #: Device memory bandwidth the elementwise optimizer update is bound by, where the

@@ -75,8 +75,11 @@ class LedgerRecorder(Instrument):
     def _record(self, name: str, graph: Graph, changed: bool, seconds: float) -> None:
         entries = collectives(graph, self.topology)
         summary = totals(entries)
-        # collective time no compute hides, per step (the timeline's schedule)
-        summary["exposed_s"] = step_estimate(graph, self.topology)["exposed_s"]
+        # collective time no compute hides, per step (the timeline's schedule); like the
+        # collectives' own estimates, only where a topology gives their times
+        summary["exposed_s"] = (
+            None if self.topology is None else step_estimate(graph, self.topology)["exposed_s"]
+        )
         before = self.passes[-1]["totals"] if self.passes else summary
         self.passes.append(
             {

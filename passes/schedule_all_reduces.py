@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.cost_model import pipelined_exposure
 from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.ir import Graph, Node
 from xla_strategies.passes.timeline import compute_seconds
@@ -149,21 +150,18 @@ def _node_compute(node: Node) -> float:
 
 
 def exposed_estimates(ready: list[Readiness], trips: int, topology) -> dict[str, float]:  # noqa: ANN001
-    """Exposed communication of the loop's reductions, hoisted and pipelined.
-
-    Hoisted: one all-reduce of every iteration's bytes after the loop, all of it exposed.
-    Pipelined: each iteration's reductions start when their operands are ready and run
-    one after another on the network, overlapping the rest of that iteration and the
-    iterations after it; what runs past the loop's last compute is exposed.
-    """
-    iteration = ready[0].ready_s + ready[0].compute_after_s
+    """Exposed communication of the loop's reductions, hoisted (one all-reduce of every
+    iteration's bytes after the loop, all of it exposed) and pipelined
+    (`cost_model.pipelined_exposure`)."""
     axes = tuple(ready[0].node.attrs["axes"])
+
+    def reduce(nbytes: float) -> float:
+        return topology.collective_time("all_reduce", nbytes, axes)
+
+    iteration = ready[0].ready_s + ready[0].compute_after_s
     total = trips * sum(r.nbytes for r in ready)
-    hoisted = topology.collective_time("all_reduce", total, axes)
-    network = 0.0
-    for trip in range(trips):
-        for r in ready:
-            start = max(trip * iteration + r.ready_s, network)
-            network = start + topology.collective_time("all_reduce", r.nbytes, axes)
-    pipelined = max(0.0, network - trips * iteration)
-    return {"hoist": hoisted, "pipeline": pipelined}
+    pairs = [(r.nbytes, r.ready_s) for r in ready]
+    return {
+        "hoist": reduce(total),
+        "pipeline": pipelined_exposure(pairs, iteration, trips, reduce),
+    }

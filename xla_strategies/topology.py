@@ -50,6 +50,8 @@ class Topology:
     #: each device's memory bandwidth (bytes/s), which an elementwise update is bound by;
     #: None where the hardware file gives none
     memory_bandwidth: float | None = None
+    #: each device's dense bf16 matmul peak (flop/s); None where the file gives none
+    peak_flops: float | None = None
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -71,7 +73,8 @@ class Topology:
                 )
             axes = _node_axes(config, count)
         memory = config.get("memory_bandwidth_bytes_per_s")
-        return cls(name, found["hardware"], tuple(axes), memory)
+        flops = config.get("peak_bf16_flops_per_s")
+        return cls(name, found["hardware"], tuple(axes), memory, flops)
 
     @property
     def mesh_axes(self) -> dict[str, int]:
