@@ -152,7 +152,7 @@ def sharded_update(shapes: list[tuple[int, ...]], itemsize: int, topology: str) 
     collective and AdamW time per step and the optimizer state per chip. A tensor with no
     dimension that divides by the chip count keeps a replicated update, as the pass does."""
     from xla_strategies.passes import cost_model
-    from xla_strategies.passes.shard_weight_updates import shard_dimension
+    from xla_strategies.passes.blocks import shard_dimension
     from xla_strategies.topology import Topology
 
     top = Topology.from_name(topology)

@@ -45,6 +45,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.blocks import (
+    block_shape,
+    shard_dimension,
+    sinks_to_blocks,
+    unit_reshape_dim,
+)
 from xla_strategies.passes.ir import Graph, Node, Split, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.traits import Trait, dimension_reduction
@@ -131,17 +137,6 @@ def _update_bytes(graph: Graph, seeds: list[Node]) -> int:
     return total
 
 
-def shard_dimension(shape: tuple[int, ...], replicas: int) -> int | None:
-    """The dimension a tensor's update is split on: the first that divides by `replicas`
-    (the first non-unit one first, so each block is contiguous); None if none does."""
-    candidates = [d for d, size in enumerate(shape) if size >= replicas and size % replicas == 0]
-    return candidates[0] if candidates else None
-
-
-def block_shape(shape: tuple[int, ...], dim: int, replicas: int) -> tuple[int, ...]:
-    return (*shape[:dim], shape[dim] // replicas, *shape[dim + 1 :])
-
-
 class _Sharder:
     """One walk over the top-level graph in schedule order. A logical (mirrored) value
     whose update is sharded is represented by its block in `blocks`; the original `Value`
@@ -217,7 +212,7 @@ class _Sharder:
                 return False
             return self.follow(node, [block], new_dim)
         if node.has(Trait.RESHAPE):
-            new_dim = _unit_reshape_dim(node.inputs[0].shape, out.shape, dim)
+            new_dim = unit_reshape_dim(node.inputs[0].shape, out.shape, dim)
             return new_dim is not None and self.follow(node, [block], new_dim)
         return False
 
@@ -324,7 +319,7 @@ class _Sharder:
             return self.slices[key]
         producer = self.producers.get(value)
         block = self.block_of(value, dim)
-        if producer is not None and _sinks(producer, value):
+        if producer is not None and sinks_to_blocks(producer, value):
             operands = [
                 x if x.shape == () or x.shape != value.shape else self.slice(x, dim)
                 for x in producer.inputs
@@ -379,29 +374,6 @@ def _is_gradient_reduction(node: Node, axes: list[str]) -> bool:
         and not node.outputs[0].varying_axes
         and "bucket" not in a
     )
-
-
-def _sinks(node: Node, value: Value) -> bool:
-    """Whether `node`, which computes the whole mirrored `value`, gives its block when run
-    on blocks: elementwise over operands of `value`'s shape and scalars, or a scalar
-    broadcast."""
-    if len(node.outputs) != 1 or value.varying_axes or node.regions:
-        return False
-    if node.has(Trait.BROADCAST_IN_DIM):
-        return node.inputs[0].shape == ()
-    return node.has(Trait.ELEMENTWISE) and all(
-        not x.varying_axes and x.shape in ((), value.shape) for x in node.inputs
-    )
-
-
-def _unit_reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
-    """Where dimension `dim` of `src` lands in `dst`, for a reshape that only adds or drops
-    unit dimensions; None for any other reshape."""
-    kept_src = [d for d, n in enumerate(src) if n != 1]
-    kept_dst = [d for d, n in enumerate(dst) if n != 1]
-    if [src[d] for d in kept_src] != [dst[d] for d in kept_dst] or dim not in kept_src:
-        return None
-    return kept_dst[kept_src.index(dim)]
 
 
 def _users(nodes: list[Node]) -> dict[Value, list[Node]]:
