@@ -56,6 +56,8 @@ DEFAULT_THRESHOLD_BYTES = 64 * 1024
 # 1 MiB buckets up, benchmarks/README.md), while many small operands cost more than copying
 # them. With a topology buckets stay flat: decompose-all-reduces splits the flat buffer.
 OWN_OPERAND_BYTES = DEFAULT_THRESHOLD_BYTES
+# With a topology, the first bucket of each kind holds at most 1/16 of the threshold.
+FIRST_BUCKET_FRACTION = 16
 
 
 @dataclass
@@ -72,7 +74,10 @@ class CombineAllReduces(Pass):
         model choose (the smallest bucket whose latency is under 2% of its transfer), or
         DEFAULT_THRESHOLD_BYTES when the strategy has no topology.
     first_bucket_bytes: a smaller cap for the first bucket of each kind, so the first
-        reduction can start early (DDP's first bucket); 0 uses `threshold_bytes`.
+        reduction can start early, behind the backward compute still to come (DDP's
+        first bucket); 0 (default) takes 1/16 of the threshold with a topology (DDP's
+        1 MiB against 25 MiB), and the threshold without one (its collectives are
+        synchronous: nothing overlaps them).
     """
 
     name = "combine-all-reduces"
@@ -92,9 +97,12 @@ class CombineAllReduces(Pass):
             ctx.stats[self.name] = {"buckets": 0, "bucket_bytes": []}
             return False  # one replica: reductions are free, and copies into buckets are not
         threshold = self.threshold_bytes or _threshold_for(ctx)
+        first = self.first_bucket_bytes or (
+            0 if ctx.topology is None else max(1, threshold // FIRST_BUCKET_FRACTION)
+        )
         for region in graph.graphs():
             # One bucket at a time, then look again: combining moves nodes.
-            while bucket := self._next_bucket(region, threshold):
+            while bucket := self._next_bucket(region, threshold, first):
                 op = bucket.members[0].op
                 if op in BLOCK_COLLECTIVES:
                     _combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes)
@@ -106,10 +114,11 @@ class CombineAllReduces(Pass):
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         return bool(sizes)
 
-    def _next_bucket(self, graph: Graph, threshold: int) -> _Bucket | None:
-        return next((b for b in self._buckets(graph, threshold) if len(b.members) > 1), None)
+    def _next_bucket(self, graph: Graph, threshold: int, first: int) -> _Bucket | None:
+        buckets = self._buckets(graph, threshold, first)
+        return next((b for b in buckets if len(b.members) > 1), None)
 
-    def _buckets(self, graph: Graph, threshold: int) -> list[_Bucket]:
+    def _buckets(self, graph: Graph, threshold: int, first_limit: int) -> list[_Bucket]:
         """Greedy buckets in schedule order. A reduction whose operand is computed from a
         member's result closes that bucket: the two cannot be one collective."""
         open_buckets: dict[tuple, _Bucket] = {}
@@ -124,8 +133,7 @@ class CombineAllReduces(Pass):
             if not _combinable(node):
                 continue
             key, size = _key(node), _volume(node)
-            first = self.first_bucket_bytes and key not in started
-            limit = self.first_bucket_bytes if first else threshold
+            limit = first_limit if first_limit and key not in started else threshold
             bucket = open_buckets.get(key)
             if bucket is None or bucket in tainting or bucket.nbytes + size > limit:
                 if bucket is not None:

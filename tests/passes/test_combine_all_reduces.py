@@ -229,3 +229,26 @@ def test_block_collectives_respect_the_threshold_by_the_whole_tensor():
     assert ctx.stats["combine-all-reduces"]["buckets"] == 0
     assert after.count("reduce_scatter") == 3 and after.count("all_gather") == 2
     assert "transpose" not in after
+
+
+def test_with_a_topology_the_first_bucket_is_a_sixteenth_of_the_threshold():
+    """DDP's rule: the first gradients ready start reducing early, in a small bucket."""
+    import xla_strategies as xs
+    from xla_strategies.passes import verify
+
+    members = "\n".join(
+        f'  %{5 + i}: f32[25] = all_reduce(%{i}) {{"axes": ["x", "y"], "reduce_op": "sum"}}'
+        for i in range(5)
+    )
+    params = ", ".join(f"%{i}: f32[25]{{x,y}}" for i in range(5))
+    text = f"func @step({params}) {{\n{members}\n  return %5, %6, %7, %8, %9\n}}\n"
+    topology = xs.Topology.from_name("v5e-8")
+    graph = parse(text)
+    ctx = PassContext(mesh_axes=topology.mesh_axes, topology=topology)
+    CombineAllReduces(threshold_bytes=1600).run(graph, ctx)  # the first bucket: 100 bytes
+    verify(graph, topology.mesh_axes)
+    assert ctx.stats["combine-all-reduces"]["bucket_bytes"] == [400]  # %0 alone, then 4
+    _, _, flat = _run(
+        text.replace("{x,y}", "{replica}").replace('"x", "y"', '"replica"'), threshold_bytes=1600
+    )
+    assert flat.stats["combine-all-reduces"]["bucket_bytes"] == [500]  # no topology: one
