@@ -132,7 +132,7 @@ class CombineAllReduces(Pass):
                 bucket.tainted.update(node.outputs)
             if not _combinable(node):
                 continue
-            key, size = _key(node), _volume(node)
+            key, size = _key(node), node.whole_bytes
             limit = first_limit if first_limit and key not in started else threshold
             bucket = open_buckets.get(key)
             if bucket is None or bucket in tainting or bucket.nbytes + size > limit:
@@ -154,11 +154,6 @@ _KEPT_ATTRS = ("axes", "reduce_op", "origin", "root", "size")
 
 def _combinable(node: Node) -> bool:
     return node.op in COMBINABLE and len(node.inputs) == 1 and not _is_combined(node)
-
-
-def _volume(node: Node) -> int:
-    """The bytes a bucket member moves: the whole tensor, also for a gather of a block."""
-    return max(node.inputs[0].nbytes, node.outputs[0].nbytes)
 
 
 def _threshold_for(ctx: PassContext) -> int:

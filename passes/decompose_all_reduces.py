@@ -100,7 +100,7 @@ class DecomposeAllReduces(Pass):
         axes = tuple(node.attrs["axes"])
         links = {a.name: a for a in ctx.topology.axis_links(axes)}
         ordered = [links[a] for a in axes]
-        nbytes = max(node.inputs[0].nbytes, node.outputs[0].nbytes)  # the whole tensor
+        nbytes = node.whole_bytes
         estimates = {
             "flat": cost_model.flat_time(node.op, nbytes, ordered),
             "ordered": cost_model.ordered_time(node.op, nbytes, ordered),

@@ -128,6 +128,12 @@ class Node:
         return self.has(Trait.COLLECTIVE)
 
     @property
+    def whole_bytes(self) -> int:
+        """Bytes of the whole tensors a collective moves, which the cost model takes: the
+        larger of its operands and results (an all-gather's result, not its block)."""
+        return max(sum(v.nbytes for v in self.inputs), sum(v.nbytes for v in self.outputs))
+
+    @property
     def primitive(self) -> str:
         """The JAX primitive name of a foreign node (``jax.scan`` -> ``scan``)."""
         return self.op[len(FOREIGN_PREFIX) :] if self.is_foreign else self.op

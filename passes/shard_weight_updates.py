@@ -51,6 +51,7 @@ from xla_strategies.passes.blocks import (
     sinks_to_blocks,
     unit_reshape_dim,
 )
+from xla_strategies.passes.cost_model import fast_first, weight_update_estimates
 from xla_strategies.passes.ir import Graph, Node, Split, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.traits import Trait, dimension_reduction
@@ -93,8 +94,6 @@ def _block_order(ctx: PassContext) -> list[str]:
     last, with 1/(fast replicas) of the data; the mesh's order otherwise."""
     if ctx.topology is None:
         return list(ctx.mesh_axes)
-    from xla_strategies.passes.cost_model import fast_first
-
     return [a.name for a in fast_first(ctx.topology.axis_links(tuple(ctx.mesh_axes)))]
 
 
@@ -107,8 +106,6 @@ def _cost_model_says_on(graph: Graph, ctx: PassContext) -> bool:
             "run as synchronous copies; compile(shard_weight_updates=True) turns it on"
         )
         return False
-    from xla_strategies.passes.cost_model import weight_update_estimates
-
     axes = list(ctx.mesh_axes)
     seeds = [n for n in graph.nodes if _is_gradient_reduction(n, axes)]
     gradient_bytes = sum(n.outputs[0].nbytes for n in seeds)
@@ -167,9 +164,9 @@ class _Sharder:
             elif not any(v in self.blocks for v in node.inputs) or not self.shard(node):
                 self.read_whole(node)
                 self.producers.update((out, node) for out in node.outputs)
+        graph.nodes = self.nodes  # the same list: finishing the outputs edits it
         self.drop_unread(graph)
         self.finish_outputs(graph)
-        graph.nodes = self.nodes
 
     # the reductions
 
@@ -272,7 +269,7 @@ class _Sharder:
     def finish_outputs(self, graph: Graph) -> None:
         """State read only by the update comes back sharded, as it is taken next step;
         every other output that is still a block is gathered."""
-        users = _users(self.nodes)
+        users = graph.users()
         for index, value in enumerate(graph.outputs):
             if value not in self.blocks:
                 continue
@@ -294,9 +291,13 @@ class _Sharder:
             return graph.sharded_inputs[arg] == split
         readers = users.get(value, [])
         block = self.slices.get((value, dim))
-        if block is None or len(readers) != 1 or value in graph.outputs or value.varying_axes:
-            return False
-        if arg in graph.stacked_inputs:
+        if (
+            block is None
+            or len(readers) != 1
+            or value in graph.outputs
+            or value.varying_axes
+            or arg in graph.stacked_inputs
+        ):
             return False
         self.nodes.remove(readers[0])
         block.name = value.name
@@ -320,9 +321,9 @@ class _Sharder:
         producer = self.producers.get(value)
         block = self.block_of(value, dim)
         if producer is not None and sinks_to_blocks(producer, value):
+            # scalars broadcast to any block; the rest have the value's shape
             operands = [
-                x if x.shape == () or x.shape != value.shape else self.slice(x, dim)
-                for x in producer.inputs
+                self.slice(x, dim) if x.shape == value.shape else x for x in producer.inputs
             ]
             self.nodes.append(self.copy(producer, operands, [block]))
             self.sunk.add(producer)
@@ -374,14 +375,6 @@ def _is_gradient_reduction(node: Node, axes: list[str]) -> bool:
         and not node.outputs[0].varying_axes
         and "bucket" not in a
     )
-
-
-def _users(nodes: list[Node]) -> dict[Value, list[Node]]:
-    users: dict[Value, list[Node]] = {}
-    for node in nodes:
-        for value in node.inputs:
-            users.setdefault(value, []).append(node)
-    return users
 
 
 def _type(value: Value) -> str:

@@ -66,8 +66,7 @@ class _Timeline:
         return clock
 
     def collective(self, node: Node, ready: float, clock: float) -> float:
-        # the cost model takes the whole tensor: an all-gather's result, not its block
-        nbytes = max(sum(v.nbytes for v in node.inputs), sum(v.nbytes for v in node.outputs))
+        nbytes = node.whole_bytes
         if self.topology is not None and node.op in ("all_reduce", "reduce_scatter", "all_gather"):
             seconds = self.topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))
         else:
