@@ -78,13 +78,28 @@ def max_relative_error(a: Any, b: Any) -> float:
 
 def run_example(script: str, *args: str, timeout: int = 300) -> str:
     """Run `examples/<script>` from the repository root as a user would; its stdout."""
+    return _run_python([f"examples/{script}", *args], timeout=timeout)
+
+
+def run_script(code: str, *args: str, timeout: int = 300) -> Any:
+    """Run `code` in a fresh Python on CPU (its own devices, its own XLA runtime) from the
+    repository root; the JSON value it prints last."""
+    import json
+
+    out = _run_python(["-c", code, *args], timeout=timeout, env={"JAX_PLATFORMS": "cpu"})
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _run_python(argv: list[str], *, timeout: int, env: dict[str, str] | None = None) -> str:
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     done = subprocess.run(
-        [sys.executable, f"examples/{script}", *args],
+        [sys.executable, *argv],
         cwd=Path(__file__).parents[1],
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -25,6 +25,7 @@ from xla_strategies.arguments import (
     flatten_arguments,
 )
 from xla_strategies.context import ReplicaContext, replica_scope
+from xla_strategies.dispatch_pacing import CPU_PACER
 from xla_strategies.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
 from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
@@ -121,12 +122,17 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, signature = self._flatten(args, kwargs)
         executable = self._executable(signature)
+        pacer = CPU_PACER if self.strategy.devices_share_host_cores else None
+        if pacer:
+            pacer.before_dispatch()
         outs = executable.run(*self._place(flat, executable))
         if executable.graph.rooted_outputs:  # only the root replica's copy is right
             outs = [
                 self.strategy.root_copy(o) if i in executable.graph.rooted_outputs else o
                 for i, o in enumerate(outs)
             ]
+        if pacer:
+            pacer.after_dispatch(outs)
         return executable.outputs.join(outs)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
