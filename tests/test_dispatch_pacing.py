@@ -54,7 +54,7 @@ def test_the_pacer_waits_every_nth_call_for_the_last_outputs(monkeypatch):
     outputs = [jnp.full((2,), float(i)) for i in range(7)]
     for out in outputs:
         pacer.before_dispatch()
-        pacer.after_dispatch({"w": out})
+        pacer.after_dispatch([out])
     # calls 3 and 6 wait for the outputs of calls 2 and 5
     assert [[float(a[0]) for a in w] for w in waited] == [[1.0], [4.0]]
 

@@ -123,7 +123,7 @@ class CompiledStep:
         flat, signature = self._flatten(args, kwargs)
         executable = self._executable(signature)
         pacer = CPU_PACER if self.strategy.devices_share_host_cores else None
-        if pacer:
+        if pacer is not None:
             pacer.before_dispatch()
         outs = executable.run(*self._place(flat, executable))
         if executable.graph.rooted_outputs:  # only the root replica's copy is right
@@ -131,7 +131,7 @@ class CompiledStep:
                 self.strategy.root_copy(o) if i in executable.graph.rooted_outputs else o
                 for i, o in enumerate(outs)
             ]
-        if pacer:
+        if pacer is not None:
             pacer.after_dispatch(outs)
         return executable.outputs.join(outs)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -43,14 +44,15 @@ class DispatchPacer:
             if self._calls < self._every:
                 return
             self._calls = 0
-            pending = [a for a in (r() for r in self._last) if a is not None]
-        # an output donated since (to this very call, usually) is deleted: nothing to wait on
-        jax.block_until_ready([a for a in pending if not a.is_deleted()])
+            # skip outputs freed since, or deleted by donation to another program
+            pending = [a for r in self._last if (a := r()) is not None and not a.is_deleted()]
+        jax.block_until_ready(pending)
 
-    def after_dispatch(self, outputs: Any) -> None:
-        arrays = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+    def after_dispatch(self, outputs: Sequence[Any]) -> None:
+        """`outputs`: the call's flat outputs."""
+        last = [weakref.ref(a) for a in outputs if isinstance(a, jax.Array)]
         with self._lock:
-            self._last = [weakref.ref(a) for a in arrays]
+            self._last = last
 
 
 # One per process: every strategy's programs share the devices' queues.

@@ -20,6 +20,7 @@ reads it whole.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
@@ -96,11 +97,12 @@ class Strategy:
             return {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
         return {}
 
-    @property
+    @functools.cached_property
     def devices_share_host_cores(self) -> bool:
         """Whether several of this process's devices are CPU devices on one host's cores:
         emulated devices, whose runtime needs its step dispatch paced
-        (`dispatch_pacing`) and its ops kept whole (`compiler_options`)."""
+        (`dispatch_pacing`) and its ops kept whole (`compiler_options`). Cached: every
+        step call asks, and the mesh is fixed."""
         local = [d for d in self._mesh.devices.flat if d.process_index == jax.process_index()]
         return len(local) > 1 and local[0].platform == "cpu"
 
