@@ -56,8 +56,8 @@ def declared_outputs(prefix: Any, outputs: Outputs) -> dict[int, str | None]:
 
 def state_outputs(signature: Signature, outputs: Outputs, graph: Graph) -> dict[int, int]:
     """Traced output position -> traced argument position, for the step's state: a
-    positional argument that comes back at the same position of a tuple of outputs, or as
-    the first argument returned alone, with the same structure, and each leaf with the same
+    positional argument that comes back at the same position of a tuple of outputs, or the
+    first of several arguments returned alone, with the same structure, and each leaf with the same
     per-replica type and layout (mirrored stays mirrored, stacked comes back stacked),
     holding at least one non-scalar array (`params, opt_state, ... = step(params, ...)`,
     or flax's `state = train_step(state, batch)`). Anything else, e.g. an evaluation step's
@@ -67,6 +67,8 @@ def state_outputs(signature: Signature, outputs: Outputs, graph: Graph) -> dict[
     args = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))[0]
     results = jax.tree.unflatten(outputs.treedef, range(len(outputs.leaves)))
     if not isinstance(results, tuple | list):
+        if len(args) < 2:  # `f(x) -> x'` transforms x; a step updates its state from data
+            return {}
         results = (results,)  # one output: at position 0, like the first argument
     state: dict[int, int] = {}
     for arg, result in zip(args, results, strict=False):
