@@ -64,10 +64,11 @@ def state_outputs(signature: Signature, outputs: Outputs, graph: Graph) -> dict[
     inputs or a batch, is not state."""
     traced_arg = {leaf: k for k, leaf in enumerate(signature.traced_indices())}
     traced_out = {leaf: k for k, leaf in enumerate(outputs.traced_indices())}
-    args = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))[0]
+    args, kwargs = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))
     results = jax.tree.unflatten(outputs.treedef, range(len(outputs.leaves)))
     if not isinstance(results, tuple | list):
-        if len(args) < 2:  # `f(x) -> x'` transforms x; a step updates its state from data
+        # `f(x) -> x'` transforms x; a step updates its state from data
+        if len(args) + len(kwargs) < 2:
             return {}
         results = (results,)  # one output: at position 0, like the first argument
     state: dict[int, int] = {}
