@@ -103,7 +103,7 @@ def async_overhead(workdir: Path, steps: int, rounds: int) -> dict[str, Any]:
     model = models.MLP((2048, 4096, 4096, 4096, 4096, 2048), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adam(1e-4)
-    step = strategy.compile(models.mlp_train_step(graphdef, tx))
+    step = strategy.compile(models.mlp_train_step(graphdef, tx), donate_argnums=(0, 1))
     state = [strategy.replicate(params), strategy.replicate(tx.init(params))]
     rng = np.random.default_rng(0)
     batch = strategy.replicate(

@@ -29,7 +29,7 @@ def main() -> None:
     )
     graphdef, params = nnx.split(models.MLP((64, 256, 256, 10), rngs=nnx.Rngs(0)), nnx.Param)
     tx = optax.adam(1e-3)
-    compiled = strategy.compile(models.mlp_train_step(graphdef, tx))
+    compiled = strategy.compile(models.mlp_train_step(graphdef, tx), donate_argnums=(0, 1))
     rng = np.random.default_rng(jax.process_index())
     per_host = 8 * jax.local_device_count()
     data = strategy.distribute_datasets_from_function(

@@ -115,7 +115,7 @@ def _xla_strategies(batch: int, steps: int) -> float:
     model = _model()
     state = xst.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
 
-    @strategy.compile
+    @strategy.compile(donate_argnums=0)
     def train_step(state, images, labels):
         return xst.train_step(state, _loss, images, labels)
 

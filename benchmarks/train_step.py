@@ -90,19 +90,21 @@ def build(
         donate_argnums=(0, 1),
     )
     variants = {
-        "a": strategy.compile(step),
+        "a": strategy.compile(step, donate_argnums=(0, 1)),
         "b": manual(check_vma=True),
         "c": spmd,
-        "d": strategy.compile(step, pipeline="insert-reductions"),
+        "d": strategy.compile(step, pipeline="insert-reductions", donate_argnums=(0, 1)),
         "e": manual(check_vma=False),
-        "f": xs.CentralStorageStrategy().compile(step),
-        "g": strategy.compile(step, shard_weight_updates=True),
+        "f": xs.CentralStorageStrategy().compile(step, donate_argnums=(0, 1)),
+        "g": strategy.compile(step, shard_weight_updates=True, donate_argnums=(0, 1)),
     }
     for threshold in thresholds:  # (a) with another bucket threshold, for the sweep
         spec = DEFAULT_PIPELINE.replace(
             "combine-all-reduces", f"combine-all-reduces{{threshold-bytes={threshold}}}"
         )
-        variants[f"a@{threshold >> 10}K"] = strategy.compile(step, pipeline=spec)
+        variants[f"a@{threshold >> 10}K"] = strategy.compile(
+            step, pipeline=spec, donate_argnums=(0, 1)
+        )
     per_layer = len(jax.tree.leaves(params["blocks"]))
     tensors = len(jax.tree.leaves(params)) - per_layer + layers * per_layer
     return {

@@ -34,7 +34,9 @@ def main() -> None:
     graphdef, params = nnx.split(models.MLP((12, 64, 64, 5), rngs=nnx.Rngs(0)), nnx.Param)
     tx = optax.adam(1e-2)
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
-    train_step = strategy.compile(models.mlp_train_step(graphdef, tx), name="train_step")
+    train_step = strategy.compile(
+        models.mlp_train_step(graphdef, tx), name="train_step", donate_argnums=(0, 1)
+    )
 
     def dataset_fn(ctx: xs.InputContext):
         """Each host makes its own part of every global batch, from its own seed."""

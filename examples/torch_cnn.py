@@ -64,7 +64,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     state = xst.TrainState.create(model, optimizer)
 
-    @strategy.compile
+    @strategy.compile(donate_argnums=0)
     def train_step(state, images, labels):
         return xst.train_step(state, compute_loss, images, labels)
 

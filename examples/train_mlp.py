@@ -46,7 +46,9 @@ def main() -> None:
     tx = optax.adam(1e-2)
     with strategy.scope():
         state = strategy.replicate(params), strategy.replicate(tx.init(params))
-    train_step = strategy.compile(models.mlp_train_step(graphdef, tx), name="train_step")
+    train_step = strategy.compile(
+        models.mlp_train_step(graphdef, tx), name="train_step", donate_argnums=(0, 1)
+    )
     dataset = strategy.experimental_distribute_dataset(batches(args.steps, args.batch))
     if args.checkpoint_dir is None:
         with tqdm(dataset, total=args.steps, desc="train") as bar:

@@ -174,7 +174,9 @@ class Graph:
     `rooted_outputs` those only the root replica holds correctly. `stacked_inputs` are the
     input positions that hold one value per replica (stacked on a leading replica axis
     outside the step) rather than a split batch. `state_outputs` maps an output position to
-    the input position it is the next value of (a step's state: `params, opt_state = ...`).
+    the input position it is the next value of (a step's state: `params, opt_state = ...`),
+    and `donated_inputs` are the state inputs whose buffers the step may reuse (declared
+    with `donate_argnums`).
     `sharded_inputs` and `sharded_outputs` map positions to the `Split` of a mirrored value
     held split across all replicas between steps (weight-update sharding); such a value's
     type is the per-replica block.
@@ -192,6 +194,7 @@ class Graph:
     # the root's copy.
     rooted_outputs: frozenset[int] = frozenset()
     state_outputs: dict[int, int] = field(default_factory=dict)
+    donated_inputs: frozenset[int] = frozenset()
     sharded_inputs: dict[int, Split] = field(default_factory=dict)
     sharded_outputs: dict[int, Split] = field(default_factory=dict)
 

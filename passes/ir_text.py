@@ -92,6 +92,7 @@ def _printed(graph: Graph) -> _Printer:
         printer.define(v)
         + (" stacked" if i in graph.stacked_inputs else "")
         + (f" sharded={graph.sharded_inputs[i]}" if i in graph.sharded_inputs else "")
+        + (" donated" if i in graph.donated_inputs else "")
         + _loc(v.name)
         for i, v in enumerate(graph.inputs)
     )
@@ -223,12 +224,13 @@ class _Parser:
 
     def params(
         self, scope: dict[str, Value]
-    ) -> tuple[list[Value], frozenset[int], dict[int, Split]]:
-        """The values a function or region takes, which of them are `stacked`, and the
-        dimension of each `sharded` one."""
+    ) -> tuple[list[Value], frozenset[int], dict[int, Split], frozenset[int]]:
+        """The values a function or region takes, which of them are `stacked`, the
+        dimension of each `sharded` one, and which are `donated`."""
         self.cur.expect("(")
         values: list[Value] = []
         stacked: set[int] = set()
+        donated: set[int] = set()
         sharded: dict[int, Split] = {}
         while not self.cur.accept(")"):
             if values:
@@ -238,9 +240,11 @@ class _Parser:
                 stacked.add(len(values))
             if self.cur.accept("sharded="):
                 sharded[len(values)] = self.split()
+            if self.cur.accept("donated"):
+                donated.add(len(values))
             value.name = self.loc()
             values.append(value)
-        return values, frozenset(stacked), sharded
+        return values, frozenset(stacked), sharded, frozenset(donated)
 
     def integer(self, what: str) -> int:
         return int(self.cur.match(_INT, what).group(0))
@@ -260,9 +264,10 @@ class _Parser:
         self.cur.expect("@")
         name = self.cur.match(_IDENT, "a function name").group(0)
         scope: dict[str, Value] = {}
-        inputs, stacked, sharded = self.params(scope)
+        inputs, stacked, sharded, donated = self.params(scope)
         graph = self.body(inputs, scope, name)
         graph.stacked_inputs, graph.sharded_inputs = stacked, sharded
+        graph.donated_inputs = donated
         self.cur.skip()
         if self.cur.pos != len(self.cur.text):
             raise self.cur.error("unexpected text after the function")
@@ -321,7 +326,7 @@ class _Parser:
         node = Node(op, inputs, outputs, attrs, created_by=created_by)
         while self.cur.accept("region"):
             region_scope: dict[str, Value] = {}
-            params, _, _ = self.params(region_scope)
+            params, *_ = self.params(region_scope)
             name = f"{op}.region{len(node.regions)}"
             node.regions.append(self.body(params, region_scope, name))
         return node

@@ -2,9 +2,10 @@
 
 - pvary's transpose rule runs in the named scope `AUTODIFF_SCOPE`, so the importer tells
   autodiff's reductions from the ones the user wrote;
-- `jax.vjp` (and so `jax.grad`) marks each gradient of a replica-invariant value, taken of
-  a varying output, with a multiplication by 1 in the scope `GRADIENT_SCOPE(<axes>)`;
-  insert-reductions turns the mark into the strategy's MEAN or SUM.
+- every reverse-mode gradient (`jax.vjp`, `jax.grad`, however imported) marks each
+  gradient of a replica-invariant value, taken of a varying output, with a multiplication
+  by 1 in the scope `GRADIENT_SCOPE(<axes>)`; insert-reductions turns the mark into the
+  strategy's MEAN or SUM.
 
 Each is installed for the trace, reference-counted across threads, and restored after it.
 """
@@ -55,44 +56,43 @@ _capturing = threading.local()
 
 @contextlib.contextmanager
 def marking_gradient_scales() -> Any:
-    """While a step is traced (in this thread only), `jax.vjp`, and so `jax.grad`, marks
-    each gradient of a value that is the same on every replica, taken of a value that
-    differs (a per-replica loss), with a multiplication by 1 under `GRADIENT_SCOPE`.
+    """While a step is traced (in this thread only), every reverse-mode gradient marks each
+    gradient of a value that is the same on every replica, taken of a value that differs
+    (a per-replica loss), with a multiplication by 1 under `GRADIENT_SCOPE`.
 
     JAX's gradient there is exactly that of the sum of the replicas' losses; the strategy's
     MEAN reduction is that divided by the replica count, once, whatever path the gradient
     took (BatchNorm statistics reduced in the forward pass cross two reductions). The
     importer turns the mark into a `scale` node, and insert-reductions sets its factor.
     Gradients of per-replica values (an input gradient) and of a loss that is already the
-    same everywhere (a `pmean`ed loss, as pmap code writes it) are not marked."""
+    same everywhere (a `pmean`ed loss, as pmap code writes it) are not marked.
+
+    The hook is the backward pass that `jax.vjp`, `jax.grad` and `jax.value_and_grad` all
+    run, looked up in JAX's module when a pullback is called, so a `vjp` bound before the
+    trace (`from jax import vjp`, a library's own alias) is marked like `jax.vjp`."""
     from jax._src import api
 
     def marking(original: Callable[..., Any]) -> Callable[..., Any]:
-        def vjp(fun: Callable[..., Any], *primals: Any, **kwargs: Any) -> Any:
-            out, pullback, *aux = original(fun, *primals, **kwargs)
-            if getattr(_capturing, "depth", 0):
-                pullback = _marked_pullback(pullback, primals, out)
-            return (out, pullback, *aux)
+        def backward(*args: Any) -> Any:
+            grads = original(*args)
+            if not getattr(_capturing, "depth", 0):
+                return grads
+            out_avals, out_ct = args[4], args[-1]
+            # the cotangent takes the output's type (a Python 1.0 seed becomes per-replica)
+            seed_axes = set().union(
+                *(set(varying_axes(a)) for a in out_avals),
+                *(_vma(c) for c in jax.tree.leaves(out_ct)),
+            )
+            return jax.tree.map(lambda g: _mark(g, seed_axes), grads)
 
-        return vjp
+        return backward
 
     _capturing.depth = getattr(_capturing, "depth", 0) + 1
     try:
-        with patched(api, "vjp", marking), patched(jax, "vjp", marking):
+        with patched(api, "_vjp3_bwd", marking):
             yield
     finally:
         _capturing.depth -= 1
-
-
-def _marked_pullback(pullback: Callable[..., Any], primals: tuple, out: Any) -> Callable[..., Any]:
-    def marked(cotangent: Any) -> Any:
-        grads = pullback(cotangent)
-        # the cotangent takes the output's type (a Python 1.0 seed becomes per-replica)
-        seed = jax.tree.leaves(cotangent) + jax.tree.leaves(out)
-        seed_axes = set().union(*(_vma(c) for c in seed))
-        return jax.tree.map(lambda g, p: _mark(g, seed_axes - _vma(p)), grads, primals)
-
-    return marked
 
 
 def _vma(x: Any) -> set[str]:
@@ -100,7 +100,12 @@ def _vma(x: Any) -> set[str]:
     return set(varying_axes(jax.typeof(x)))
 
 
-def _mark(grad: Any, axes: set[str]) -> Any:
+def _mark(grad: Any, seed_axes: set[str]) -> Any:
+    """`grad` marked with the axes its seed varies over and it does not (a gradient's type
+    is its primal's); a placeholder for an unwanted gradient is passed through."""
+    if not isinstance(grad, jax.Array | jax.core.Tracer):
+        return grad
+    axes = seed_axes - _vma(grad)
     if not axes or not jax.numpy.issubdtype(grad.dtype, jax.numpy.inexact):
         return grad
     with jax.named_scope(f"{GRADIENT_SCOPE}({','.join(sorted(axes))})"):

@@ -57,7 +57,8 @@ class PassPipeline(Pass):
         return dataclasses.replace(self, instruments=self.instruments + instruments)
 
     def run(self, graph: Graph, ctx: PassContext, stop_after: str | None = None) -> bool:
-        """Run the passes; with `stop_after`, stop once the pass of that name has run."""
+        """Run the passes; with `stop_after`, stop where the pass of that name runs (or,
+        disabled, would run)."""
         known = [p.name for p in self.passes]
         if stop_after is not None and stop_after not in known:
             raise PipelineSpecError(
@@ -73,7 +74,9 @@ class PassPipeline(Pass):
         history = ["capture"]
         changed_any = False
         for pass_ in self.passes:
-            if pass_.name in self.disabled:
+            if pass_.name in self.disabled:  # the graph "after" it is the graph before it
+                if pass_.name == stop_after:
+                    break
                 continue
             start = time.perf_counter()
             try:

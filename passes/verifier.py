@@ -28,6 +28,7 @@ def verify(graph: Graph, mesh_axes: Mapping[str, int] | None = None) -> None:
     """
     problems: list[str] = []
     _verify_region(graph, mesh_axes, problems, defined_anywhere=set())
+    problems.extend(_check_interface(graph))
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -60,6 +61,34 @@ def _verify_region(
     for index, value in enumerate(graph.outputs):
         if id(value) not in in_scope:
             problems.append(f"@{graph.name} output {index} is not defined in this region")
+
+
+def _check_interface(graph: Graph) -> list[str]:
+    """The step's interface (per-input and per-output attributes) names real positions
+    and donates only state."""
+    problems: list[str] = []
+    inputs, outputs = range(len(graph.inputs)), range(len(graph.outputs))
+    tables = {
+        "stacked_inputs": (graph.stacked_inputs, inputs),
+        "donated_inputs": (graph.donated_inputs, inputs),
+        "sharded_inputs": (graph.sharded_inputs, inputs),
+        "declared_mirrored": (graph.declared_mirrored, outputs),
+        "output_aggregation": (graph.output_aggregation, outputs),
+        "rooted_outputs": (graph.rooted_outputs, outputs),
+        "sharded_outputs": (graph.sharded_outputs, outputs),
+        "state_outputs": (graph.state_outputs, outputs),
+    }
+    for table, (positions, valid) in tables.items():
+        bad = sorted(p for p in positions if p not in valid)
+        if bad:
+            problems.append(f"@{graph.name} {table} names positions {bad} it does not have")
+    missing = sorted(arg for arg in graph.state_outputs.values() if arg not in inputs)
+    if missing:
+        problems.append(f"@{graph.name} state_outputs name missing inputs {missing}")
+    undonatable = sorted(graph.donated_inputs - set(graph.state_outputs.values()))
+    if undonatable:
+        problems.append(f"@{graph.name} donates inputs {undonatable}, which are not state")
+    return problems
 
 
 def _check_node(node: Node, mesh_axes: Mapping[str, int] | None) -> list[str]:

@@ -139,20 +139,23 @@ def test_changed_structure_or_shape_retraces(mirrored):
     assert step.cache_size == 3
 
 
-def test_state_is_donated_and_inputs_of_other_steps_are_not(mirrored):
+def test_only_declared_arguments_are_donated(mirrored):
     train = mirrored.compile(_sgd_step)
     w = mirrored.replicate(np.ones((4, 2), np.float32))
     new_w, _ = train(w, _batch(mirrored))
-    assert w.is_deleted() and not new_w.is_deleted()
-    assert train.executable(new_w, _batch(mirrored)).donated == (0,)
+    assert not w.is_deleted() and train.executable(new_w, _batch(mirrored)).donated == ()
+    for declared in (
+        mirrored.compile(_sgd_step, donate_argnums=0),
+        mirrored.compile(_sgd_step, donate_argnames="w"),
+    ):
+        w = mirrored.replicate(np.ones((4, 2), np.float32))
+        new_w, _ = declared(w, _batch(mirrored))
+        assert w.is_deleted() and not new_w.is_deleted()
+        assert declared.executable(new_w, _batch(mirrored)).donated == (0,)
+        with pytest.raises(ValueError, match=r"args\[0\] was donated to an earlier call"):
+            declared(w, _batch(mirrored))
     evaluate = mirrored.compile(lambda w, x: jnp.mean(x @ w))
     evaluate(new_w, _batch(mirrored))
-    assert not new_w.is_deleted()
-    original = jnp.ones((4, 2))  # a caller's array passed directly is copied, never donated
-    train(original, _batch(mirrored))
-    assert not original.is_deleted()
-    no_donation = mirrored.compile(_sgd_step, donate=False)
-    no_donation(new_w, _batch(mirrored))
     assert not new_w.is_deleted()
 
 
@@ -207,18 +210,18 @@ def test_reduce_and_gather_of_a_distributed_batch(mirrored):
     np.testing.assert_allclose(mirrored.gather(batch, axis=0), data / 100, rtol=1e-6)
 
 
-def test_only_state_at_its_own_position_is_donated(mirrored):
-    """eval(temperature, x) returns a scalar of the temperature's type: still not donated."""
+def test_an_undeclared_argument_is_never_donated_whatever_the_outputs(mirrored):
+    """eval(temperature, x) returns a scalar of the temperature's type at its position, and
+    f(x, y) -> 0.9 * x + 0.1 * y the type of x: neither deletes what the caller passed."""
     temperature = mirrored.replicate(np.float32(2.0))
     evaluate = mirrored.compile(lambda t, x: (jnp.mean(x) / t,))
     evaluate(temperature, _batch(mirrored))
     evaluate(temperature, _batch(mirrored))
     assert not temperature.is_deleted()
-    train = mirrored.compile(_sgd_step)
-    w = mirrored.replicate(np.ones((4, 2), np.float32))
-    train(w, _batch(mirrored))
-    with pytest.raises(ValueError, match=r"args\[0\] was donated to an earlier call"):
-        train(w, _batch(mirrored))
+    x, y = mirrored.replicate(np.ones(3, np.float32)), mirrored.replicate(np.zeros(3, np.float32))
+    blend = mirrored.compile(lambda x, y: 0.9 * x + 0.1 * y)
+    np.testing.assert_allclose(np.asarray(blend(x, y)), 0.9)
+    assert not x.is_deleted() and not y.is_deleted()
 
 
 def test_a_pipeline_object_keeps_its_disabled_passes(mirrored):

@@ -25,7 +25,7 @@ def _clipped_adamw() -> optax.GradientTransformation:
 def _train(strategy, step_fn, params, tx, batches, **options):
     """(params, opt_state) after training, the last step's compiled step, and its state."""
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
-    step = strategy.compile(step_fn, **options)
+    step = strategy.compile(step_fn, donate_argnums=(0, 1), **options)
     for batch in strategy.experimental_distribute_dataset(batches):
         *state, _ = step(*state, batch)
     return tuple(state), step
@@ -170,7 +170,7 @@ def test_checkpoints_move_between_replica_counts_and_the_replicated_update(tmp_p
             with xs.CheckpointManager(tmp_path, four) as manager:
                 restored = manager.restore(target=target)
             _assert_close(restored, state, 0)  # the logical arrays, exactly
-            step = four.compile(step_fn, shard_weight_updates=shard)
+            step = four.compile(step_fn, donate_argnums=(0, 1), shard_weight_updates=shard)
             for batch in four.experimental_distribute_dataset(batches[2:]):
                 *restored, _ = step(*restored, batch)
             _assert_close(tuple(restored), expected, 1e-12)

@@ -151,8 +151,8 @@ def flatten_arguments(
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
                 f"{where(_leaf_path(args, kwargs, index))} was donated to an earlier call of a "
-                "compiled step and deleted; pass the array that call returned (or compile "
-                "with donate=False)"
+                "compiled step (donate_argnums or donate_argnames) and deleted; pass the "
+                "array that call returned, or donate nothing"
             )
         if is_foreign_array(leaf):  # read on the host, then placed like a numpy array
             leaf = np.asarray(leaf)

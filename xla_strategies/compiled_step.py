@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from xla_strategies.passes.jax_lowering import input_shardings, lower, replica_s
 from xla_strategies.passes.pipeline import PassPipeline, with_pass, without_pass
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.reduce_op import ReduceOp
-from xla_strategies.state import declared_outputs, donated_state, state_outputs
+from xla_strategies.state import DeclaredState, declared_outputs, donated_state, state_pairs
 from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ class CompiledStep:
         axis_name: str | None = None,
         pipeline: str | PassPipeline | None = None,
         shard_weight_updates: bool | None = None,
-        donate: bool = True,
+        donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
         name: str | None = None,
     ) -> None:
         if not callable(fn):
@@ -106,13 +108,26 @@ class CompiledStep:
         self.name = name or getattr(fn, "__name__", "step")
         self.gradient_reduction = op
         self.mirrored_outputs = mirrored_outputs
-        self.static_argnums, self.static_argnames = _static_arguments(
-            fn, _int_set(static_argnums, "static_argnums"), _name_set(static_argnames, fn)
+        self.static_argnums, self.static_argnames = _both_ways(
+            fn,
+            _int_set(static_argnums, "static_argnums"),
+            _name_set(static_argnames, fn, "static_argnames"),
         )
+        self.declared_state = DeclaredState(
+            *_both_ways(
+                fn,
+                _int_set(donate_argnums, "donate_argnums"),
+                _name_set(donate_argnames, fn, "donate_argnames"),
+            )
+        )
+        both = (self.declared_state.donate_argnums & self.static_argnums) | (
+            self.declared_state.donate_argnames & self.static_argnames
+        )
+        if both:
+            raise ValueError(f"arguments {sorted(map(str, both))} are both static and donated")
         self.axis_name = axis_name
         self.shard_weight_updates = shard_weight_updates
         self.pipeline = self._pipeline(pipeline)
-        self.donate = donate
         self._cache: dict[Signature, Executable] = {}
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
@@ -251,7 +266,15 @@ class CompiledStep:
             name=self.name,
         )
         graph.output_names = list(outputs.names)  # known once the step has been traced
-        graph.state_outputs = state_outputs(signature, outputs, graph)
+        state = state_pairs(self.declared_state, signature, outputs, graph)
+        graph.state_outputs, graph.donated_inputs = state.outputs, state.donated
+        if state.unreturned:
+            warnings.warn(
+                f"{self.name}: donated {', '.join(state.unreturned)}, but no output has "
+                "its structure, shapes and dtypes, so nothing can reuse its buffers and it "
+                "is not donated",
+                stacklevel=4,
+            )
         if self.mirrored_outputs is not None:
             declared = declared_outputs(self.mirrored_outputs, outputs)
             graph.declared_mirrored = frozenset(i for i, op in declared.items() if op is None)
@@ -275,7 +298,7 @@ class CompiledStep:
         dump.instrument(pipeline).run(graph, ctx)
         seconds["pipeline"] = time.perf_counter() - start
         seconds["verify"] = ctx.stats["verify_seconds"]  # part of the pipeline's time
-        donated = donated_state(graph) if self.donate else ()
+        donated = donated_state(graph)
         strategy = self.strategy
         run = lower(
             graph,
@@ -299,14 +322,14 @@ class CompiledStep:
 def _put(leaf: Any, sharding: NamedSharding) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
-    return copy_to(leaf, sharding)  # never donate a caller's buffer
+    return copy_to(leaf, sharding)  # a copy where the program reads it
 
 
-def _static_arguments(
+def _both_ways(
     fn: Callable[..., Any], numbers: frozenset[int], names: frozenset[str]
 ) -> tuple[frozenset[int], frozenset[str]]:
-    """Each static argument by position and by name, as `jax.jit` maps them, so a static
-    argument is static however the caller passes it."""
+    """Each argument named by position or by name (static, donated), by both, as `jax.jit`
+    maps them, so it is what it was declared however the caller passes it."""
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -326,10 +349,10 @@ def _int_set(value: int | Sequence[int], what: str) -> frozenset[int]:
     return frozenset(items)
 
 
-def _name_set(value: str | Sequence[str], fn: Callable[..., Any]) -> frozenset[str]:
+def _name_set(value: str | Sequence[str], fn: Callable[..., Any], what: str) -> frozenset[str]:
     names = (value,) if isinstance(value, str) else tuple(value)
     if not all(isinstance(n, str) for n in names):
-        raise TypeError(f"static_argnames must be strings, got {value!r}")
+        raise TypeError(f"{what} must be strings, got {value!r}")
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C function: nothing to check against
@@ -338,7 +361,7 @@ def _name_set(value: str | Sequence[str], fn: Callable[..., Any]) -> frozenset[s
     unknown = [n for n in names if n not in parameters and not takes_any]
     if unknown:
         raise ValueError(
-            f"static_argnames names {unknown}, which {getattr(fn, '__name__', 'the step')} "
+            f"{what} names {unknown}, which {getattr(fn, '__name__', 'the step')} "
             f"does not take (its parameters: {list(parameters)})"
         )
     return frozenset(names)

@@ -13,6 +13,8 @@ leaves say, per output,
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -54,52 +56,134 @@ def declared_outputs(prefix: Any, outputs: Outputs) -> dict[int, str | None]:
     return declared
 
 
-def state_outputs(signature: Signature, outputs: Outputs, graph: Graph) -> dict[int, int]:
-    """Traced output position -> traced argument position, for the step's state: a
-    positional argument that comes back at the same position of a tuple of outputs, or the
-    first of several arguments returned alone, with the same structure, and each leaf with the same
-    per-replica type and layout (mirrored stays mirrored, stacked comes back stacked),
-    holding at least one non-scalar array (`params, opt_state, ... = step(params, ...)`,
-    or flax's `state = train_step(state, batch)`). Anything else, e.g. an evaluation step's
-    inputs or a batch, is not state."""
+@dataclass(frozen=True)
+class DeclaredState:
+    """Which of a step's arguments are state, by position and by name: those named by
+    `donate_argnums`/`donate_argnames` (donated to their new value) and any argument of a
+    state type a frontend knows (flax's and `xst`'s `TrainState`: kept, not donated)."""
+
+    donate_argnums: frozenset[int] = frozenset()
+    donate_argnames: frozenset[str] = frozenset()
+
+    def of(self, position: int | str, value: Any) -> str | None:
+        """`"donated"`, `"kept"` (state the caller keeps) or None for argument `position`
+        (an int, or a keyword argument's name) holding `value`."""
+        if position in self.donate_argnums or position in self.donate_argnames:
+            return "donated"
+        return "kept" if _is_state_type(value) else None
+
+
+def _is_state_type(value: Any) -> bool:
+    """A training state type of a frontend the process has imported (never imports one)."""
+    for module, name in _STATE_TYPES:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(value, cls):
+            return True
+    return False
+
+
+_STATE_TYPES = (
+    ("flax.training.train_state", "TrainState"),
+    ("xla_strategies.torch.train_state", "TrainState"),
+)
+
+
+@dataclass
+class StatePairs:
+    """A step's state: traced output position -> traced argument position (its next
+    value), the argument positions to donate, and the declared arguments no output returns."""
+
+    outputs: dict[int, int]
+    donated: frozenset[int]
+    unreturned: list[str]
+
+
+def state_pairs(
+    declared: DeclaredState, signature: Signature, outputs: Outputs, graph: Graph
+) -> StatePairs:
+    """Pair each declared state argument with the output that is its next value: of the
+    step's result or, when it is a tuple, list or dict, one of its items, with the same
+    tree structure and each leaf the same per-replica type and layout (mirrored stays
+    mirrored, stacked comes back stacked). A tuple's item at the argument's own position
+    is preferred (`params, opt_state, loss = step(params, opt_state, batch)`), then the
+    whole result (flax's `state = train_step(state, batch)`), then the first free item;
+    each output is the next value of one argument at most."""
     traced_arg = {leaf: k for k, leaf in enumerate(signature.traced_indices())}
     traced_out = {leaf: k for k, leaf in enumerate(outputs.traced_indices())}
     args, kwargs = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))
-    results = jax.tree.unflatten(outputs.treedef, range(len(outputs.leaves)))
-    if not isinstance(results, tuple | list):
-        # `f(x) -> x'` transforms x; a step updates its state from data
-        if len(args) + len(kwargs) < 2:
-            return {}
-        results = (results,)  # one output: at position 0, like the first argument
-    state: dict[int, int] = {}
-    for arg, result in zip(args, results, strict=False):
-        if jax.tree.structure(arg) != jax.tree.structure(result):
-            continue
-        pairs = [
-            (traced_arg.get(a), traced_out.get(r))
-            for a, r in zip(jax.tree.leaves(arg), jax.tree.leaves(result), strict=True)
-        ]
-        pairs = [(a, r) for a, r in pairs if a is not None or r is not None]
-        if (
-            pairs
-            and all(
-                a is not None and r is not None and _same_state(signature, graph, a, r)
-                for a, r in pairs
-            )
-            and any(graph.inputs[a].shape for a, _ in pairs)
-        ):
-            state.update((r, a) for a, r in pairs)
-    return state
+    items = _items(jax.tree.unflatten(outputs.treedef, range(len(outputs.leaves))))
+    declared_args = {
+        position: (arg, kind)
+        for position, arg in [*enumerate(args), *kwargs.items()]
+        if (kind := declared.of(position, arg)) is not None  # arg: structure, leaf numbers
+    }
+    pairs = StatePairs({}, frozenset(), [])
+    donated: set[int] = set()
+    # rounds, so that no argument takes the item another one finds at its own position
+    for round_of in (lambda p: [p], lambda p: [None], lambda p: list(items)):
+        for position, (arg, kind) in list(declared_args.items()):
+            for key in round_of(position):
+                if key not in items:
+                    continue
+                found = _pair(arg, items[key], traced_arg, traced_out, signature, graph)
+                if found is not None:
+                    del declared_args[position]
+                    if key is None:  # the whole result is this state: no item is free
+                        items.clear()
+                    else:
+                        del items[key]
+                        items.pop(None, None)
+                    pairs.outputs.update((r, a) for a, r in found)
+                    donated.update(a for a, _ in found if kind == "donated")
+                    break
+    pairs.unreturned = [
+        f"args[{p}]" if isinstance(p, int) else f"kwargs[{p!r}]"
+        for p, (_, kind) in declared_args.items()
+        if kind == "donated"
+    ]
+    pairs.donated = frozenset(donated)
+    return pairs
+
+
+def _items(result: Any) -> dict[Any, Any]:
+    """The candidates for a state argument's next value: None for the whole result, and
+    each item of a tuple, list or dict result under its index or key."""
+    items: dict[Any, Any] = {None: result}
+    if isinstance(result, tuple | list):
+        items.update(enumerate(result))
+    elif isinstance(result, dict):
+        items.update(result.items())
+    return items
+
+
+def _pair(
+    arg: Any, out: Any, traced_arg: dict, traced_out: dict, signature: Signature, graph: Graph
+) -> list[tuple[int, int]] | None:
+    """The (argument, output) traced positions if `out` has `arg`'s structure and types."""
+    if jax.tree.structure(arg) != jax.tree.structure(out):
+        return None
+    pairs = [
+        (traced_arg.get(a), traced_out.get(r))
+        for a, r in zip(jax.tree.leaves(arg), jax.tree.leaves(out), strict=True)
+    ]
+    pairs = [(a, r) for a, r in pairs if a is not None or r is not None]
+    if pairs and all(
+        a is not None and r is not None and _same_state(signature, graph, a, r) for a, r in pairs
+    ):
+        return pairs
+    return None
 
 
 def donated_state(graph: Graph) -> tuple[int, ...]:
-    """The argument positions of the state the optimised graph still hands back in the
-    layout it takes it (a pass that holds state sharded holds its next value sharded)."""
+    """The donated argument positions whose next value the optimised graph still hands
+    back in the layout it takes it (a pass that holds state sharded holds its next value
+    sharded), so XLA can write it in place."""
     return tuple(
         sorted(
             arg
             for out, arg in graph.state_outputs.items()
-            if _same_type(graph.inputs[arg], graph.outputs[out])
+            if arg in graph.donated_inputs
+            and _same_type(graph.inputs[arg], graph.outputs[out])
             and graph.sharded_inputs.get(arg) == graph.sharded_outputs.get(out)
         )
     )

@@ -204,7 +204,8 @@ class Strategy:
         `shard_weight_updates` (True: each replica updates its block of the weights and
         keeps its block of the optimizer state; False: never; None, the default: the
         topology's cost model decides), `static_argnums`, `static_argnames`, `axis_name`,
-        `donate` (donate state buffers, default True), `name`.
+        `donate_argnums`, `donate_argnames` (as `jax.jit`: those arguments' buffers are given
+        to their new values, which the step returns; nothing else is donated), `name`.
         """
         if fn is None:
             return lambda f: CompiledStep(self, f, **options)
@@ -213,7 +214,7 @@ class Strategy:
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Run `fn` once on every replica; per-replica outputs come back stacked."""
         if fn not in self._compiled_runs:
-            self._compiled_runs[fn] = CompiledStep(self, fn, donate=False)
+            self._compiled_runs[fn] = CompiledStep(self, fn)
         return self._compiled_runs[fn](*args, **(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

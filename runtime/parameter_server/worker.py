@@ -63,7 +63,7 @@ class Worker:
         closure.pushed += 1
         versions, parts = zip(*call_shards(self.shards, "pull"), strict=True)
         if uid not in self._steps:
-            self._steps[uid] = self.strategy.compile(grad_fn, donate=False)
+            self._steps[uid] = self.strategy.compile(grad_fn)
         params = self.strategy.replicate(self.layout.join(list(parts)))
         split = NamedSharding(self.strategy.mesh, self.strategy.input_spec(True))
         grads, aux = self._steps[uid](params, jax.device_put(batch, split))

@@ -50,7 +50,7 @@ _SCRIPT = textwrap.dedent(
 
     n = int(sys.argv[1])
     strategy = xs.MirroredStrategy(jax.devices()[:n])
-    train = strategy.compile(step, shard_weight_updates=True)
+    train = strategy.compile(step, shard_weight_updates=True, donate_argnums=(0, 1))
     data = [(np.asarray(xs_), np.asarray(ys))]
     batch = next(iter(strategy.experimental_distribute_dataset(data)))
     params, opt_state = jnp.array([0.0, 0.0]), optimizer.init(jnp.array([0.0, 0.0]))

@@ -37,7 +37,7 @@ def test_round_trip_is_exact():
 
 def test_state_and_sharded_layouts_round_trip():
     text = """\
-func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{x,y} sharded=0{y,x} loc("m")) {
+func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{x,y} sharded=0{y,x} donated loc("m")) {
   %2: f32[2,4]{x,y} = jax.mul(%1, %1)
   return %0 state=%0, %2 state=%1 sharded=0{y,x} loc("out")
 }
@@ -45,7 +45,27 @@ func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{x,y} sharded=0{y,x} loc("m")) {
     graph = parse(text)
     assert print_graph(graph) == text
     assert graph.state_outputs == {0: 0, 1: 1}
+    assert graph.donated_inputs == {1}
     assert graph.sharded_inputs == graph.sharded_outputs == {1: Split(0, ("y", "x"))}
+    verify(graph)
+
+
+def test_the_verifier_checks_the_interface():
+    graph = parse(
+        """\
+func @step(%0: f32[4] donated loc("w"), %1: f32[4] loc("x")) {
+  return %0 state=%1
+}
+"""
+    )
+    with pytest.raises(VerificationError, match=r"donates inputs \[0\], which are not state"):
+        verify(graph)
+    graph.donated_inputs, graph.state_outputs = frozenset(), {0: 7}
+    with pytest.raises(VerificationError, match=r"state_outputs name missing inputs \[7\]"):
+        verify(graph)
+    graph.state_outputs, graph.rooted_outputs = {}, frozenset({3})
+    with pytest.raises(VerificationError, match=r"rooted_outputs names positions \[3\]"):
+        verify(graph)
 
 
 def test_printing_renumbers_values_canonically():

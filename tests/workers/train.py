@@ -37,7 +37,7 @@ def per_host(batches):
 def train(strategy, step_fn, params, tx, batches, tag, keep=1, **options):
     """The params (and with keep=2 the optimizer state) after training, gathered."""
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
-    step = strategy.compile(step_fn, **options)
+    step = strategy.compile(step_fn, donate_argnums=(0, 1), **options)
     for n, batch in enumerate(strategy.distribute_datasets_from_function(per_host(batches))):
         *state, _ = step(*state, batch)
         jax.block_until_ready(state[0])

@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.learning_rate))
     with strategy.scope():
         state = strategy.replicate(params), strategy.replicate(tx.init(params))
-    train_step = strategy.compile(models.lm_train_step(graphdef, tx), name="train_step")
+    train_step = strategy.compile(
+        models.lm_train_step(graphdef, tx), name="train_step", donate_argnums=(0, 1)
+    )
     dataset = strategy.experimental_distribute_dataset(
         synthetic_tokens(args.steps, args.batch_size, args.seq_len, cfg.vocab)
     )

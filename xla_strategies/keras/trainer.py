@@ -91,8 +91,8 @@ class _Trainer:
         compiled: dict[int, Any] = {}
 
         def groups_first(*args: Any) -> Any:
-            # State groups as positional arguments that come back at the same positions,
-            # so the compiled step donates them, as Keras' own jit does.
+            # State groups as positional arguments, donated (as Keras' own jit does) to
+            # the groups the step returns at the same positions.
             *state, data = args
             outputs, new_state = step_fn(tuple(state), data)
             return (*new_state, outputs)
@@ -112,7 +112,9 @@ class _Trainer:
                 self._previous = strategy
                 replicas = strategy.num_replicas_in_sync
                 if replicas not in compiled:
-                    compiled[replicas] = strategy.compile(groups_first, name=name)
+                    compiled[replicas] = strategy.compile(
+                        groups_first, name=name, donate_argnums=tuple(range(len(state)))
+                    )
                 *state, out = compiled[replicas](*state, _split(strategy, data))
                 state = tuple(state)
                 if strategy is not self.strategy:
