@@ -8,6 +8,7 @@ stream (`--print-ir-after-all` / `--print-ir-after-change`). Both start with the
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -29,23 +30,23 @@ class IRDumper(Instrument):
     directory: Path
     pipeline_label: str = "pipeline"
     _index: int = field(default=0, init=False)
+    _remarks_seen: int = field(default=0, init=False)  # ctx.remarks stays the passes' own
 
     def before_pipeline(self, graph: Graph, ctx: PassContext) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._index = 0
+        self._index, self._remarks_seen = 0, len(ctx.remarks)
         self._write("capture", graph)
 
     def after_pass(
         self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float
     ) -> None:
-        self._write(pass_.name, graph, ctx.remarks)
+        self._write(pass_.name, graph, ctx.remarks[self._remarks_seen :])
+        self._remarks_seen = len(ctx.remarks)
 
-    def _write(self, pass_name: str, graph: Graph, remarks: list[str] | None = None) -> None:
+    def _write(self, pass_name: str, graph: Graph, remarks: Sequence[str] = ()) -> None:
         path = self.directory / f"{self._index:04d}.{self.pipeline_label}.after_{pass_name}.txt"
-        notes = "".join(f"// remark: {r}\n" for r in remarks or ())
+        notes = "".join(f"// remark: {r}\n" for r in remarks)
         path.write_text(dump_header(pass_name) + notes + print_graph(graph))
-        if remarks:
-            remarks.clear()
         self._index += 1
 
 

@@ -123,6 +123,21 @@ def test_dumper_writes_one_file_per_pass(tmp_path):
     )
 
 
+def test_dumping_does_not_change_what_the_passes_report(tmp_path):
+    spec = "insert-reductions,decompose-all-reduces,combine-all-reduces"
+    plain, dumped = _ctx(), _ctx()
+    PassPipeline.from_spec(spec).run(parse(GRAD), plain)
+    PassPipeline.from_spec(spec).with_instruments(IRDumper(tmp_path)).run(parse(GRAD), dumped)
+    assert (
+        plain.remarks
+        == dumped.remarks
+        == ["decompose-all-reduces: no topology, nothing decomposed"]
+    )
+    files = sorted(tmp_path.iterdir())
+    assert "// remark: decompose-all-reduces: no topology" in files[2].read_text()
+    assert "// remark:" not in files[1].read_text() + files[3].read_text()
+
+
 def test_printer_after_change_skips_unchanged_passes():
     stream = io.StringIO()
     graph = parse(GRAD)
