@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.ir import Graph, Node, Origin, Value
 
 
 class MirroredOutputError(ValueError):
@@ -72,7 +72,7 @@ class InsertReductions(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         changed = False
         scales = [
-            n for n in graph.walk() if n.op == "scale" and n.attrs.get("origin") == "gradient"
+            n for n in graph.walk() if n.op == "scale" and n.attrs.get("origin") == Origin.GRADIENT
         ]
         for node in scales:
             replicas = math.prod(ctx.mesh_axes[a] for a in node.attrs["axes"])
@@ -81,7 +81,7 @@ class InsertReductions(Pass):
                 node.attrs["factor"] = factor
                 node.created_by = self.name
                 changed = True
-        autodiff = any(n.attrs.get("origin") == "autodiff" for n in graph.walk())
+        autodiff = any(n.attrs.get("origin") == Origin.AUTODIFF for n in graph.walk())
         if autodiff and not scales and self.gradient_reduction == "mean":
             ctx.remarks.append(
                 f"{self.name}: gradients were reduced but none was taken with jax.grad or "
@@ -138,7 +138,7 @@ def _aggregation(value: Value, op: str, ctx: PassContext, created_by: str) -> li
     nodes: list[Node] = []
     if varying:
         reduce_op = "sum" if op == "mean" else op
-        attrs = {"axes": varying, "origin": "aggregation", "reduce_op": reduce_op}
+        attrs = {"axes": varying, "origin": Origin.AGGREGATION, "reduce_op": reduce_op}
         reduced = value.like(varying_axes=frozenset(value.varying_axes - set(varying)))
         nodes.append(Node("all_reduce", [value], [reduced], attrs, created_by=created_by))
         value = reduced

@@ -9,6 +9,7 @@ as opaque, reading only the shapes and dtypes of its values.
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from collections.abc import Iterator
@@ -20,6 +21,19 @@ import numpy as np
 from xla_strategies.passes.traits import Trait, traits_of
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class Origin(enum.StrEnum):
+    """Who put a collective (or a gradient's scale) into the program: the `origin`
+    attribute of the IR, as its text form spells it."""
+
+    AUTODIFF = "autodiff"  # a mirrored value's gradient completed by JAX's autodiff
+    USER = "user"  # written in the step (lax.psum, a replica context's all_reduce)
+    GRADIENT = "gradient"  # the scale a gradient gets from the strategy's MEAN or SUM
+    AGGREGATION = "aggregation"  # an output declared aggregated (mirrored_outputs)
+    WEIGHT_UPDATE = "weight-update"  # a sharded update's partial sums
+
+
 FOREIGN_PREFIX = "jax."
 
 _DTYPE_SHORT = {

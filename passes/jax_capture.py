@@ -24,7 +24,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.ir import Graph, Node, Origin, Value
 from xla_strategies.passes.jax_lowering import replica_spec
 from xla_strategies.passes.jax_trace_hooks import (
     AUTODIFF_SCOPE,
@@ -315,18 +315,19 @@ class _Importer:
         if params.get("axis_index_groups") is not None:
             return None  # grouped collectives stay opaque
         if prim in _REDUCE:
-            origin = "autodiff" if AUTODIFF_SCOPE in str(eqn.source_info.name_stack) else "user"
+            autodiff = AUTODIFF_SCOPE in str(eqn.source_info.name_stack)
+            origin = Origin.AUTODIFF if autodiff else Origin.USER
             attrs = {"axes": self.axes(params), "reduce_op": _REDUCE[prim], "origin": origin}
             source = _source(eqn)
             if source:
                 attrs["source"] = source
             node = Node("all_reduce", inputs, outputs, attrs)
-            if origin == "autodiff" and len(inputs) == 1:
+            if origin is Origin.AUTODIFF and len(inputs) == 1:
                 self._reductions.append((_frames(eqn), node))
             return node
         if prim == "mul" and (marked := GRADIENT_AXES.search(str(eqn.source_info.name_stack))):
             axes = self._renamer.names(marked.group(1).split(","))
-            attrs = {"axes": axes, "factor": 1, "origin": "gradient"}
+            attrs = {"axes": axes, "factor": 1, "origin": Origin.GRADIENT}
             return Node("scale", inputs[:1], outputs, attrs)
         if prim == "axis_index":  # renamed axes may be several: a tuple binds no primitive
             return Node("axis_index", inputs, outputs, {"axes": self.axes(params)})

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.ir import Graph, Node, Value
+from xla_strategies.passes.ir import Graph, Node, Origin, Value
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class ReduceToOneDevice(Pass):
 def _is_gradient_reduction(node: Node) -> bool:
     return (
         node.op == "all_reduce"
-        and node.attrs.get("origin") == "autodiff"
+        and node.attrs.get("origin") == Origin.AUTODIFF
         and node.attrs.get("reduce_op") in ("sum", "mean")
     )
 

@@ -52,7 +52,7 @@ from xla_strategies.passes.blocks import (
     unit_reshape_dim,
 )
 from xla_strategies.passes.cost_model import fast_first, weight_update_estimates
-from xla_strategies.passes.ir import Graph, Node, Split, Value
+from xla_strategies.passes.ir import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.traits import Trait, dimension_reduction
 
@@ -240,7 +240,7 @@ class _Sharder:
         partial = out.like(varying_axes=out.varying_axes | self.varying)
         self.nodes.append(self.copy(node, [block], [partial]))
         attrs = {"axes": self.axes, "reduce_op": dimension_reduction(node.op)}
-        self.emit("all_reduce", [partial], out, {**attrs, "origin": "weight-update"})
+        self.emit("all_reduce", [partial], out, {**attrs, "origin": Origin.WEIGHT_UPDATE})
         return True
 
     def follow(self, node: Node, operands: list[Value], dim: int) -> bool:
@@ -368,7 +368,7 @@ def _is_gradient_reduction(node: Node, axes: list[str]) -> bool:
     a = node.attrs
     return (
         node.op == "all_reduce"
-        and a.get("origin") == "autodiff"
+        and a.get("origin") == Origin.AUTODIFF
         and a.get("reduce_op") == "sum"
         and sorted(a.get("axes", ())) == sorted(axes)
         and len(node.inputs) == 1

@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from xla_strategies.passes.ir import REDUCE_OPS, Graph, Node, Value
+from xla_strategies.passes.ir import REDUCE_OPS, Graph, Node, Origin, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.traits import REGION_TRAITS, Trait, is_declared
+
+_ORIGINS = frozenset(o.value for o in Origin)
 
 
 class VerificationError(ValueError):
@@ -101,6 +103,9 @@ def _check_node(node: Node, mesh_axes: Mapping[str, int] | None) -> list[str]:
         if unknown:
             known = ", ".join(mesh_axes or ()) or "none"
             return [f"collective over unknown mesh axis {unknown} (mesh axes: {known})"]
+    origin = node.attrs.get("origin")
+    if origin is not None and origin not in _ORIGINS:
+        problems.append(f"unknown origin {origin!r} (one of {sorted(_ORIGINS)})")
     if not node.is_foreign and not is_declared(node.op):
         problems.append(f"unknown op {node.op!r}: not one of the IR's ops nor a foreign jax.* op")
     if node.regions or node.traits & REGION_TRAITS:

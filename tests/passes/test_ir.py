@@ -187,3 +187,19 @@ def test_verifier_checks_region_arity_and_isolation():
     region.outputs[0] = graph.inputs[0]
     with pytest.raises(VerificationError, match="output 0 is not defined in this region"):
         verify(graph, MESH)
+
+
+def test_collective_origins_are_one_of_the_known_ones():
+    from xla_strategies.passes.ir import Origin
+
+    text = """\
+func @step(%0: f32[4]{replica}) {
+  %1: f32[4] = all_reduce(%0) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+  return %1
+}
+"""
+    graph = parse(text)
+    verify(graph, {"replica": 8})
+    assert graph.nodes[0].attrs["origin"] == Origin.AUTODIFF
+    with pytest.raises(VerificationError, match=r"unknown origin 'autodif'"):
+        verify(parse(text.replace('"autodiff"', '"autodif"')), {"replica": 8})
