@@ -30,6 +30,7 @@ hide nothing) it hoists, as the default pipeline always did. Call-once regions
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost_model import pipelined_exposure
@@ -86,7 +87,7 @@ class ScheduleAllReduces(Pass):
 
     def _decide(self, loop: Node, ctx: PassContext) -> dict | None:
         """Hoist or pipeline `loop`'s reductions; None when it has none to schedule."""
-        ready = readiness(loop)
+        ready = readiness(loop, ctx.topology)
         if not ready:
             return None
         trips = regions_per_step(loop)[-1][1]
@@ -120,11 +121,12 @@ def _is_loop(node: Node) -> bool:
     return node.has(Trait.COUNTED_LOOP) or node.has(Trait.WHILE_LOOP)
 
 
-def readiness(loop: Node) -> list[Readiness]:
+def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     """The all-reduces directly in `loop`'s body (the last region: a while loop's body
-    follows its condition), each with when its operand is ready in the iteration."""
+    follows its condition), each with when its operand is ready in the iteration, at the
+    topology's compute rates."""
     body = loop.regions[-1]
-    costs = [_node_compute(node) for node in body.nodes]
+    costs = [_node_compute(node, topology) for node in body.nodes]
     total = sum(costs)
     found, elapsed = [], 0.0
     for node, cost in zip(body.nodes, costs, strict=True):
@@ -135,14 +137,14 @@ def readiness(loop: Node) -> list[Readiness]:
     return found
 
 
-def _node_compute(node: Node) -> float:
+def _node_compute(node: Node, topology: Any) -> float:
     """Estimated compute seconds of one run of `node`, nested regions included."""
     if node.is_collective:
         return 0.0
     if not node.regions:
-        return compute_seconds(node)
+        return compute_seconds(node, topology)
     return sum(
-        trips * compute_seconds(inner)
+        trips * compute_seconds(inner, topology)
         for region, times in regions_per_step(node)
         for inner, trips in walk_per_step(region, times)
         if not inner.is_collective and not inner.regions

@@ -16,21 +16,26 @@ from xla_strategies.passes.ir import Graph, Node, Value
 from xla_strategies.passes.traits import Trait
 from xla_strategies.passes.walk import regions_per_step
 
-FLOPS_PER_S = 1e12  # rough device rates for compute estimates
+# Rough device rates for compute estimates on unknown hardware (no topology, or one whose
+# file gives no rate); a topology's own peak flops and memory bandwidth win.
+FLOPS_PER_S = 1e12
 BYTES_PER_S = 1e11
 COLLECTIVE_BYTES_PER_S = 1e10  # without a topology
 _COMPUTE, _COLLECTIVES = 1, 2
 
 
-def compute_seconds(node: Node) -> float:
-    """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes."""
+def compute_seconds(node: Node, topology: Any = None) -> float:
+    """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes,
+    at the topology's peak flops and memory bandwidth where it knows them."""
     out = sum(v.size for v in node.outputs)
     flops = out
     if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
         contracting = node.attrs.get("dimension_numbers", [[[], []]])[0][0]
         flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
     moved = sum(v.nbytes for v in node.inputs + node.outputs)
-    return max(flops / FLOPS_PER_S, moved / BYTES_PER_S)
+    peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S
+    bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
+    return max(flops / peak, moved / bandwidth)
 
 
 class _Timeline:
@@ -56,7 +61,7 @@ class _Timeline:
             if node.regions:
                 end = self.loop(node, start)
             else:
-                end = start + compute_seconds(node)
+                end = start + compute_seconds(node, self.topology)
                 if node.op not in ("constant", "pvary"):
                     self.event(node.op, _COMPUTE, start, end)
                     self.busy += end - start

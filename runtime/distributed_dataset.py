@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from xla_strategies.runtime.host_batch import SKIP, HostBatch, prepare
 from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.runtime.prefetch import Producer
+from xla_strategies.trees import abstract_like
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
@@ -37,11 +38,14 @@ class DistributedDataset:
         self._options = options or InputOptions()
         self._sharding = NamedSharding(strategy.mesh, strategy.input_spec(True))
         self._divisor = strategy.num_replicas_in_sync
+        self._abstract = strategy.compile_only
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self._dataset, self._options, self._divisor, self._place)
 
-    def _place(self, array: np.ndarray) -> jax.Array:
+    def _place(self, array: np.ndarray) -> jax.Array | jax.ShapeDtypeStruct:
+        if self._abstract:  # a compile-only strategy's batches are abstract
+            return abstract_like(array, self._sharding)
         if jax.process_count() == 1:
             return jax.device_put(array, self._sharding)
         return jax.make_array_from_callback(array.shape, self._sharding, lambda index: array[index])

@@ -189,8 +189,10 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
         "0005.mirrored.after_shard-weight-updates.txt",
         "0006.mirrored.after_combine-all-reduces.txt",
         "compiled.hlo.txt",
+        "compiled_report.json",
         "ledger.json",
         "stablehlo.mlir",
+        "summary.txt",
         "timeline.json",
     ]
 

@@ -3,7 +3,9 @@
 Every leaf of a step's arguments is one of:
 
 - an array (`jax.Array`, numpy array, Python int/float/complex), traced; its `Layout` says
-  where it lives and so what each replica sees of it;
+  where it lives and so what each replica sees of it. An abstract one (a
+  `jax.ShapeDtypeStruct`, with the sharding that says its layout) is traced too, for
+  `step.lower(...)`;
 - static: declared with `static_argnums`/`static_argnames`, or any other leaf (a bool flag,
   a string, a function, an equinox module's activation). Static leaves are part of the cache
   key, so they must be hashable, and the step closes over them, as with `jax.jit`'s static
@@ -121,7 +123,7 @@ def is_traced(leaf: Any) -> bool:
     if isinstance(leaf, bool):
         return False
     return isinstance(
-        leaf, jax.Array | np.ndarray | np.generic | int | float | complex
+        leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic | int | float | complex
     ) or is_foreign_array(leaf)
 
 
@@ -156,6 +158,12 @@ def flatten_arguments(
             )
         if is_foreign_array(leaf):  # read on the host, then placed like a numpy array
             leaf = np.asarray(leaf)
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract: lowered, never run
+            layout = layout_of(leaf)
+            spec = ArraySpec(leaf.shape, _dtype_name(leaf.dtype), layout, None, leaf.weak_type)
+            specs.append(spec)
+            arrays.append(leaf)
+            continue
         number = not isinstance(leaf, jax.Array | np.ndarray | np.generic)
         # A Python number is weakly typed, and one out of range fails, as under jax.jit.
         array = jnp.asarray(leaf) if number else leaf

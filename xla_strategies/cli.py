@@ -1,4 +1,4 @@
-"""The `xla-strategies` command line: demo, dump, show, opt, ledger."""
+"""The `xla-strategies` command line: demo, dump, aot, show, opt, ledger."""
 
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ def _parser() -> argparse.ArgumentParser:
         "--stop-after-compile", action="store_true", help="exit once the first step compiled"
     )
     dump.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+    aot = commands.add_parser(
+        "aot",
+        help="compile a script's first step for a TPU topology, without TPUs",
+        usage="xla-strategies aot --topology v5e-256 [--out DIR] -- python train.py ARGS...",
+    )
+    aot.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e-256, 2xv5p-512")
+    aot.add_argument("--out", default="aot_dumps", help="dump directory (default: aot_dumps)")
+    aot.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
     show = commands.add_parser("show", help="show a dumped step's IR")
     show.add_argument("directory")

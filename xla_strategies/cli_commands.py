@@ -1,4 +1,4 @@
-"""The `xla-strategies` subcommands: dump, show, opt and ledger."""
+"""The `xla-strategies` subcommands: dump, aot, show, opt and ledger."""
 
 from __future__ import annotations
 
@@ -21,34 +21,64 @@ from xla_strategies.run_until_compiled import runs_in_process
 
 def dump(args: Namespace) -> int:
     """Run the user's script with dumping on, then print an index of what was dumped."""
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise SystemExit("dump: give the command to run after --, e.g. -- python train.py")
     if args.pipeline:
         parse_spec(args.pipeline)  # fail before running anything
-    out = Path(args.out)
-    env = dict(os.environ)
-    env[dumping.DUMP_TO] = str(out.resolve())
+    env = {}
     if args.print_ir_after_all or args.print_ir_after_change:
         env[dumping.PRINT_IR] = "all" if args.print_ir_after_all else "change"
     if args.pipeline:
         env[dumping.PIPELINE] = args.pipeline
-    if args.stop_after_compile:
+    returncode = _run_dumped("dump", args.command, Path(args.out), env, args.stop_after_compile)
+    if returncode == 0:
+        print_index(Path(args.out))
+    return returncode
+
+
+def aot(args: Namespace) -> int:
+    """Compile the script's first TPUStrategy step for a TPU topology, on this machine,
+    and print what XLA's TPU compiler says of it: does it fit, and its communication."""
+    from xla_strategies.topology import Topology, hardware_config
+    from xla_strategies.tpu import AOT_TOPOLOGY
+
+    topology = Topology.from_name(args.topology)
+    if hardware_config(topology.hardware)["kind"] != "tpu":
+        raise ValueError(f"--topology {args.topology!r} is not a TPU topology (e.g. v5e-256)")
+    env = {AOT_TOPOLOGY: topology.name, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    out = Path(args.out)
+    returncode = _run_dumped("aot", args.command, out, env, stop_after_compile=True)
+    summaries = [step.directory / "summary.txt" for step in steps(out)] if out.is_dir() else []
+    for summary in (s for s in summaries if s.is_file()):
+        print(summary.read_text(), end="")
+    if returncode == 0 and not summaries:
+        print(
+            "xla-strategies aot: the script compiled no TPUStrategy step; it must build its "
+            "strategy with xs.TPUStrategy(...) and call a compiled step",
+            file=sys.stderr,
+        )
+        return 1
+    return returncode
+
+
+def _run_dumped(
+    name: str, command: list[str], out: Path, env: dict[str, str], stop_after_compile: bool
+) -> int:
+    """Run `command` with dumping to `out` and `env` on; its exit code."""
+    command = command[1:] if command and command[0] == "--" else list(command)
+    if not command:
+        raise SystemExit(f"{name}: give the command to run after --, e.g. -- python train.py")
+    env = {**os.environ, dumping.DUMP_TO: str(out.resolve()), **env}
+    if stop_after_compile:
         env[dumping.STOP_AFTER_COMPILE] = "1"
         if runs_in_process(command):  # it stops by raising; this runner exits cleanly
             command = [sys.executable, "-m", "xla_strategies.run_until_compiled", *command]
     returncode = subprocess.run(command, env=env).returncode
     if returncode != 0:
         print(
-            f"xla-strategies dump: the script failed with exit code {returncode}; "
+            f"xla-strategies {name}: the script failed with exit code {returncode}; "
             "its output and traceback are above",
             file=sys.stderr,
         )
-        return returncode
-    print_index(out)
-    return 0
+    return returncode
 
 
 def print_index(out: Path) -> None:
@@ -150,4 +180,4 @@ def ledger(args: Namespace) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_PIPELINE", "dump", "ledger", "opt", "show"]
+__all__ = ["DEFAULT_PIPELINE", "aot", "dump", "ledger", "opt", "show"]

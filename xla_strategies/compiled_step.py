@@ -25,6 +25,7 @@ from xla_strategies.arguments import (
     argument_paths,
     flatten_arguments,
 )
+from xla_strategies.compile_program import LoweredStep
 from xla_strategies.context import ReplicaContext, replica_scope
 from xla_strategies.dispatch_pacing import CPU_PACER
 from xla_strategies.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
@@ -37,7 +38,7 @@ from xla_strategies.passes.pipeline import PassPipeline, with_pass, without_pass
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import DeclaredState, declared_outputs, donated_state, state_pairs
-from xla_strategies.trees import copy_to
+from xla_strategies.trees import abstract_like, copy_to
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
@@ -136,6 +137,19 @@ class CompiledStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, signature = self._flatten(args, kwargs)
+        abstract = self.strategy.compile_only or any(
+            isinstance(leaf, jax.ShapeDtypeStruct) for leaf in flat
+        )
+        if abstract and not DumpOptions.from_env().stop_after_compile:
+            what = (
+                f"{self.strategy!r} only compiles"
+                if self.strategy.compile_only
+                else "its arguments are abstract (jax.ShapeDtypeStruct)"
+            )
+            raise TypeError(
+                f"{self.name} cannot run: {what}. Use {self.name}.lower(*args).compile() for "
+                "the executable, or xla-strategies aot for a summary of it"
+            )
         executable = self._executable(signature)
         pacer = CPU_PACER if self.strategy.devices_share_host_cores else None
         if pacer is not None:
@@ -150,11 +164,15 @@ class CompiledStep:
             pacer.after_dispatch(outs)
         return executable.outputs.join(outs)
 
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """The `jax.stages.Lowered` program for these arguments."""
+    def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
+        """The lowered program for these arguments, as `jax.jit(...).lower` gives it:
+        arrays or abstract `jax.ShapeDtypeStruct`s whose sharding says their layout (none:
+        mirrored; `strategy.split_sharding()`: a global batch). Its `compile()` returns the
+        executable for the strategy's devices: a TPU executable on a compile-only strategy."""
         flat, signature = self._flatten(args, kwargs)
         executable = self._executable(signature)
-        return executable.run.lower(*self._place(flat, executable))
+        lowered = executable.run.lower(*self._place(flat, executable))
+        return LoweredStep.of(lowered, self.strategy, self.name)
 
     def graph(self, *args: Any, after: str = "capture", **kwargs: Any) -> Graph:
         """The IR for these arguments after capture or after the pass named `after`."""
@@ -193,7 +211,7 @@ class CompiledStep:
             leaf if sharding is None else _put(leaf, sharding)
             for leaf, sharding in zip(flat, executable.placements, strict=True)
         ]
-        if executable.donated:
+        if executable.donated and not self.strategy.compile_only:
             uses = Counter(id(leaf) for leaf in placed)
             for index in executable.donated:
                 if uses[id(placed[index])] > 1:
@@ -320,6 +338,8 @@ class CompiledStep:
 
 
 def _put(leaf: Any, sharding: NamedSharding) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return abstract_like(leaf, sharding)
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
     return copy_to(leaf, sharding)  # a copy where the program reads it

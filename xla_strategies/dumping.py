@@ -3,7 +3,8 @@
 `xla-strategies dump` sets these for the user's script; they also work by hand:
 
     XLA_STRATEGIES_DUMP_TO=DIR            write DIR/<step>/ (IR after every pass, ledger,
-                                          timeline, StableHLO, compiled HLO)
+                                          timeline, StableHLO, compiled HLO, XLA's memory,
+                                          collectives and step estimate)
     XLA_STRATEGIES_PRINT_IR=all|change    print the IR after every pass (or after changes)
     XLA_STRATEGIES_PIPELINE=SPEC          run SPEC instead of the strategy's pipeline
     XLA_STRATEGIES_STOP_AFTER_COMPILE=1   raise xs.errors.StoppedAfterCompile once the first
@@ -21,6 +22,8 @@ from typing import Any
 
 import jax
 
+from xla_strategies.compile_program import compile_lowered
+from xla_strategies.compiled_report import compiled_report, summary_text
 from xla_strategies.passes.dump import IRDumper, IRPrinter
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_lowering import input_shardings
@@ -57,7 +60,7 @@ class StepDump:
     instruments (timer, IR printer, IR dumper, ledger), then the artifacts."""
 
     def __init__(self, options: DumpOptions, name: str, strategy: Any) -> None:
-        self.options, self.strategy = options, strategy
+        self.options, self.strategy, self.name = options, strategy, name
         self.directory = step_directory(options.directory, name) if options.directory else None
         self.ledger = LedgerRecorder(strategy.topology)
 
@@ -81,7 +84,7 @@ class StepDump:
             graph, strategy.mesh, strategy.stacked_mesh, strategy.sharded_mesh
         )
         args = abstract([(a.shape, a.dtype) for a in arrays], shardings)
-        write_artifacts(self.directory, graph, run, args, self.ledger, self.strategy.topology)
+        write_artifacts(self.directory, graph, run, args, self.ledger, strategy, self.name)
 
 
 def step_directory(root: Path, name: str) -> Path:
@@ -106,16 +109,24 @@ def write_artifacts(
     run: Any,
     abstract_args: list[Any],
     ledger: LedgerRecorder,
-    topology: Any,
+    strategy: Any,
+    name: str,
 ) -> None:
-    """Write the ledger, the timeline, the StableHLO and XLA's compiled HLO of one step."""
+    """Write the ledger, the timeline, the StableHLO, XLA's compiled HLO of one step and
+    what XLA says of it (`compiled_report.json`, `summary.txt`: memory per chip, the
+    collectives kept, the step estimate)."""
     directory.mkdir(parents=True, exist_ok=True)
-    lowered = run.lower(*abstract_args)
-    (directory / "stablehlo.mlir").write_text(lowered.as_text(debug_info=True))
-    (directory / "compiled.hlo.txt").write_text(lowered.compile().as_text())
+    topology = strategy.topology
     (directory / "ledger.json").write_text(json.dumps(ledger.to_json(), indent=1) + "\n")
     (directory / "timeline.json").write_text(json.dumps(chrome_trace(graph, topology)) + "\n")
     _WRITTEN.add(directory)
+    lowered = run.lower(*abstract_args)
+    (directory / "stablehlo.mlir").write_text(lowered.as_text(debug_info=True))
+    compiled = compile_lowered(lowered.compile, strategy, name)
+    (directory / "compiled.hlo.txt").write_text(compiled.as_text())
+    report = compiled_report(compiled, strategy)
+    (directory / "compiled_report.json").write_text(json.dumps(report.to_json(), indent=1))
+    (directory / "summary.txt").write_text(summary_text(report, name) + "\n")
 
 
 def abstract(shapes: list[tuple[tuple[int, ...], str]], shardings: list[Any]) -> list[Any]:

@@ -17,3 +17,8 @@ class StoppedAfterCompile(BaseException):  # noqa: N818 - a signal, like Keyboar
     A BaseException, so a script's `except Exception` does not swallow it.
     `xla-strategies dump --stop-after-compile` catches it and exits cleanly; the library
     never exits the process itself."""
+
+
+class OutOfMemoryError(MemoryError):
+    """XLA found at compile time that a step does not fit the chip's memory. The message
+    names the topology, the chip's HBM, the bytes XLA needs and what shrinks them."""

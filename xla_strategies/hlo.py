@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from xla_strategies.passes.ir import itemsize
 
-_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"=\s*(.*?)\s([a-z\-]+)\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -25,7 +25,8 @@ class _Computation:
     calls: list[tuple[str, int]] = field(default_factory=list)  # (callee, times per call)
 
 
-def _bytes(types: str) -> int:
+def hlo_bytes(types: str) -> int:
+    """The bytes of every array in an HLO type (`f32[8,4]`, a tuple of them)."""
     total = 0
     for dtype, dims in _ARRAY.findall(types):
         total += math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
@@ -45,9 +46,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
         if not found:
             continue
         types, opcode = found.group(1), found.group(2).removesuffix("-start")
-        if opcode in _COLLECTIVES:
+        if opcode in COLLECTIVES:
             current.collectives[opcode] += 1
-            current.nbytes[opcode] += _bytes(types)
+            current.nbytes[opcode] += hlo_bytes(types)
         trips = _TRIP.search(line)
         for callee in _CALLEE.findall(line):
             times = (
@@ -65,7 +66,7 @@ def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
     total: Counter[str] = Counter()
     for computation in computations.values():
         total.update(computation.collectives)
-    return {kind: total[kind] for kind in _COLLECTIVES}
+    return {kind: total[kind] for kind in COLLECTIVES}
 
 
 def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -87,4 +88,4 @@ def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         return memo[name]
 
     counts, nbytes = run(entry) if entry else (Counter(), Counter())
-    return {kind: {"count": counts[kind], "bytes": nbytes[kind]} for kind in _COLLECTIVES}
+    return {kind: {"count": counts[kind], "bytes": nbytes[kind]} for kind in COLLECTIVES}

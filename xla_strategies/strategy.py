@@ -43,7 +43,7 @@ from xla_strategies.runtime.distributed_dataset import (
     DistributedDatasetFromFunction,
 )
 from xla_strategies.runtime.input_options import InputContext, InputOptions
-from xla_strategies.trees import copy_to, map_arrays
+from xla_strategies.trees import abstract_like, copy_to, map_arrays
 
 
 class Strategy:
@@ -182,6 +182,19 @@ class Strategy:
         with strategy_scope(self), models_compiled_in(self):
             yield self
 
+    @property
+    def compile_only(self) -> bool:
+        """Whether the strategy's devices only compile (`TPUStrategy(compile_only=True)`):
+        its values are abstract `jax.ShapeDtypeStruct`s that carry their sharding, and its
+        steps are lowered and compiled, never run."""
+        return False
+
+    def split_sharding(self) -> NamedSharding:
+        """Where a global batch lives: dim 0 split across the replicas (what
+        `experimental_distribute_dataset` yields; a `jax.ShapeDtypeStruct` with it is an
+        abstract batch)."""
+        return NamedSharding(self._mesh, self.input_spec(True))
+
     def state_sharding(self) -> jax.sharding.Sharding:
         """Where state (parameters, optimizer state) lives between steps: on every replica."""
         return NamedSharding(self._mesh, PartitionSpec())
@@ -190,7 +203,14 @@ class Strategy:
         """Copy every array of `tree` to where this strategy keeps state (mirrored on all
         replicas, except for CentralStorageStrategy's parameter device)."""
         sharding = self.state_sharding()
-        return map_arrays(lambda a, _: copy_to(a, sharding), tree, "replicate(tree)")
+        return map_arrays(lambda a, _: self.place(a, sharding), tree, "replicate(tree)")
+
+    def place(self, array: Any, sharding: jax.sharding.Sharding) -> Any:
+        """A copy of `array` with `sharding`; abstract (a `jax.ShapeDtypeStruct`) when the
+        strategy only compiles or `array` is abstract already."""
+        if self.compile_only or isinstance(array, jax.ShapeDtypeStruct):
+            return abstract_like(array, sharding)
+        return copy_to(array, sharding)
 
     def root_copy(self, array: jax.Array) -> jax.Array:
         """The correct copy of a step output that only one replica holds (`rooted`)."""

@@ -52,6 +52,8 @@ class Topology:
     memory_bandwidth: float | None = None
     #: each device's dense bf16 matmul peak (flop/s); None where the file gives none
     peak_flops: float | None = None
+    #: each device's memory (bytes), which a compiled program must fit; None where unknown
+    hbm_bytes: int | None = None
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -74,7 +76,21 @@ class Topology:
             axes = _node_axes(config, count)
         memory = config.get("memory_bandwidth_bytes_per_s")
         flops = config.get("peak_bf16_flops_per_s")
-        return cls(name, found["hardware"], tuple(axes), memory, flops)
+        return cls(name, found["hardware"], tuple(axes), memory, flops, config.get("hbm_bytes"))
+
+    @property
+    def slice_count(self) -> int:
+        """How many slices (or nodes) the topology joins over its slowest network."""
+        return self.mesh_axes.get("dcn", self.mesh_axes.get("host", 1))
+
+    @property
+    def libtpu_name(self) -> str:
+        """One slice's name as XLA's TPU compiler takes it (`v5e:16x16`, `v4:2x2x1`)."""
+        config = hardware_config(self.hardware)
+        if config["kind"] != "tpu":
+            raise ValueError(f"{self.name} is not a TPU topology")
+        shape = [a.size for a in self.axes if a.level == "ici"]
+        return f"{self.hardware}:{'x'.join(map(str, shape))}"
 
     @property
     def mesh_axes(self) -> dict[str, int]:

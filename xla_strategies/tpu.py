@@ -3,11 +3,16 @@
 The mesh has one axis per ICI torus dimension ("x", "y"[, "z"]), plus "dcn" across slices,
 so the compiler can decompose each reduction along the interconnect (decompose-all-reduces,
 driven by the topology's cost model). With `emulate=True` the same mesh is laid out on
-emulated CPU devices, so the program and passes run on a machine without TPUs.
+emulated CPU devices, so the program and passes run on a machine without TPUs. With
+`compile_only=True` the mesh is of the devices XLA's TPU compiler (libtpu) describes for
+the topology: steps lower and compile for the real slice on any machine, and nothing runs.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
 from typing import Any
 
 import jax
@@ -25,27 +30,57 @@ class TPUStrategy(Strategy):
         topology: a `Topology` or its name ("v5e-16", "2xv5p-512"). Detected from the TPU
             devices when None; required with `emulate`.
         emulate: lay the topology out on emulated CPU devices (as many as it has chips).
+        compile_only: lay it out on the devices XLA's TPU compiler describes for it, on a
+            machine with or without TPUs (`pip install 'xla-strategies[tpu]'`): a step's
+            `lower(...).compile()` returns a TPU executable, and calling it is an error.
+            `xla-strategies aot --topology NAME` makes every TPUStrategy of a script
+            compile-only for NAME (the environment variable `AOT_TOPOLOGY`).
     """
 
     default_pipeline = DEFAULT_PIPELINE + ",decompose-all-reduces"
     pipeline_label = "tpu"
 
-    def __init__(self, topology: Topology | str | None = None, emulate: bool = False) -> None:
+    def __init__(
+        self,
+        topology: Topology | str | None = None,
+        emulate: bool = False,
+        compile_only: bool = False,
+    ) -> None:
+        if os.environ.get(AOT_TOPOLOGY):  # `xla-strategies aot`: the script's own topology
+            topology, emulate, compile_only = os.environ[AOT_TOPOLOGY], False, True
         if isinstance(topology, str):
             topology = Topology.from_name(topology)
+        if emulate and compile_only:
+            raise ValueError("TPUStrategy: emulate and compile_only exclude each other")
         if emulate:
             devices = _emulated_devices(topology)
+        elif compile_only:
+            devices = _slice_mesh(topology, _compile_only_devices(topology))
         else:
-            devices, topology = _tpu_devices(topology)
+            tpus = [d for d in jax.devices() if d.platform == "tpu"]
+            topology = _check_tpus(topology, tpus)
+            devices = _slice_mesh(topology, tpus)
         self._topology = topology
+        self._compile_only = compile_only
         super().__init__(devices, tuple(topology.mesh_axes))
+
+    @property
+    def compile_only(self) -> bool:
+        return self._compile_only
 
     @property
     def topology(self) -> Topology:
         return self._topology
 
     def __repr__(self) -> str:
-        return f"TPUStrategy({self._topology}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        only = ", compile_only=True" if self._compile_only else ""
+        return (
+            f"TPUStrategy({self._topology}, num_replicas_in_sync={self.num_replicas_in_sync}{only})"
+        )
+
+
+#: Set by `xla-strategies aot`: every TPUStrategy is compile-only for this topology.
+AOT_TOPOLOGY = "XLA_STRATEGIES_AOT_TOPOLOGY"
 
 
 def _emulated_devices(topology: Topology | None) -> np.ndarray:
@@ -63,7 +98,58 @@ def _emulated_devices(topology: Topology | None) -> np.ndarray:
     return np.asarray(devices[:needed], dtype=object).reshape(tuple(topology.mesh_axes.values()))
 
 
-# TPU-only below: runs where jax.devices() are TPU chips.
+def _compile_only_devices(topology: Topology | None) -> list[Any]:
+    """The chips XLA's TPU compiler describes for `topology`, one device per chip."""
+    if topology is None:
+        raise ValueError("TPUStrategy(compile_only=True) needs a topology, e.g. 'v5e-256'")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ImportError(
+            "TPUStrategy(compile_only=True) compiles with XLA's TPU compiler, which the "
+            "libtpu package provides: pip install 'xla-strategies[tpu]'"
+        )
+    from jax.experimental import topologies
+
+    if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
+        # no TPU chips here to guard: let other processes compile too (libtpu otherwise
+        # holds a lock file for the process that loaded it first)
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    description = topologies.get_topology_desc(
+        topology_name=topology.libtpu_name, platform="tpu", num_slices=topology.slice_count
+    )
+    # libtpu describes v4 without megacore, a device per TensorCore: one per chip
+    return [d for d in description.devices if getattr(d, "core_on_chip", 0) == 0]
+
+
+# Real TPUs below: runs where jax.devices() are TPU chips.
+
+
+def _check_tpus(topology: Topology | None, tpus: list[Any]) -> Topology:
+    if not tpus:
+        kinds = sorted({d.platform for d in jax.devices()})
+        raise RuntimeError(
+            f"TPUStrategy found no TPU devices (JAX sees {', '.join(kinds)}); on a machine "
+            "without TPUs use TPUStrategy('<topology>', emulate=True), e.g. 'v5e-16', or "
+            "compile_only=True"
+        )
+    topology = topology or _detect(tpus)
+    if topology.num_devices != len(tpus):
+        raise ValueError(
+            f"{topology} has {topology.num_devices} chips but JAX sees {len(tpus)} TPUs"
+        )
+    return topology
+
+
+def _slice_mesh(topology: Topology, tpus: list[Any]) -> np.ndarray:
+    """The chips laid out as the topology's mesh axes, as on the real slices."""
+    from jax.experimental import mesh_utils
+
+    sizes = topology.mesh_axes
+    ici = [size for axis, size in sizes.items() if axis != "dcn"]
+    if "dcn" in sizes:
+        dcn = [sizes["dcn"]] + [1] * len(ici)
+        return mesh_utils.create_hybrid_device_mesh([1, *ici], dcn, tpus)
+    return mesh_utils.create_device_mesh(ici, tpus)
+
 
 _GENERATIONS = {
     "tpu v4": "v4",
@@ -75,29 +161,6 @@ _GENERATIONS = {
     "tpu v6e": "v6e",
 }
 _NAMED_BY_CORES = {"v4", "v5p"}  # their slice names count TensorCores, two per chip
-
-
-def _tpu_devices(topology: Topology | None) -> tuple[np.ndarray, Topology]:
-    tpus = [d for d in jax.devices() if d.platform == "tpu"]
-    if not tpus:
-        kinds = sorted({d.platform for d in jax.devices()})
-        raise RuntimeError(
-            f"TPUStrategy found no TPU devices (JAX sees {', '.join(kinds)}); on a machine "
-            "without TPUs use TPUStrategy('<topology>', emulate=True), e.g. 'v5e-16'"
-        )
-    topology = topology or _detect(tpus)
-    if topology.num_devices != len(tpus):
-        raise ValueError(
-            f"{topology} has {topology.num_devices} chips but JAX sees {len(tpus)} TPUs"
-        )
-    from jax.experimental import mesh_utils
-
-    sizes = topology.mesh_axes
-    ici = [size for axis, size in sizes.items() if axis != "dcn"]
-    if "dcn" in sizes:
-        dcn = [sizes["dcn"]] + [1] * len(ici)
-        return mesh_utils.create_hybrid_device_mesh([1, *ici], dcn, tpus), topology
-    return mesh_utils.create_device_mesh(ici, tpus), topology
 
 
 def _detect(tpus: list[Any]) -> Topology:

@@ -25,7 +25,7 @@ def is_foreign_array(leaf: Any) -> bool:
 def as_array(leaf: Any, where: str | Callable[[], str]) -> Any:
     """Return `leaf` as an array (jax.Array kept as is); raise TypeError naming `where`
     (a string, or a function making it, so hot paths format it only on error)."""
-    if isinstance(leaf, jax.Array | np.ndarray | np.generic):
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
         return leaf
     if isinstance(leaf, bool | int | float | complex) or is_foreign_array(leaf):
         return np.asarray(leaf)
@@ -45,6 +45,14 @@ def map_arrays(fn: Callable[[Any, str], Any], tree: Any, prefix: str) -> Any:
         where = path_str(prefix, path)
         results.append(fn(as_array(leaf, where), where))
     return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def abstract_like(array: Any, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
+    """`array`'s shape and dtype with `sharding`, as a compile-only strategy holds values."""
+    if isinstance(array, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
+    dtype = jax.dtypes.canonicalize_dtype(np.result_type(array))  # a Python float: f32
+    return jax.ShapeDtypeStruct(np.shape(array), dtype, sharding=sharding)
 
 
 def copy_to(array: Any, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -1,0 +1,186 @@
+"""What XLA's TPU compiler says of real training steps on TPU pods, compiled on this machine
+without a TPU (`TPUStrategy(compile_only=True)`, libtpu).
+
+For each model and topology, three programs of the same train step (adamw, f32 master
+weights, bf16 compute):
+
+- (a) ours: `strategy.compile` with the default pipeline (the cost model decides
+  weight-update sharding);
+- (b) ours with `shard_weight_updates=True`;
+- (c) the peer a JAX user writes: `jax.jit` with `NamedSharding`s, the batch split and the
+  parameters replicated; where that does not fit the chip, MaxText-style FSDP shardings
+  (every parameter and its optimizer state split over all chips on its largest dimension).
+
+Per cell, from the compiled executable: memory per chip and whether it fits, the
+collectives XLA kept (count and bytes per step), the estimated step and its exposed
+communication, and the compile time.
+
+    python -m benchmarks.tpu_aot                              # every model and topology
+    python -m benchmarks.tpu_aot --models gpt2-medium --topologies v5e-256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+import xla_strategies as xs
+from benchmarks.tpu_models import WORKLOADS
+from xla_strategies.compile_program import compile_lowered
+from xla_strategies.compiled_report import compiled_report
+
+RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
+TOPOLOGIES = ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512")
+VARIANTS = ("a", "b", "c")
+
+
+def abstract_state(workload: Any, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+    """The model's parameters (and other state) and the optimizer state, as shapes only."""
+    variables = jax.eval_shape(workload.init)
+    params = variables["params"] if "batch_stats" in variables else variables
+    return variables, jax.eval_shape(tx.init, params)
+
+
+def ours(strategy: Any, workload: Any, variant: str) -> Any:
+    tx = optax.adamw(1e-4)
+    variables, opt_state = abstract_state(workload, tx)
+    state = strategy.replicate(variables), strategy.replicate(opt_state)
+    batch = _batch(strategy, workload)
+    step = strategy.compile(
+        workload.step(tx, "batch"),
+        axis_name="batch",
+        donate_argnums=(0, 1),
+        shard_weight_updates=True if variant == "b" else None,
+        name=f"{workload.name} ({variant})",
+    )
+    return step.lower(*state, batch).compile()
+
+
+def peer(strategy: Any, workload: Any, fsdp: bool) -> Any:
+    """Plain `jax.jit` on the same chips: data parallel, or FSDP shardings."""
+    tx = optax.adamw(1e-4)
+    variables, opt_state = abstract_state(workload, tx)
+    mesh = strategy.mesh
+    place = _fsdp_sharding(mesh) if fsdp else (lambda leaf: NamedSharding(mesh, PartitionSpec()))
+    state = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=place(leaf)),
+        (variables, opt_state),
+    )
+    batch = _batch(strategy, workload)
+    shardings = jax.tree.map(lambda s: s.sharding, (*state, batch))
+    step = jax.jit(
+        workload.step(tx, None),
+        in_shardings=shardings,
+        out_shardings=(shardings[0], shardings[1], NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=(0, 1),
+    )
+    name = f"{workload.name} (c{' fsdp' if fsdp else ''})"
+    return compile_lowered(step.trace(*state, batch).lower().compile, strategy, name)
+
+
+def _fsdp_sharding(mesh: Any) -> Any:
+    """MaxText's FSDP: a leaf split over every chip on its largest dimension that divides."""
+    chips, axes = mesh.devices.size, tuple(mesh.axis_names)
+
+    def place(leaf: Any) -> NamedSharding:
+        dims = sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d])
+        for dim in dims:
+            if leaf.shape[dim] % chips == 0:
+                spec = [None] * len(leaf.shape)
+                spec[dim] = axes
+                return NamedSharding(mesh, PartitionSpec(*spec))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return place
+
+
+def _batch(strategy: Any, workload: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    size = workload.batch_per_chip * strategy.num_replicas_in_sync
+    return {
+        key: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=strategy.split_sharding())
+        for key, spec in workload.batch(size).items()
+    }
+
+
+def cell(strategy: Any, workload: Any, variant: str) -> dict[str, Any]:
+    """One compile, summarised; an out-of-memory refusal is a cell that does not fit."""
+    try:
+        if variant == "c":
+            try:
+                compiled, label = peer(strategy, workload, fsdp=False), "jit DP"
+            except xs.errors.OutOfMemoryError:
+                compiled, label = peer(strategy, workload, fsdp=True), "jit FSDP"
+        else:
+            compiled, label = ours(strategy, workload, variant), variant
+    except xs.errors.OutOfMemoryError as exc:
+        return {"variant": variant, "program": variant, "fits": False, "error": str(exc)[:300]}
+    report = compiled_report(compiled, strategy)
+    estimate = report.estimate
+    return {
+        "variant": variant,
+        "program": label,
+        "fits": report.fits,
+        "memory_gib": report.memory.total_bytes / 2**30,
+        "temp_gib": report.memory.temp_bytes / 2**30,
+        "collectives": sum(c.times for c in report.collectives),
+        "collective_bytes": sum(c.times * c.nbytes for c in report.collectives),
+        "kinds": sorted({c.kind for c in report.collectives}),
+        "asynchronous": sum(1 for c in report.collectives if c.asynchronous),
+        "step_ms": 1e3 * (estimate["step_s"] or math.nan),
+        "compute_ms": 1e3 * (estimate["compute_s"] or math.nan),
+        "exposed_share": (estimate["exposed_s"] or 0.0) / (estimate["step_s"] or math.inf),
+        "compile_s": report.compile_seconds,
+    }
+
+
+def measure(models: list[str], topologies: list[str], variants: list[str]) -> list[dict]:
+    rows = []
+    jobs = [(m, t, v) for m in models for t in topologies for v in variants]
+    strategies: dict[str, Any] = {}
+    for model, topology, variant in tqdm(jobs, desc="compile", unit="program"):
+        if topology not in strategies:
+            strategies[topology] = xs.TPUStrategy(topology, compile_only=True)
+        workload = WORKLOADS[model]()
+        row = cell(strategies[topology], workload, variant)
+        rows.append({"model": workload.name, "topology": topology, **row})
+        tqdm.write(_row_text(rows[-1]))
+    return rows
+
+
+def _row_text(r: dict[str, Any]) -> str:
+    head = f"{r['model']:<13}{r['topology']:<11}{r['program']:<9}"
+    if "error" in r:
+        return head + f"does not fit: {r['error']}"
+    return head + (
+        f"{r['memory_gib']:>8.2f} GiB {'fits' if r['fits'] else 'OOM':<5}"
+        f"{r['collectives']:>6} coll {r['collective_bytes'] / 2**20:>10,.1f} MiB"
+        f"{r['step_ms']:>10.2f} ms  exposed {r['exposed_share']:>6.1%}"
+        f"{r['compile_s']:>8.1f} s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    args = parser.parse_args()
+    rows = measure(args.models, args.topologies, args.variants)
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
+    done = {(r["model"], r["topology"], r["variant"]) for r in rows}
+    kept = [r for r in old["rows"] if (r["model"], r["topology"], r["variant"]) not in done]
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
+    print("\n".join(_row_text(r) for r in rows))
+
+
+if __name__ == "__main__":
+    main()

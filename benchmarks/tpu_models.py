@@ -1,0 +1,205 @@
+"""The models the ahead-of-time TPU benchmark compiles, written as flax linen users write
+them: transformer layers under `nn.scan` with `nn.remat`, bf16 compute on f32 parameters,
+and ResNet-50 as flax's own ImageNet example builds it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+COMPUTE = jnp.bfloat16
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab: int
+    width: int
+    heads: int
+    layers: int
+    mlp: int
+    seq_len: int
+    causal: bool = True
+    swiglu: bool = False  # Llama: SwiGLU MLP, RMSNorm, no biases, untied output
+    batch_per_chip: int = 1
+
+
+class Block(nn.Module):
+    cfg: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        cfg = self.cfg
+        norm = partial(nn.RMSNorm if cfg.swiglu else nn.LayerNorm, dtype=COMPUTE)
+        dense = partial(nn.Dense, dtype=COMPUTE, use_bias=not cfg.swiglu)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2])) if cfg.causal else None
+        h = norm()(x)
+        x = x + nn.MultiHeadDotProductAttention(
+            cfg.heads, dtype=COMPUTE, use_bias=not cfg.swiglu, deterministic=True
+        )(h, h, mask=mask)
+        h = norm()(x)
+        if cfg.swiglu:
+            h = nn.silu(dense(cfg.mlp)(h)) * dense(cfg.mlp)(h)
+        else:
+            h = nn.gelu(dense(cfg.mlp)(h))
+        return x + dense(cfg.width)(h), None
+
+
+class Transformer(nn.Module):
+    cfg: TransformerConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab, cfg.width, dtype=COMPUTE)
+        x = embed(tokens)
+        if not cfg.swiglu:
+            x = x + nn.Embed(cfg.seq_len, cfg.width, dtype=COMPUTE)(jnp.arange(tokens.shape[1]))
+        layers = nn.scan(
+            nn.remat(Block),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=cfg.layers,
+        )
+        x, _ = layers(cfg, name="layers")(x, None)
+        x = (nn.RMSNorm if cfg.swiglu else nn.LayerNorm)(dtype=COMPUTE)(x)
+        if cfg.swiglu:
+            return nn.Dense(cfg.vocab, dtype=COMPUTE, use_bias=False)(x)
+        return embed.attend(x)  # GPT-2 and BERT tie the output to the embedding
+
+
+class Bottleneck(nn.Module):
+    """flax's ImageNet example's BottleneckResNetBlock."""
+
+    filters: int
+    strides: tuple[int, int] = (1, 1)
+    axis_name: str | None = None  # statistics over the global batch, as flax's example
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        conv = partial(nn.Conv, use_bias=False, dtype=COMPUTE)
+        norm = partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            dtype=COMPUTE,
+            axis_name=self.axis_name,
+        )
+        residual = x
+        y = nn.relu(norm()(conv(self.filters, (1, 1))(x)))
+        y = nn.relu(norm()(conv(self.filters, (3, 3), self.strides)(y)))
+        y = norm(scale_init=nn.initializers.zeros)(conv(self.filters * 4, (1, 1))(y))
+        if residual.shape != y.shape:
+            residual = norm()(conv(self.filters * 4, (1, 1), self.strides)(residual))
+        return nn.relu(residual + y)
+
+
+class ResNet50(nn.Module):
+    classes: int = 1000
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Conv(64, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False, dtype=COMPUTE)(x)
+        norm = nn.BatchNorm(use_running_average=not train, dtype=COMPUTE, axis_name=self.axis_name)
+        x = nn.relu(norm(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for i, blocks in enumerate((3, 4, 6, 3)):
+            for j in range(blocks):
+                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+                x = Bottleneck(64 * 2**i, strides, self.axis_name)(x, train)
+        return nn.Dense(self.classes, dtype=COMPUTE)(jnp.mean(x, axis=(1, 2)))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model's abstract initial state, one chip's batch, and its train step."""
+
+    name: str
+    init: Callable[[], Any]  # () -> (params, extra state)
+    batch: Callable[[int], dict[str, jax.ShapeDtypeStruct]]  # global batch size -> specs
+    batch_per_chip: int
+    # (tx, axis name of the replicas or None under plain jit) -> step(params, opt, batch)
+    step: Callable[[Any, str | None], Callable[..., Any]]
+
+
+def _lm(name: str, cfg: TransformerConfig) -> Workload:
+    model = Transformer(cfg)
+
+    def init() -> Any:
+        return model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+
+    def batch(size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"tokens": jax.ShapeDtypeStruct((size, cfg.seq_len + 1), jnp.int32)}
+
+    def step(tx: optax.GradientTransformation, axis_name: str | None) -> Callable[..., Any]:
+        def train_step(params, opt_state, batch):
+            tokens = batch["tokens"]
+
+            def loss_fn(p):
+                logits = model.apply({"params": p}, tokens[:, :-1]).astype(jnp.float32)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return train_step
+
+    return Workload(name, init, batch, cfg.batch_per_chip, step)
+
+
+def _resnet50() -> Workload:
+    def init() -> Any:
+        return ResNet50().init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)
+
+    def batch(size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {
+            "image": jax.ShapeDtypeStruct((size, 224, 224, 3), COMPUTE),
+            "label": jax.ShapeDtypeStruct((size,), jnp.int32),
+        }
+
+    def step(tx: optax.GradientTransformation, axis_name: str | None) -> Callable[..., Any]:
+        model = ResNet50(axis_name=axis_name)
+
+        def train_step(variables, opt_state, batch):
+            def loss_fn(params):
+                logits, updates = model.apply(
+                    {"params": params, "batch_stats": variables["batch_stats"]},
+                    batch["image"],
+                    mutable=["batch_stats"],
+                )
+                loss = optax.softmax_cross_entropy_with_integer_labels(
+                    logits.astype(jnp.float32), batch["label"]
+                ).mean()
+                return loss, updates["batch_stats"]
+
+            (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
+            updates, opt_state = tx.update(grads, opt_state, variables["params"])
+            params = optax.apply_updates(variables["params"], updates)
+            return {"params": params, "batch_stats": stats}, opt_state, loss
+
+        return train_step
+
+    return Workload("ResNet-50", init, batch, 32, step)
+
+
+WORKLOADS = {
+    "resnet50": _resnet50,
+    "bert-large": lambda: _lm(
+        "BERT-large",
+        TransformerConfig(30522, 1024, 16, 24, 4096, 512, causal=False, batch_per_chip=8),
+    ),
+    "gpt2-medium": lambda: _lm(
+        "GPT-2 medium", TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8)
+    ),
+    "llama2-7b": lambda: _lm(
+        "Llama-2-7B", TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True)
+    ),
+}

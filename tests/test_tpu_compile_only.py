@@ -1,0 +1,159 @@
+"""XLA's TPU compiler as the judge: TPUStrategy(compile_only=True) lowers and compiles
+steps for real TPU topologies on this machine (libtpu, the `[tpu]` extra), and what the
+executable says (collectives, memory, out-of-memory) is read from it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import xla_strategies as xs
+from xla_strategies.arguments import Layout
+from xla_strategies.compiled_report import compiled_report
+from xla_strategies.hlo import count_hlo_collectives, executed_collectives
+from xla_strategies.passes.collective_stats import collective_summary
+
+pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _adam_step(tx):
+    def step(params, opt_state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(
+            params
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def _abstract_state(strategy, width=256):
+    tx = optax.adam(1e-3)
+    params = {"w1": np.zeros((width, width), np.float32), "w2": np.zeros((width, 4), np.float32)}
+    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    batch = jax.ShapeDtypeStruct((8 * strategy.num_replicas_in_sync, width), jnp.float32)
+    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=strategy.split_sharding())
+    return tx, state, batch
+
+
+@pytest.mark.parametrize("topology", ["v5e-4", "v4-8", "2xv5e-4"])
+def test_a_compile_only_step_is_a_tpu_executable_with_the_planned_collectives(topology):
+    strategy = xs.TPUStrategy(topology, compile_only=True)
+    expected = xs.Topology.from_name(topology)
+    assert strategy.mesh.shape == expected.mesh_axes
+    assert {d.platform for d in strategy.devices} == {"tpu"}
+    tx, state, batch = _abstract_state(strategy)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+    assert strategy.layout(batch) is Layout.SPLIT
+
+    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1), shard_weight_updates=False)
+    compiled = step.lower(*state, batch).compile()
+    hlo = compiled.as_text()
+    assert "T(8,128)" in hlo  # TPU tiled layouts: XLA's TPU backend compiled it
+    planned = collective_summary(step.executable(*state, batch).graph)
+    # the one gradient bucket our passes planned (decomposed per axis on a multislice)
+    kept = executed_collectives(hlo)["all-reduce"]["count"]
+    assert planned["all_reduce_count"] >= 1 and kept >= 1
+    assert kept <= planned["all_reduce_count"] + 1  # the loss's own mean, at most
+
+    report = compiled_report(compiled, strategy)
+    assert report.platform == "tpu" and report.topology == topology
+    assert report.hbm_bytes == expected.hbm_bytes and report.fits
+    assert 0 < report.memory.total_bytes < report.hbm_bytes
+    assert report.memory.alias_bytes > 0  # the donated state is written in place
+    assert report.flops > 0 and report.estimate["step_s"] > 0
+    assert {c.kind for c in report.collectives} >= {"all-reduce"}
+
+
+def test_calling_a_compile_only_step_says_how_to_compile_it():
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx, state, batch = _abstract_state(strategy, width=16)
+    step = strategy.compile(_adam_step(tx))
+    with pytest.raises(TypeError, match=r"only compiles\. Use step\.lower\(\*args\)\.compile\(\)"):
+        step(*state, batch)
+
+
+def test_a_step_too_big_for_the_chip_is_an_out_of_memory_error():
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    w = strategy.replicate(jax.ShapeDtypeStruct((60000, 60000), jnp.float32))
+    x = jax.ShapeDtypeStruct((64, 60000), jnp.float32, sharding=strategy.split_sharding())
+
+    @strategy.compile(donate_argnums=0)
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+    with pytest.raises(xs.errors.OutOfMemoryError) as caught:
+        step.lower(w, x).compile()
+    message = str(caught.value)
+    assert "v5e-4" in message and "16.00 GiB of HBM per chip" in message
+    assert "GB per chip, 15.75GB available" in message and "shard_weight_updates=True" in message
+
+
+def test_abstract_arguments_lower_on_any_strategy_and_do_not_run():
+    mirrored = xs.MirroredStrategy()
+    tx, state, batch = _abstract_state(mirrored, width=16)
+    step = mirrored.compile(_adam_step(tx))
+    compiled = step.lower(*state, batch).compile()
+    assert count_hlo_collectives(compiled.as_text())["all-reduce"] >= 1
+    with pytest.raises(TypeError, match=r"its arguments are abstract"):
+        step(*state, batch)
+    # the same signature with concrete arrays runs the cached program
+    params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), state[0])
+    concrete = mirrored.replicate(params), mirrored.replicate(tx.init(params))
+    data = np.ones(batch.shape, np.float32)
+    x = next(iter(mirrored.experimental_distribute_dataset([data])))
+    _, _, loss = step(*concrete, x)
+    assert step.cache_size == 1 and np.isfinite(np.asarray(loss)).all()
+
+
+def test_without_libtpu_compile_only_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
+    )
+    with pytest.raises(ImportError, match=r"pip install 'xla-strategies\[tpu\]'"):
+        xs.TPUStrategy("v5e-4", compile_only=True)
+
+
+def test_aot_compiles_an_unchanged_training_script_for_a_topology(tmp_path):
+    out = tmp_path / "aot"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "xla_strategies.cli",
+            "aot",
+            "--topology",
+            "v5e-4",
+            "--out",
+            str(out),
+            "--",
+            "python",
+            str(REPO / "examples" / "train_lm_tpu.py"),
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step train_step on v5e-4" in result.stdout
+    assert "memory per chip" in result.stdout and "(fits)" in result.stdout
+    report = json.loads((out / "train_step" / "compiled_report.json").read_text())
+    assert report["platform"] == "tpu" and report["fits"] is True
+    assert report["memory"]["total_bytes"] > 0 and report["collectives"]
+    assert "T(8,128)" in (out / "train_step" / "compiled.hlo.txt").read_text()

@@ -1,0 +1,351 @@
+"""What XLA's compiled program says about a step: memory per chip, the collectives it kept
+(with their bytes, replica groups and XLA's algorithm), and the compute it scheduled behind
+each asynchronous one.
+
+The numbers come from the executable (`memory_analysis()`, `cost_analysis()`, its
+scheduled HLO text), not from our cost model. Where an estimate is needed, it is labelled:
+communication time from the topology's cost model, compute time from `cost_analysis()`'s
+flops at the chip's peak, and the share of that compute XLA scheduled behind each
+asynchronous collective from XLA's own per-op cycle estimates.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from xla_strategies.hlo import COLLECTIVES, hlo_bytes
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z\-]*)\((.*)$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLEE = re.compile(r"(?:body|calls|to_apply|condition)=%([\w.\-]+)")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_ALGORITHM = re.compile(r'"emitter":"(\w+)","strategy":"(\w+)"')
+_GROUPS = re.compile(
+    r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\][^,\s]*|mesh\[[^\]]*\][^,]*)"
+)
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction XLA kept."""
+
+    kind: str
+    name: str
+    computation: str
+    times: int  # per step: a while body's collective runs once per trip
+    nbytes: int  # of its result, per participant
+    group_size: int
+    replica_groups: str
+    algorithm: str | None  # XLA's emitter/strategy, where the backend records one
+    asynchronous: bool
+    overlapped_ops: int  # compute instructions scheduled between its start and done
+    overlapped_cycles: int  # XLA's cycle estimates of those instructions
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-chip bytes from XLA's memory analysis."""
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """What the chip holds at the program's peak: arguments, outputs not aliased to
+        them, temporaries and the program itself (XLA's own out-of-memory sum)."""
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.temp_bytes
+            + self.generated_code_bytes
+        )
+
+    @classmethod
+    def of(cls, stats: Any) -> Memory:
+        return cls(
+            stats.argument_size_in_bytes,
+            stats.output_size_in_bytes,
+            stats.temp_size_in_bytes,
+            stats.alias_size_in_bytes,
+            stats.generated_code_size_in_bytes,
+        )
+
+
+@dataclass
+class CompiledReport:
+    """A compiled step, as XLA compiled it for the strategy's devices."""
+
+    platform: str
+    topology: str | None
+    hbm_bytes: int | None
+    memory: Memory
+    flops: float
+    collectives: list[Collective]
+    compile_seconds: float
+    estimate: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes is None else self.memory.total_bytes <= self.hbm_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["memory"]["total_bytes"] = self.memory.total_bytes
+        data["fits"] = self.fits
+        return data
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of the scheduled HLO, with how often a step runs it and the
+    compute XLA scheduled behind it when it is asynchronous."""
+    computations, entry = _computations(hlo_text)
+    times = _executions(computations, entry)
+    found: list[Collective] = []
+    for name, ops in computations.items():
+        if not times.get(name):
+            continue
+        for position, (op_name, types, opcode, rest) in enumerate(ops):
+            kind = _kind(opcode, rest, computations)
+            if kind is None:
+                continue
+            asynchronous = opcode.endswith("-start")
+            between = _between(ops, position, op_name) if asynchronous else []
+            groups = _GROUPS.search(rest)
+            algorithm = _ALGORITHM.search(rest)
+            found.append(
+                Collective(
+                    kind=kind,
+                    name=op_name,
+                    computation=name,
+                    times=times[name],
+                    nbytes=_result_bytes(types, asynchronous),
+                    group_size=_group_size(groups.group(1) if groups else ""),
+                    replica_groups=groups.group(1) if groups else "",
+                    algorithm="/".join(algorithm.groups()) if algorithm else None,
+                    asynchronous=asynchronous,
+                    overlapped_ops=len(between),
+                    overlapped_cycles=sum(_cycles(rest) for *_, rest in between),
+                )
+            )
+    return found
+
+
+def total_cycles(hlo_text: str) -> int:
+    """XLA's cycle estimates of every instruction a step runs (while bodies per trip)."""
+    computations, entry = _computations(hlo_text)
+    times = _executions(computations, entry)
+    return sum(
+        times.get(name, 0) * sum(_cycles(rest) for *_, rest in ops)
+        for name, ops in computations.items()
+    )
+
+
+_Op = tuple[str, str, str, str]  # name, result types, opcode, the rest of the line
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Op]], str | None]:
+    computations: dict[str, list[_Op]] = {}
+    entry = current = None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+            entry = header.group(1) if line.startswith("ENTRY") else entry
+            continue
+        found = _OP.match(line) if current is not None else None
+        if found:
+            current.append(found.groups())  # type: ignore[arg-type]
+    return computations, entry
+
+
+def _executions(computations: dict[str, list[_Op]], entry: str | None) -> dict[str, int]:
+    """How many times one step runs each computation that is not fused into an op."""
+    times: dict[str, int] = {}
+
+    def visit(name: str, count: int) -> None:
+        times[name] = times.get(name, 0) + count
+        for _, _, opcode, rest in computations.get(name, []):
+            if opcode == "fusion":
+                continue  # its instructions are the fusion's, counted as one op
+            trips = _TRIP.search(rest)
+            for callee in _CALLEE.findall(rest):
+                body = opcode == "while" and f"body=%{callee}" in rest
+                visit(callee, count * (int(trips.group(1)) if body and trips else 1))
+
+    if entry is not None:
+        visit(entry, 1)
+    return times
+
+
+def _kind(opcode: str, rest: str, computations: dict[str, list[_Op]]) -> str | None:
+    base = opcode.removesuffix("-start")
+    if base in COLLECTIVES and not opcode.endswith("-done"):
+        return base
+    if opcode == "async-start":  # an asynchronous wrapper: the collective it calls
+        for callee in _CALLEE.findall(rest):
+            for _, _, inner, inner_rest in computations.get(callee, []):
+                kind = _kind(inner, inner_rest, computations)
+                if kind is not None:
+                    return kind
+    if opcode == "fusion":  # libtpu's async_collective_fusion wraps one collective
+        for callee in _CALLEE.findall(rest):
+            if "collective" in callee:
+                for _, _, inner, inner_rest in computations.get(callee, []):
+                    kind = _kind(inner, inner_rest, computations)
+                    if kind is not None:
+                        return kind
+    return None
+
+
+def _between(ops: list[_Op], start: int, start_name: str) -> list[_Op]:
+    """The compute instructions scheduled after `start` and before the done that reads it."""
+    between = []
+    for op in ops[start + 1 :]:
+        name, _, opcode, rest = op
+        if opcode.endswith("-done") and start_name in _OPERAND.findall(rest.split(")")[0]):
+            return between
+        if opcode not in _BOOKKEEPING and not opcode.endswith(("-start", "-done")):
+            between.append(op)
+    return between
+
+
+def _result_bytes(types: str, asynchronous: bool) -> int:
+    """An asynchronous start's result is a tuple that holds its operands too: count the
+    last element (the result)."""
+    if asynchronous and types.startswith("("):
+        parts = [p for p in re.split(r",\s*(?![^\[]*\])", types.strip("()")) if "[" in p]
+        return hlo_bytes(parts[-1]) if parts else 0
+    return hlo_bytes(types)
+
+
+def _group_size(groups: str) -> int:
+    """Participants per group, from any of XLA's three spellings of replica groups."""
+    if groups.startswith("{{"):
+        return len(groups[2:].split("}")[0].split(","))
+    iota = re.match(r"\[([\d,]+)\]<=", groups)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", groups)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2)))
+    return 0
+
+
+def _cycles(rest: str) -> int:
+    found = _CYCLES.search(rest)
+    return int(found.group(1)) if found else 0
+
+
+def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
+    """Read a step compiled for `strategy`'s devices: memory, flops, collectives, and the
+    step estimate on its topology."""
+    text = compiled.as_text()
+    costs = compiled.cost_analysis() or {}
+    costs = costs[0] if isinstance(costs, list) else costs
+    topology = strategy.topology
+    report = CompiledReport(
+        platform=strategy.devices[0].platform,
+        topology=getattr(topology, "name", None),
+        hbm_bytes=getattr(topology, "hbm_bytes", None),
+        memory=Memory.of(compiled.memory_analysis()),
+        flops=float(costs.get("flops", 0.0)),
+        collectives=collectives(text),
+        compile_seconds=float(getattr(compiled, "compile_seconds", 0.0)),
+    )
+    report.estimate = step_estimate(report, topology, total_cycles(text))
+    return report
+
+
+def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[str, float | None]:
+    """Seconds per step: compute from XLA's flops at the chip's bf16 peak; communication
+    from the topology's cost model per collective XLA kept; exposed communication from
+    XLA's schedule (an asynchronous collective hides behind the share of the compute,
+    by XLA's cycle estimates, scheduled between its start and done). None where the
+    topology does not know a rate."""
+    peak = getattr(topology, "peak_flops", None)
+    compute = report.flops / peak if peak else None
+    if topology is None:
+        return {"compute_s": compute, "communication_s": None, "exposed_s": None, "step_s": None}
+    communication = exposed = 0.0
+    for c in report.collectives:
+        seconds = _collective_seconds(c, topology)
+        hidden = 0.0
+        if c.asynchronous and compute is not None and cycles:
+            hidden = compute * c.overlapped_cycles / cycles
+        communication += c.times * seconds
+        exposed += c.times * max(0.0, seconds - hidden)
+    step = None if compute is None else compute + exposed
+    return {
+        "compute_s": compute,
+        "communication_s": communication,
+        "exposed_s": exposed,
+        "step_s": step,
+    }
+
+
+_COST_OP = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter"}
+
+
+def _collective_seconds(c: Collective, topology: Any) -> float:
+    """The cost model's time for `c` over the fastest axes that hold its group."""
+    op = _COST_OP.get(c.kind, "all_gather")  # all-to-all, permute: one pass of the bytes
+    whole = c.nbytes * (c.group_size if c.kind == "reduce-scatter" else 1)
+    axes, size = [], 1
+    for link in reversed(topology.axes):  # fastest (ICI minor) first
+        if size >= max(c.group_size, 1):
+            break
+        axes.append(link.name)
+        size *= link.size
+    if not axes or c.group_size <= 1:
+        return 0.0
+    return topology.collective_time(op, whole, tuple(axes))
+
+
+def summary_text(report: CompiledReport, name: str) -> str:
+    """The report as a few lines for a terminal."""
+    gib = 2**30
+    memory = report.memory
+    lines = [f"step {name} on {report.topology or report.platform}"]
+    fits = {True: "fits", False: "DOES NOT FIT", None: "chip memory unknown"}[report.fits]
+    hbm = f" of {report.hbm_bytes / gib:.2f} GiB HBM" if report.hbm_bytes else ""
+    lines.append(
+        f"  memory per chip   {memory.total_bytes / gib:.3f} GiB{hbm} ({fits}): arguments "
+        f"{memory.argument_bytes / gib:.3f}, temporaries {memory.temp_bytes / gib:.3f}, outputs "
+        f"{memory.output_bytes / gib:.3f}, aliased {memory.alias_bytes / gib:.3f}"
+    )
+    kinds: dict[str, list[int]] = {}
+    for c in report.collectives:
+        count_bytes = kinds.setdefault(c.kind, [0, 0])
+        count_bytes[0] += c.times
+        count_bytes[1] += c.times * c.nbytes
+    kept = ", ".join(f"{k} x{n} ({b:,} B)" for k, (n, b) in sorted(kinds.items())) or "none"
+    lines.append(f"  collectives/step  {kept}")
+    asynchronous = [c for c in report.collectives if c.asynchronous]
+    if asynchronous:
+        hidden = sum(1 for c in asynchronous if c.overlapped_ops)
+        lines.append(
+            f"  asynchronous      {len(asynchronous)} collective(s), {hidden} with compute "
+            "scheduled between start and done"
+        )
+    est = report.estimate
+    if est.get("step_s") is not None:
+        share = est["exposed_s"] / est["step_s"] if est["step_s"] else 0.0
+        ms = {k: (v or 0.0) * 1e3 for k, v in est.items()}
+        lines.append(
+            f"  estimated step    {ms['step_s']:.3f} ms: compute {ms['compute_s']:.3f} ms (XLA "
+            f"flops at peak), communication {ms['communication_s']:.3f} ms, exposed "
+            f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
+        )
+    lines.append(f"  compile time      {report.compile_seconds:.1f} s")
+    return "\n".join(lines)
