@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.gradient_sync --sweep
 	$(BIN)/python -m benchmarks.input_pipeline
 	$(BIN)/python -m benchmarks.pod_collectives
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot
 	$(BIN)/python -m benchmarks.multi_worker
 	$(BIN)/python -m benchmarks.checkpoint
 	$(BIN)/python -m benchmarks.preemption

@@ -157,3 +157,27 @@ def test_aot_compiles_an_unchanged_training_script_for_a_topology(tmp_path):
     assert report["platform"] == "tpu" and report["fits"] is True
     assert report["memory"]["total_bytes"] > 0 and report["collectives"]
     assert "T(8,128)" in (out / "train_step" / "compiled.hlo.txt").read_text()
+
+
+def test_the_report_counts_a_layer_loops_collectives_once_per_layer():
+    """Gradients reduced inside a scanned backward pass (no hoisting): XLA's TPU HLO keeps
+    them in the while body, and the report runs them once per trip, as the loop does."""
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    layers, width = 3, 128
+
+    def step(stack, x):
+        def loss(stack):
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, stack)
+            return jnp.mean(h**2)
+
+        return stack - 0.1 * jax.grad(loss)(stack)
+
+    stack = strategy.replicate(jax.ShapeDtypeStruct((layers, width, width), jnp.float32))
+    x = jax.ShapeDtypeStruct((16, width), jnp.float32, sharding=strategy.split_sharding())
+    compiled = strategy.compile(step, pipeline="insert-reductions").lower(stack, x).compile()
+    report = compiled_report(compiled, strategy)
+    in_loop = [c for c in report.collectives if c.times > 1]
+    assert in_loop and all(c.times == layers for c in in_loop)
+    assert all(c.group_size == 4 for c in report.collectives)
+    per_step = sum(c.times * c.nbytes for c in report.collectives if c.kind == "all-reduce")
+    assert per_step >= layers * width * width * 4  # every layer's gradient, reduced

@@ -179,7 +179,7 @@ def argument_paths(signature: Signature) -> list[str]:
     indices = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(indices)[0]]
     return [
-        _arg_path(path)
+        arg_path(path)
         for path, leaf in zip(paths, signature.leaves, strict=True)
         if isinstance(leaf, ArraySpec)
     ]
@@ -271,10 +271,10 @@ def _wrap_key(array: Any, impl: str | None) -> Any:
 
 def _leaf_path(args: tuple, kwargs: dict, index: int) -> str:
     path = jax.tree_util.tree_flatten_with_path((args, kwargs))[0][index][0]
-    return _arg_path(path)
+    return arg_path(path)
 
 
-def _arg_path(path: tuple[Any, ...]) -> str:
+def arg_path(path: tuple[Any, ...]) -> str:
     """Paths of the (args, kwargs) pair read as `args[0]['w']` or `kwargs['batch']`."""
     head, rest = path[0], path[1:]
     return path_str("args" if getattr(head, "idx", 0) == 0 else "kwargs", rest)

@@ -16,19 +16,23 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from xla_strategies.hlo import COLLECTIVES, hlo_bytes
+from xla_strategies.hlo import (
+    CALLEE,
+    COLLECTIVES,
+    OPERAND,
+    Op,
+    computations,
+    executions,
+    hlo_bytes,
+)
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z\-]*)\((.*)$")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLEE = re.compile(r"(?:body|calls|to_apply|condition)=%([\w.\-]+)")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _ALGORITHM = re.compile(r'"emitter":"(\w+)","strategy":"(\w+)"')
 _GROUPS = re.compile(
     r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\][^,\s]*|mesh\[[^\]]*\][^,]*)"
 )
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+_SKIP = set(COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -107,34 +111,42 @@ class CompiledReport:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the scheduled HLO, with how often a step runs it and the
-    compute XLA scheduled behind it when it is asynchronous."""
-    computations, entry = _computations(hlo_text)
-    times = _executions(computations, entry)
+    compute XLA scheduled behind it: between an asynchronous start and its done, or, for
+    libtpu's `async_collective_fusion`, the compute fused with it."""
+    comps, entry = computations(hlo_text)
+    times = executions(comps, entry)
     found: list[Collective] = []
-    for name, ops in computations.items():
+    for name, ops in comps.items():
         if not times.get(name):
             continue
         for position, (op_name, types, opcode, rest) in enumerate(ops):
-            kind = _kind(opcode, rest, computations)
-            if kind is None:
+            inner = _collective(opcode, types, rest, comps)
+            if inner is None:
                 continue
-            asynchronous = opcode.endswith("-start")
-            between = _between(ops, position, op_name) if asynchronous else []
-            groups = _GROUPS.search(rest)
-            algorithm = _ALGORITHM.search(rest)
+            kind, inner_types, inner_rest = inner
+            if opcode == "fusion":  # the collective runs beside the compute fused with it
+                fused = [o for c in CALLEE.findall(rest) for o in comps.get(c, [])]
+                between = [o for o in fused if o[2] not in _BOOKKEEPING and o[2] not in _SKIP]
+                asynchronous, cycles = True, _cycles(rest)
+            else:
+                asynchronous = opcode.endswith("-start")
+                between = _between(ops, position, op_name) if asynchronous else []
+                cycles = sum(_cycles(r) for *_, r in between)
+            groups = _GROUPS.search(inner_rest)
+            algorithm = _ALGORITHM.search(rest) or _ALGORITHM.search(inner_rest)
             found.append(
                 Collective(
                     kind=kind,
                     name=op_name,
                     computation=name,
                     times=times[name],
-                    nbytes=_result_bytes(types, asynchronous),
+                    nbytes=_result_bytes(inner_types, opcode.endswith("-start")),
                     group_size=_group_size(groups.group(1) if groups else ""),
                     replica_groups=groups.group(1) if groups else "",
                     algorithm="/".join(algorithm.groups()) if algorithm else None,
                     asynchronous=asynchronous,
                     overlapped_ops=len(between),
-                    overlapped_cycles=sum(_cycles(rest) for *_, rest in between),
+                    overlapped_cycles=cycles,
                 )
             )
     return found
@@ -142,77 +154,35 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 def total_cycles(hlo_text: str) -> int:
     """XLA's cycle estimates of every instruction a step runs (while bodies per trip)."""
-    computations, entry = _computations(hlo_text)
-    times = _executions(computations, entry)
+    comps, entry = computations(hlo_text)
+    times = executions(comps, entry)
     return sum(
-        times.get(name, 0) * sum(_cycles(rest) for *_, rest in ops)
-        for name, ops in computations.items()
+        times.get(name, 0) * sum(_cycles(rest) for *_, rest in ops) for name, ops in comps.items()
     )
 
 
-_Op = tuple[str, str, str, str]  # name, result types, opcode, the rest of the line
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[_Op]], str | None]:
-    computations: dict[str, list[_Op]] = {}
-    entry = current = None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = computations.setdefault(header.group(1), [])
-            entry = header.group(1) if line.startswith("ENTRY") else entry
-            continue
-        found = _OP.match(line) if current is not None else None
-        if found:
-            current.append(found.groups())  # type: ignore[arg-type]
-    return computations, entry
-
-
-def _executions(computations: dict[str, list[_Op]], entry: str | None) -> dict[str, int]:
-    """How many times one step runs each computation that is not fused into an op."""
-    times: dict[str, int] = {}
-
-    def visit(name: str, count: int) -> None:
-        times[name] = times.get(name, 0) + count
-        for _, _, opcode, rest in computations.get(name, []):
-            if opcode == "fusion":
-                continue  # its instructions are the fusion's, counted as one op
-            trips = _TRIP.search(rest)
-            for callee in _CALLEE.findall(rest):
-                body = opcode == "while" and f"body=%{callee}" in rest
-                visit(callee, count * (int(trips.group(1)) if body and trips else 1))
-
-    if entry is not None:
-        visit(entry, 1)
-    return times
-
-
-def _kind(opcode: str, rest: str, computations: dict[str, list[_Op]]) -> str | None:
+def _collective(
+    opcode: str, types: str, rest: str, comps: dict[str, list[Op]]
+) -> tuple[str, str, str] | None:
+    """(kind, result types, attributes) of the collective this instruction is or wraps."""
     base = opcode.removesuffix("-start")
     if base in COLLECTIVES and not opcode.endswith("-done"):
-        return base
-    if opcode == "async-start":  # an asynchronous wrapper: the collective it calls
-        for callee in _CALLEE.findall(rest):
-            for _, _, inner, inner_rest in computations.get(callee, []):
-                kind = _kind(inner, inner_rest, computations)
-                if kind is not None:
-                    return kind
-    if opcode == "fusion":  # libtpu's async_collective_fusion wraps one collective
-        for callee in _CALLEE.findall(rest):
-            if "collective" in callee:
-                for _, _, inner, inner_rest in computations.get(callee, []):
-                    kind = _kind(inner, inner_rest, computations)
-                    if kind is not None:
-                        return kind
+        return base, types, rest
+    wraps = opcode == "async-start" or (opcode == "fusion" and "collective" in rest)
+    for callee in CALLEE.findall(rest) if wraps else ():
+        for _, inner_types, inner, inner_rest in comps.get(callee, []):
+            found = _collective(inner, inner_types, inner_rest, comps)
+            if found is not None:
+                return found
     return None
 
 
-def _between(ops: list[_Op], start: int, start_name: str) -> list[_Op]:
+def _between(ops: list[Op], start: int, start_name: str) -> list[Op]:
     """The compute instructions scheduled after `start` and before the done that reads it."""
     between = []
     for op in ops[start + 1 :]:
         name, _, opcode, rest = op
-        if opcode.endswith("-done") and start_name in _OPERAND.findall(rest.split(")")[0]):
+        if opcode.endswith("-done") and start_name in OPERAND.findall(rest.split(")")[0]):
             return between
         if opcode not in _BOOKKEEPING and not opcode.endswith(("-start", "-done")):
             between.append(op)
@@ -235,10 +205,11 @@ def _group_size(groups: str) -> int:
     iota = re.match(r"\[([\d,]+)\]<=", groups)
     if iota:
         return int(iota.group(1).split(",")[-1])
-    mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", groups)
+    mesh = re.match(r"mesh\[([^\]]*)\]\s*(?:\{([^}]*)\})?", groups)
     if mesh:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2)))
+        sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
+        named = re.findall(r"'(\w+)'", mesh.group(2)) if mesh.group(2) else list(sizes)
+        return math.prod(sizes[a] for a in named)
     return 0
 
 

@@ -28,6 +28,7 @@ from xla_strategies.arguments import (
 from xla_strategies.compile_program import LoweredStep
 from xla_strategies.context import ReplicaContext, replica_scope
 from xla_strategies.dispatch_pacing import CPU_PACER
+from xla_strategies.dropped_mutations import check_unchanged, snapshot
 from xla_strategies.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
 from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
@@ -270,8 +271,11 @@ class CompiledStep:
 
         def step(*arrays: Any) -> list[Any]:
             args, kwargs = signature.rebuild(arrays)
+            before = snapshot(args, kwargs)
             with replica_scope(strategy, context):
-                return outputs.split(self.fn(*args, **kwargs))
+                result = self.fn(*args, **kwargs)
+            check_unchanged(self.name, before, args, kwargs, result)
+            return outputs.split(result)
 
         graph = capture(
             step,

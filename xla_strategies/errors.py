@@ -22,3 +22,8 @@ class StoppedAfterCompile(BaseException):  # noqa: N818 - a signal, like Keyboar
 class OutOfMemoryError(MemoryError):
     """XLA found at compile time that a step does not fit the chip's memory. The message
     names the topology, the chip's HBM, the bytes XLA needs and what shrinks them."""
+
+
+class DroppedMutationError(ValueError):
+    """A step changed one of its arguments in place and did not return the changed value,
+    which would be lost: the message names the argument and what to return instead."""

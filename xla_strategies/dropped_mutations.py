@@ -1,0 +1,46 @@
+"""A step changes copies of its arguments: a change it makes in place, and does not
+return, would be lost without a word. `jax.jit` drops such changes silently; here they are
+an error that says what to do (NNX's stateful `train_step(model, optimizer, batch)`,
+`params["w"] = ...` inside a step)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from xla_strategies.arguments import arg_path
+from xla_strategies.errors import DroppedMutationError
+
+
+def snapshot(args: tuple, kwargs: dict) -> tuple[list[tuple[Any, Any]], Any]:
+    """Each leaf of the step's arguments with its path, and their structure, as traced."""
+    return jax.tree_util.tree_flatten_with_path((args, kwargs))
+
+
+def check_unchanged(
+    name: str, before: tuple[list[tuple[Any, Any]], Any], args: tuple, kwargs: dict, result: Any
+) -> None:
+    """Raise if an argument's leaves (or structure) changed during the step and the new
+    values are not among what the step returns."""
+    leaves, treedef = before
+    now, now_treedef = jax.tree_util.tree_flatten((args, kwargs))
+    returned = {id(leaf) for leaf in jax.tree_util.tree_leaves(result)}
+    if now_treedef != treedef:
+        changed = ["the structure of its arguments"]
+    else:
+        changed = [
+            arg_path(path)
+            for (path, old), new in zip(leaves, now, strict=True)
+            if new is not old and id(new) not in returned
+        ]
+    if changed:
+        shown = ", ".join(changed[:4]) + (
+            f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        )
+        raise DroppedMutationError(
+            f"{name} changed {shown} in place and did not return it. A compiled step works on "
+            "copies of its arguments, as jax.jit does, so the change would be lost. Return "
+            "the changed objects (flax NNX: `return model, optimizer, metrics`, or "
+            "nnx.split/nnx.merge) and use what the step returns"
+        )
