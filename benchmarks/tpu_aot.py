@@ -51,11 +51,11 @@ def abstract_state(workload: Any, tx: optax.GradientTransformation) -> tuple[Any
     return variables, jax.eval_shape(tx.init, params)
 
 
-def ours(strategy: Any, workload: Any, variant: str) -> Any:
+def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:
+    """Our compiled step for `variant` and its abstract arguments."""
     tx = optax.adamw(1e-4)
     variables, opt_state = abstract_state(workload, tx)
     state = strategy.replicate(variables), strategy.replicate(opt_state)
-    batch = _batch(strategy, workload)
     step = strategy.compile(
         workload.step(tx, "batch"),
         axis_name="batch",
@@ -63,11 +63,21 @@ def ours(strategy: Any, workload: Any, variant: str) -> Any:
         shard_weight_updates=True if variant == "b" else None,
         name=f"{workload.name} ({variant})",
     )
-    compiled = step.lower(*state, batch).compile()
-    # the cost model's own compute estimate of the optimised graph, to check against XLA's
-    graph = step.executable(*state, batch).graph
-    compiled.our_compute_s = step_estimate(graph, strategy.topology)["compute_s"]
+    return step, (*state, _batch(strategy, workload))
+
+
+def ours(strategy: Any, workload: Any, variant: str) -> Any:
+    step, args = _our_step(strategy, workload, variant)
+    compiled = step.lower(*args).compile()
+    compiled.our_compute_s = 1e-3 * our_compute_ms(strategy, step, args)
     return compiled
+
+
+def our_compute_ms(strategy: Any, step: Any, args: tuple) -> float:
+    """The cost model's compute estimate of our optimised graph (no XLA compile needed),
+    for the check against XLA's."""
+    graph = step.executable(*args).graph
+    return 1e3 * step_estimate(graph, strategy.topology)["compute_s"]
 
 
 def peer(strategy: Any, workload: Any, fsdp: bool) -> Any:
@@ -199,12 +209,39 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def compute_check(models: list[str], topologies: list[str]) -> None:
+    data = json.loads(RESULTS.read_text())
+    for model in models:
+        workload = WORKLOADS[model]()
+        for topology in topologies:
+            strategy = xs.TPUStrategy(topology, compile_only=True)
+            ms = our_compute_ms(strategy, *_our_step(strategy, workload, "a"))
+            for row in data["rows"]:
+                if (row["model"], row["topology"], row["variant"]) == (
+                    workload.name,
+                    topology,
+                    "a",
+                ):
+                    row["our_compute_ms"] = ms
+            print(f"{workload.name} {topology}: our compute estimate {ms:.2f} ms")
+    RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+    print(markdown(data["rows"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--compute-check",
+        action="store_true",
+        help="only fill in the cost model's compute estimate of the recorded (a) cells",
+    )
     args = parser.parse_args()
+    if args.compute_check:
+        compute_check(args.models, args.topologies)
+        return
     rows = measure(args.models, args.topologies, args.variants)
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
     done = {(r["model"], r["topology"], r["variant"]) for r in rows}

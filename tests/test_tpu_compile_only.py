@@ -181,3 +181,8 @@ def test_the_report_counts_a_layer_loops_collectives_once_per_layer():
     assert all(c.group_size == 4 for c in report.collectives)
     per_step = sum(c.times * c.nbytes for c in report.collectives if c.kind == "all-reduce")
     assert per_step >= layers * width * width * 4  # every layer's gradient, reduced
+    # cost_analysis() counts the loop body once; the report counts every layer's matmuls
+    # (forward, and two per layer backward: 3 x 2 x rows x width^2 per layer)
+    matmuls = layers * 3 * 2 * 4 * width * width  # 4 rows per chip
+    counted_once = compiled.cost_analysis()["flops"]
+    assert counted_once < matmuls <= report.flops < 3 * matmuls

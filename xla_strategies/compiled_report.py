@@ -152,12 +152,15 @@ def collectives(hlo_text: str) -> list[Collective]:
     return found
 
 
-def total_cycles(hlo_text: str) -> int:
-    """XLA's cycle estimates of every instruction a step runs (while bodies per trip)."""
+def total_cycles(hlo_text: str, per_trip: bool = True) -> int:
+    """XLA's cycle estimates of every instruction a step runs: while bodies once per trip,
+    or (`per_trip=False`) once, as XLA's `cost_analysis()` counts them."""
     comps, entry = computations(hlo_text)
     times = executions(comps, entry)
     return sum(
-        times.get(name, 0) * sum(_cycles(rest) for *_, rest in ops) for name, ops in comps.items()
+        (times.get(name, 0) if per_trip else min(times.get(name, 0), 1))
+        * sum(_cycles(rest) for *_, rest in ops)
+        for name, ops in comps.items()
     )
 
 
@@ -230,7 +233,7 @@ def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
         topology=getattr(topology, "name", None),
         hbm_bytes=getattr(topology, "hbm_bytes", None),
         memory=Memory.of(compiled.memory_analysis()),
-        flops=float(costs.get("flops", 0.0)),
+        flops=_flops_per_step(float(costs.get("flops", 0.0)), text),
         collectives=collectives(text),
         compile_seconds=float(getattr(compiled, "compile_seconds", 0.0)),
     )
@@ -238,8 +241,16 @@ def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
     return report
 
 
+def _flops_per_step(flops: float, hlo_text: str) -> float:
+    """`cost_analysis()` counts a while body's flops once, not once per trip: a scanned
+    layer stack's compute is scaled by XLA's own cycle estimates with and without trips."""
+    once = total_cycles(hlo_text, per_trip=False)
+    return flops * total_cycles(hlo_text) / once if once else flops
+
+
 def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[str, float | None]:
-    """Seconds per step: compute from XLA's flops at the chip's bf16 peak; communication
+    """Seconds per step: compute from XLA's flops (per step, loops per trip) at the chip's
+    bf16 peak; communication
     from the topology's cost model per collective XLA kept; exposed communication from
     XLA's schedule (an asynchronous collective hides behind the share of the compute,
     by XLA's cycle estimates, scheduled between its start and done). None where the
