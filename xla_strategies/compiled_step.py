@@ -212,10 +212,10 @@ class CompiledStep:
             leaf if sharding is None else _put(leaf, sharding)
             for leaf, sharding in zip(flat, executable.placements, strict=True)
         ]
-        if executable.donated and not self.strategy.compile_only:
+        if executable.donated:
             uses = Counter(id(leaf) for leaf in placed)
             for index in executable.donated:
-                if uses[id(placed[index])] > 1:
+                if uses[id(placed[index])] > 1 and isinstance(placed[index], jax.Array):
                     uses[id(placed[index])] -= 1
                     placed[index] = copy_to(placed[index], placed[index].sharding)
         return placed

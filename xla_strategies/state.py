@@ -88,7 +88,7 @@ _STATE_TYPES = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class StatePairs:
     """A step's state: traced output position -> traced argument position (its next
     value), the argument positions to donate, and the declared arguments no output returns."""
@@ -117,7 +117,7 @@ def state_pairs(
         for position, arg in [*enumerate(args), *kwargs.items()]
         if (kind := declared.of(position, arg)) is not None  # arg: structure, leaf numbers
     }
-    pairs = StatePairs({}, frozenset(), [])
+    paired: dict[int, int] = {}
     donated: set[int] = set()
     # rounds, so that no argument takes the item another one finds at its own position
     for round_of in (lambda p: [p], lambda p: [None], lambda p: list(items)):
@@ -133,16 +133,15 @@ def state_pairs(
                     else:
                         del items[key]
                         items.pop(None, None)
-                    pairs.outputs.update((r, a) for a, r in found)
+                    paired.update((r, a) for a, r in found)
                     donated.update(a for a, _ in found if kind == "donated")
                     break
-    pairs.unreturned = [
+    unreturned = [
         f"args[{p}]" if isinstance(p, int) else f"kwargs[{p!r}]"
         for p, (_, kind) in declared_args.items()
         if kind == "donated"
     ]
-    pairs.donated = frozenset(donated)
-    return pairs
+    return StatePairs(paired, frozenset(donated), unreturned)
 
 
 def _items(result: Any) -> dict[Any, Any]:
