@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+import jax
 import optax
 from flax import nnx
 from tqdm import tqdm
@@ -40,9 +41,15 @@ def main() -> None:
     cfg = models.TransformerConfig(
         vocab=256, width=args.width, heads=4, layers=args.layers, seq_len=args.seq_len
     )
-    graphdef, params = nnx.split(models.TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
-    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    if strategy.compile_only:  # shapes only: a model bigger than this host still compiles
+        model = nnx.eval_shape(lambda: models.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(model, nnx.Param)
+        opt_state = jax.eval_shape(tx.init, params)
+    else:
+        graphdef, params = nnx.split(models.TransformerLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        opt_state = tx.init(params)
+    state = strategy.replicate(params), strategy.replicate(opt_state)
     train_step = strategy.compile(
         models.lm_train_step(graphdef, tx),
         name="train_step",

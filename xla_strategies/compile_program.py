@@ -63,7 +63,7 @@ def _out_of_memory(message: str, strategy: Any, name: str) -> str:
         if found
         else ("does not fit")
     )
-    first = message.strip().splitlines()[0]
+    first = message.strip().splitlines()[0].rstrip(".")
     return (
         f"step {name} {needs} on {where} ({chip}). XLA's TPU compiler says: {first}. "
         "To shrink it: compile(shard_weight_updates=True) holds the optimizer state split "
