@@ -43,6 +43,7 @@ dump's remarks list each of these with its reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.blocks import (
@@ -78,12 +79,14 @@ class ShardWeightUpdates(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         axes = _block_order(ctx)
-        if ctx.num_replicas == 1 or (self.mode == "auto" and not _cost_model_says_on(graph, ctx)):
+        decision = _cost_model_decision(graph, ctx) if self.mode == "auto" else None
+        if ctx.num_replicas == 1 or (decision is not None and not decision["on"]):
             ctx.stats[self.name] = {"sharded_gradients": 0, "sharded_state": 0}
+            ctx.stats[self.name]["decision"] = decision
             return False
         sharder = _Sharder(axes, ctx.num_replicas, self.name)
         sharder.rewrite(graph)
-        ctx.stats[self.name] = sharder.stats
+        ctx.stats[self.name] = {**sharder.stats, "decision": decision}
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
         return sharder.stats["sharded_gradients"] > 0
 
@@ -97,15 +100,17 @@ def _block_order(ctx: PassContext) -> list[str]:
     return [a.name for a in fast_first(ctx.topology.axis_links(tuple(ctx.mesh_axes)))]
 
 
-def _cost_model_says_on(graph: Graph, ctx: PassContext) -> bool:
-    """Whether sharding pays on the strategy's topology, recorded as a remark."""
+def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
+    """Whether sharding pays on the strategy's topology, with its estimates (the pass's
+    stats; also printed as a remark): `on`, `reason` ("no topology" or "cost model"),
+    and the gradient bytes and both estimated seconds when there is a topology."""
     where = f"{ShardWeightUpdates.name}{{mode=auto}}"
     if ctx.topology is None:
         ctx.remarks.append(
             f"{where}: off: no topology (emulated or unknown devices), whose collectives "
             "run as synchronous copies; compile(shard_weight_updates=True) turns it on"
         )
-        return False
+        return {"on": False, "reason": "no topology"}
     axes = list(ctx.mesh_axes)
     seeds = [n for n in graph.nodes if _is_gradient_reduction(n, axes)]
     gradient_bytes = sum(n.outputs[0].nbytes for n in seeds)
@@ -120,7 +125,13 @@ def _cost_model_says_on(graph: Graph, ctx: PassContext) -> bool:
         f"{sharded * 1e3:.3f} ms sharded (reduce-scatter, 1/{ctx.num_replicas} of the "
         "update, all-gather)"
     )
-    return on
+    return {
+        "on": on,
+        "reason": "cost model",
+        "gradient_bytes": gradient_bytes,
+        "replicated_s": replicated,
+        "sharded_s": sharded,
+    }
 
 
 def _update_bytes(graph: Graph, seeds: list[Node]) -> int:

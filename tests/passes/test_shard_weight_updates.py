@@ -181,6 +181,7 @@ func @step(%0: f32[8], %1: f32[8]{dcn,ici}) {
 def test_auto_mode_is_off_without_a_topology_and_says_so():
     changed, _, ctx = _run(MOMENTUM, mode="auto")
     assert not changed
+    assert ctx.stats["shard-weight-updates"]["decision"] == {"on": False, "reason": "no topology"}
     assert any("mode=auto}: off: no topology" in r for r in ctx.remarks)
 
 
@@ -193,6 +194,11 @@ def test_auto_mode_asks_the_cost_model_on_a_topology():
     text = MOMENTUM.replace('"axes": ["replica"]', f'"axes": {json.dumps(axes)}')
     graph = parse(text.replace("{replica}", "{" + ",".join(axes) + "}"))
     assert ShardWeightUpdates(mode="auto").run(graph, ctx)
+    decision = ctx.stats["shard-weight-updates"]["decision"]
+    assert decision["on"] and decision["reason"] == "cost model"
+    assert decision["gradient_bytes"] == 16 * 4 * 4  # the one f32[16,4] gradient
+    assert 0 < decision["sharded_s"] < decision["replicated_s"]
+    assert ctx.stats["shard-weight-updates"]["sharded_gradients"] == 1
     assert any("mode=auto}: on:" in r and "ms sharded" in r for r in ctx.remarks)
 
 
