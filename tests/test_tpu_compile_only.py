@@ -186,3 +186,15 @@ def test_the_report_counts_a_layer_loops_collectives_once_per_layer():
     matmuls = layers * 3 * 2 * 4 * width * width  # 4 rows per chip
     counted_once = compiled.cost_analysis()["flops"]
     assert counted_once < matmuls <= report.flops < 3 * matmuls
+
+
+def test_a_compile_only_step_lowers_host_arrays_as_their_shapes():
+    """Mirrored numpy arguments need no device: on a compile-only strategy they are placed
+    as abstract values, as `replicate` places them."""
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx = optax.adam(1e-3)
+    params = {"w1": np.zeros((16, 16), np.float32), "w2": np.zeros((16, 4), np.float32)}
+    batch = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=strategy.split_sharding())
+    step = strategy.compile(_adam_step(tx))
+    hlo = step.lower(params, tx.init(params), batch).compile().as_text()
+    assert "T(8,128)" in hlo and count_hlo_collectives(hlo)["all-reduce"] >= 1

@@ -58,14 +58,10 @@ def _out_of_memory(message: str, strategy: Any, name: str) -> str:
     hbm = getattr(topology, "hbm_bytes", None)
     chip = f"{hbm / 2**30:.2f} GiB of HBM per chip" if hbm else "an unknown memory size"
     found = _NEEDED.search(message)
-    needs = (
-        f"needs {found.group(1)}B per chip, {found.group(2)}B available"
-        if found
-        else ("does not fit")
-    )
+    needs = f"needs {found[1]}B per chip, {found[2]}B available" if found else "does not fit"
     first = message.strip().splitlines()[0].rstrip(".")
     return (
-        f"step {name} {needs} on {where} ({chip}). XLA's TPU compiler says: {first}. "
+        f"step {name} {needs} on {where} ({chip}). XLA's compiler says: {first}. "
         "To shrink it: compile(shard_weight_updates=True) holds the optimizer state split "
         "across the replicas (declare the state with donate_argnums), a smaller per-chip "
         "batch shrinks the activations, and jax.checkpoint (remat) on the layers trades "

@@ -39,7 +39,7 @@ from xla_strategies.passes.pipeline import PassPipeline, with_pass, without_pass
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import DeclaredState, declared_outputs, donated_state, state_pairs
-from xla_strategies.trees import abstract_like, copy_to
+from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
@@ -209,7 +209,7 @@ class CompiledStep:
         elsewhere (the same array as two pieces of state, say) copied: XLA cannot donate a
         buffer that another argument still reads."""
         placed = [
-            leaf if sharding is None else _put(leaf, sharding)
+            leaf if sharding is None else _put(leaf, sharding, self.strategy)
             for leaf, sharding in zip(flat, executable.placements, strict=True)
         ]
         if executable.donated:
@@ -341,12 +341,10 @@ class CompiledStep:
         return Executable(graph, run, outputs, donated, placements, captured_stats, seconds)
 
 
-def _put(leaf: Any, sharding: NamedSharding) -> Any:
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return abstract_like(leaf, sharding)
+def _put(leaf: Any, sharding: NamedSharding, strategy: Strategy) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
-    return copy_to(leaf, sharding)  # a copy where the program reads it
+    return strategy.place(leaf, sharding)  # a copy where the program reads it, or abstract
 
 
 def _both_ways(
