@@ -21,6 +21,7 @@ from xla_strategies.hlo import (
     COLLECTIVES,
     OPERAND,
     Op,
+    collective_kind,
     computations,
     executions,
     hlo_bytes,
@@ -168,9 +169,9 @@ def _collective(
     opcode: str, types: str, rest: str, comps: dict[str, list[Op]]
 ) -> tuple[str, str, str] | None:
     """(kind, result types, attributes) of the collective this instruction is or wraps."""
-    base = opcode.removesuffix("-start")
-    if base in COLLECTIVES and not opcode.endswith("-done"):
-        return base, types, rest
+    kind = collective_kind(opcode)
+    if kind is not None:
+        return kind, types, rest
     wraps = opcode == "async-start" or (opcode == "fusion" and "collective" in rest)
     for callee in CALLEE.findall(rest) if wraps else ():
         for _, inner_types, inner, inner_rest in comps.get(callee, []):

@@ -86,7 +86,8 @@ def trip_count(rest: str, comps: dict[str, list[Op]]) -> int:
     return 1
 
 
-def _collective_kind(opcode: str) -> str | None:
+def collective_kind(opcode: str) -> str | None:
+    """The collective an opcode is (`all-reduce` for `all-reduce-start` too), or None."""
     base = opcode.removesuffix("-start")
     return base if base in COLLECTIVES and not opcode.endswith("-done") else None
 
@@ -95,7 +96,7 @@ def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
     """Collective instructions in the program text, per kind (async pairs count once)."""
     comps, _ = computations(hlo_text)
     total = Counter(
-        kind for ops in comps.values() for op in ops if (kind := _collective_kind(op[2]))
+        kind for ops in comps.values() for op in ops if (kind := collective_kind(op[2]))
     )
     return {kind: total[kind] for kind in COLLECTIVES}
 
@@ -109,7 +110,7 @@ def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     nbytes: Counter[str] = Counter()
     for name, ops in comps.items():
         for _, types, opcode, _ in ops:
-            kind = _collective_kind(opcode)
+            kind = collective_kind(opcode)
             if kind and times.get(name):
                 counts[kind] += times[name]
                 nbytes[kind] += times[name] * hlo_bytes(types)
