@@ -17,17 +17,20 @@ from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
 from xla_strategies.passes.registry import PASS_REGISTRY
 from xla_strategies.passes.schedule_all_reduces import ScheduleAllReduces
+from xla_strategies.passes.shard_parameters import ShardParameters
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.passes.verifier import VerificationError, verify
 
 # What every synchronous strategy runs by default, in this order: give autodiff's
-# reductions their meaning, drop reductions of values already the same everywhere, move
+# reductions their meaning, drop reductions of values already the same everywhere, hold
+# the state split where it does not fit a chip (before the loops' reductions move), move
 # reductions out of loops or leave them pipelined there (the topology's cost model
 # decides), merge the parts of tied weights, shard the weight update where the cost model
 # says it pays, then bucket what is left.
 DEFAULT_PIPELINE = (
-    "insert-reductions,fold-invariant-reductions,schedule-all-reduces,reassociate-all-reduces,"
-    "shard-weight-updates{mode=auto},combine-all-reduces"
+    "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
+    "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
+    "combine-all-reduces"
 )
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "ReassociateAllReduces",
     "ReduceToOneDevice",
     "ScheduleAllReduces",
+    "ShardParameters",
     "ShardWeightUpdates",
     "Graph",
     "IRParseError",

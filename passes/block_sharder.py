@@ -201,10 +201,17 @@ class BlockSharder:
         every other output that is still a block is gathered."""
         users = graph.users()
         for index, value in enumerate(graph.outputs):
+            arg = graph.state_outputs.get(index)
+            if value not in self.blocks and arg in graph.sharded_inputs and not value.varying_axes:
+                # state taken split whose next value is computed whole (running statistics):
+                # returned as its block (a local slice), so the next step takes it as is
+                split = graph.sharded_inputs[arg]
+                graph.outputs[index] = self.slice(value, split.dim)
+                graph.sharded_outputs[index] = split
+                continue
             if value not in self.blocks:
                 continue
             block, dim = self.blocks[value]
-            arg = graph.state_outputs.get(index)
             if arg is not None and self.hold_sharded(graph, arg, dim, users):
                 graph.outputs[index] = block
                 graph.sharded_outputs[index] = Split(dim, tuple(self.axes))

@@ -53,6 +53,10 @@ class PassPipeline(Pass):
     def spec(self) -> str:
         return ",".join(p.spec() for p in self.passes)
 
+    def enabled_names(self) -> list[str]:
+        """The names of the passes that run, in order."""
+        return [p.name for p in self.passes if p.name not in self.disabled]
+
     def with_instruments(self, *instruments: Instrument) -> PassPipeline:
         return dataclasses.replace(self, instruments=self.instruments + instruments)
 

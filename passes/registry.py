@@ -11,6 +11,7 @@ from xla_strategies.passes.insert_reductions import InsertReductions
 from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
 from xla_strategies.passes.schedule_all_reduces import ScheduleAllReduces
+from xla_strategies.passes.shard_parameters import ShardParameters
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 
 PASS_REGISTRY: dict[str, type[Pass]] = {
@@ -21,6 +22,7 @@ PASS_REGISTRY: dict[str, type[Pass]] = {
         HoistAllReduces,
         ScheduleAllReduces,
         ReassociateAllReduces,
+        ShardParameters,
         ShardWeightUpdates,
         CombineAllReduces,
         DecomposeAllReduces,

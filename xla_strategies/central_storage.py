@@ -16,6 +16,7 @@ from xla_strategies.passes import (
     ReduceToOneDevice,
 )
 from xla_strategies.passes.pipeline import parse_spec
+from xla_strategies.passes.shard_parameters import ShardParameters
 from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.strategy import Strategy
 
@@ -66,7 +67,7 @@ class CentralStorageStrategy(Strategy):
         before_combine = [
             p
             for p in parse_spec(DEFAULT_PIPELINE)
-            if not isinstance(p, CombineAllReduces | ShardWeightUpdates)
+            if not isinstance(p, CombineAllReduces | ShardParameters | ShardWeightUpdates)
         ]
         self.default_pipeline = PassPipeline(
             passes=(

@@ -62,8 +62,9 @@ def _out_of_memory(message: str, strategy: Any, name: str) -> str:
     first = message.strip().splitlines()[0].rstrip(".")
     return (
         f"step {name} {needs} on {where} ({chip}). XLA's compiler says: {first}. "
-        "To shrink it: compile(shard_weight_updates=True) holds the optimizer state split "
-        "across the replicas (declare the state with donate_argnums), a smaller per-chip "
+        "To shrink it: compile(shard_parameters=True) holds the parameters and optimizer "
+        "state split across the replicas (the state the step returns; donate it with "
+        "donate_argnums), a smaller per-chip "
         "batch shrinks the activations, and jax.checkpoint (remat) on the layers trades "
         "them for recompute"
     )

@@ -223,9 +223,13 @@ class Strategy:
         prefix of bools over the outputs), `pipeline` (a spec string or `PassPipeline`),
         `shard_weight_updates` (True: each replica updates its block of the weights and
         keeps its block of the optimizer state; False: never; None, the default: the
-        topology's cost model decides), `static_argnums`, `static_argnames`, `axis_name`,
-        `donate_argnums`, `donate_argnames` (as `jax.jit`: those arguments' buffers are given
-        to their new values, which the step returns; nothing else is donated), `name`.
+        topology's cost model decides), `shard_parameters` (True: the parameters and
+        optimizer state are held split across the replicas between steps and gathered
+        where used, layer by layer under a scan; implies weight-update sharding; None: on
+        where the replicated state does not fit the chip), `static_argnums`,
+        `static_argnames`, `axis_name`, `donate_argnums`, `donate_argnames` (as `jax.jit`:
+        those arguments' buffers are given to their new values, which the step returns;
+        nothing else is donated), `name`.
         """
         if fn is None:
             return lambda f: CompiledStep(self, f, **options)
