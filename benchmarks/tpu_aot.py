@@ -7,6 +7,8 @@ weights, bf16 compute):
 - (a) ours: `strategy.compile` with the default pipeline (the cost model decides
   weight-update sharding);
 - (b) ours with `shard_weight_updates=True`;
+- (d) ours with `shard_parameters=True` (FSDP: parameters and optimizer state held split,
+  each scanned layer gathered inside the loop);
 - (c) the peer a JAX user writes: `jax.jit` with `NamedSharding`s, the batch split and the
   parameters replicated; where that does not fit the chip, MaxText-style FSDP shardings
   (every parameter and its optimizer state split over all chips on its largest dimension).
@@ -41,7 +43,7 @@ from xla_strategies.passes.timeline import step_estimate
 
 RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
 TOPOLOGIES = ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512")
-VARIANTS = ("a", "b", "c")
+VARIANTS = ("a", "b", "c", "d")
 
 
 def abstract_state(workload: Any, tx: optax.GradientTransformation) -> tuple[Any, Any]:
@@ -61,6 +63,7 @@ def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:
         axis_name="batch",
         donate_argnums=(0, 1),
         shard_weight_updates=True if variant == "b" else None,
+        shard_parameters=True if variant == "d" else None,
         name=f"{workload.name} ({variant})",
     )
     return step, (*state, _batch(strategy, workload))

@@ -105,7 +105,8 @@ class CombineAllReduces(Pass):
             while bucket := self._next_bucket(region, threshold, first):
                 op = bucket.members[0].op
                 if op in BLOCK_COLLECTIVES:
-                    _combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes)
+                    tile = getattr(ctx.topology, "collective_block_tile", None)
+                    _combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes, tile)
                 else:
                     tuple_ok = ctx.topology is None and op == "all_reduce"
                     own_bytes = OWN_OPERAND_BYTES if tuple_ok else 0
@@ -236,11 +237,18 @@ def _combine(
 
 
 def _combine_blocks(
-    graph: Graph, bucket: _Bucket, index: int, created_by: str, mesh_axes: dict[str, int]
+    graph: Graph,
+    bucket: _Bucket,
+    index: int,
+    created_by: str,
+    mesh_axes: dict[str, int],
+    tile: tuple[int, int] | None = None,
 ) -> None:
     """One reduce-scatter (or all-gather) for the bucket: each member as [replicas, its
     block size] (contiguous blocks make that a reshape), concatenated along dimension 1,
-    one collective along dimension 0, and each member's columns sliced out again."""
+    one collective along dimension 0, and each member's columns sliced out again. With a
+    `tile` (rows, lanes), each replica's block is padded to whole tiles and given as
+    `rows` rows: the shape XLA's TPU compiler keeps as a reduce-scatter."""
     members, first = bucket.members, bucket.members[0]
     replicas = math.prod(mesh_axes[a] for a in first.attrs["axes"])
     scatter = first.op == "reduce_scatter"
@@ -259,12 +267,23 @@ def _combine_blocks(
         for m in members
     ]
     total = sum(v.shape[1] for v in views)
-    buffer = emit("concatenate", views, source.like(shape=(rows_in, total)), dimension=1)
+    rows, lanes = tile or (1, 1)
+    pad = (-total) % (rows * lanes)
+    if pad:  # zeros after the members, never read back
+        zeros = source.like(shape=(rows_in, pad), varying_axes=frozenset())
+        views = [*views, emit("constant", [], zeros, value=0)]
+    buffer = emit("concatenate", views, source.like(shape=(rows_in, total + pad)), dimension=1)
     attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}
     attrs.update(dimension=0, bucket=index, members=[_label(m) for m in members])
-    combined = emit(first.op, [buffer], result.like(shape=(rows_out, total)), **attrs)
+    if rows > 1:  # each replica's block as `rows` rows of the device's tile
+        shape = (rows_in * rows, (total + pad) // rows)
+        buffer = emit("reshape", [buffer], buffer.like(shape=shape))
+    out = result.like(shape=(rows_out * rows, (total + pad) // rows))
+    combined = emit(first.op, [buffer], out, **attrs)
+    if rows > 1:
+        combined = emit("reshape", [combined], out.like(shape=(rows_out, total + pad)))
     offset = 0
-    for member, view in zip(members, views, strict=True):
+    for member, view in zip(members, views[: len(members)], strict=True):
         width = view.shape[1]
         piece = member.outputs[0].like(shape=(rows_out, width))
         emit("slice", [combined], piece, start=[0, offset], limit=[rows_out, offset + width])

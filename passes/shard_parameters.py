@@ -141,7 +141,7 @@ class _Splitter:
             dim = shard_dimension(value.shape[skip:], self.replicas)
             if dim is None:
                 self.stats["replicated_state"] += 1
-                if value.size >= self.replicas:
+                if value.shape:  # a scalar (a step count) needs no word
                     self.remarks.append(
                         f"kept {_type(value)} replicated: no dimension"
                         f"{' after the layer dimension' if skip else ''} divides by "

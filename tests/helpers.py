@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -106,3 +107,45 @@ def _run_python(argv: list[str], *, timeout: int, env: dict[str, str] | None = N
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def assert_close_to_scale(a, b, tol: float) -> None:
+    """Every leaf within `tol` of `b`, relative to the leaf's largest magnitude: sums taken
+    in another order differ by an ulp of the operands, which an element that cancels to
+    near zero (a weight minus its update) would make a large elementwise relative error."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        scale = np.max(np.abs(y), initial=0.0)
+        assert np.max(np.abs(x - y), initial=0.0) <= tol * scale, (x, y)
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(self.width * 2)(h)
+        return x + nn.Dense(self.width)(nn.gelu(h)), None
+
+
+class ScannedLM(nn.Module):
+    """Layers under `nn.scan(nn.remat(...))`, an embedding tied to the output layer."""
+
+    vocab: int = 11
+    width: int = 8
+    layers: int = 3
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(self.vocab, self.width)
+        x = embed(tokens)
+        stack = nn.scan(
+            nn.remat(Block),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.layers,
+        )
+        x, _ = stack(self.width)(x, None)
+        return embed.attend(nn.LayerNorm()(x))

@@ -96,7 +96,7 @@ def test_a_step_too_big_for_the_chip_is_an_out_of_memory_error():
         step.lower(w, x).compile()
     message = str(caught.value)
     assert "v5e-4" in message and "16.00 GiB of HBM per chip" in message
-    assert "GB per chip, 15.75GB available" in message and "shard_weight_updates=True" in message
+    assert "GB per chip, 15.75GB available" in message and "shard_parameters=True" in message
 
 
 def test_abstract_arguments_lower_on_any_strategy_and_do_not_run():

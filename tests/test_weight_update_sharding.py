@@ -12,6 +12,7 @@ import pytest
 
 import xla_strategies as xs
 from tests import helpers
+from tests.helpers import assert_close_to_scale
 from xla_strategies.arguments import Layout
 from xla_strategies.demo import models
 
@@ -36,19 +37,8 @@ def _both_ways(strategy, step_fn, params, tx, batches):
     (sharded state, replicated state, the sharded step)."""
     sharded, step = _train(strategy, step_fn, params, tx, batches, shard_weight_updates=True)
     replicated, _ = _train(strategy, step_fn, params, tx, batches, shard_weight_updates=False)
-    _assert_close(sharded, replicated, 1e-12)
+    assert_close_to_scale(sharded, replicated, 1e-12)
     return sharded, replicated, step
-
-
-def _assert_close(a, b, tol: float) -> None:
-    """Every leaf within `tol` of `b`, relative to the leaf's largest magnitude: sums taken
-    in another order differ by an ulp of the operands, which an element that cancels to
-    near zero (a weight minus its update) would make a large elementwise relative error."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        scale = np.max(np.abs(y), initial=0.0)
-        assert np.max(np.abs(x - y), initial=0.0) <= tol * scale, (x, y)
 
 
 def _opt_state_sharded(opt_state, strategy) -> list[bool]:
@@ -169,11 +159,11 @@ def test_checkpoints_move_between_replica_counts_and_the_replicated_update(tmp_p
             target = four.replicate(params), four.replicate(tx.init(params))
             with xs.CheckpointManager(tmp_path, four) as manager:
                 restored = manager.restore(target=target)
-            _assert_close(restored, state, 0)  # the logical arrays, exactly
+            assert_close_to_scale(restored, state, 0)  # the logical arrays, exactly
             step = four.compile(step_fn, donate_argnums=(0, 1), shard_weight_updates=shard)
             for batch in four.experimental_distribute_dataset(batches[2:]):
                 *restored, _ = step(*restored, batch)
-            _assert_close(tuple(restored), expected, 1e-12)
+            assert_close_to_scale(tuple(restored), expected, 1e-12)
             assert any(_opt_state_sharded(restored[1], four)) == shard
 
 
@@ -198,7 +188,7 @@ def test_the_pass_works_from_a_pipeline_spec_and_its_options_are_checked():
     batches = helpers.mlp_batches(2)
     (p_spec, s_spec), step = _train(strategy, step_fn, params, tx, batches, pipeline=spec)
     (p_ref, _), _ = _train(xs.OneDeviceStrategy(), step_fn, params, tx, batches)
-    _assert_close(p_spec, p_ref, 1e-5)
+    assert_close_to_scale(p_spec, p_ref, 1e-5)
     batch = next(iter(strategy.experimental_distribute_dataset(batches)))
     assert step.executable(p_spec, s_spec, batch).graph.count_ops("reduce_scatter") >= 1
     with pytest.raises(TypeError, match="shard_weight_updates must be True, False or None"):
@@ -233,4 +223,4 @@ def test_global_norm_clipping_sees_the_whole_gradient():
     x = strategy.experimental_distribute_dataset([np.arange(16.0)]).__iter__().__next__()
     sharded = strategy.compile(step, shard_weight_updates=True)(w, tx.init(w), x)
     replicated = strategy.compile(step, shard_weight_updates=False)(w, tx.init(w), x)
-    _assert_close(sharded, replicated, 1e-6)
+    assert_close_to_scale(sharded, replicated, 1e-6)

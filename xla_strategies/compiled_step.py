@@ -66,6 +66,10 @@ class Executable:
     placements: tuple[NamedSharding | None, ...]
     captured_text_stats: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    # what the passes recorded (`PassContext.stats`: their decisions and counts, by pass
+    # name) and their remarks (what they left undone, and why), as the dump prints them
+    pass_stats: dict[str, Any] = field(default_factory=dict)
+    remarks: list[str] = field(default_factory=list)
 
 
 class CompiledStep:
@@ -343,7 +347,17 @@ class CompiledStep:
             sharding if spec.layout is Layout.MIRRORED else None
             for spec, sharding in zip(signature.arrays, shardings, strict=True)
         )
-        return Executable(graph, run, outputs, donated, placements, captured_stats, seconds)
+        return Executable(
+            graph,
+            run,
+            outputs,
+            donated,
+            placements,
+            captured_stats,
+            seconds,
+            ctx.stats,
+            ctx.remarks,
+        )
 
 
 def _put(leaf: Any, sharding: NamedSharding, strategy: Strategy) -> Any:

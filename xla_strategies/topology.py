@@ -54,6 +54,9 @@ class Topology:
     peak_flops: float | None = None
     #: each device's memory (bytes), which a compiled program must fit; None where unknown
     hbm_bytes: int | None = None
+    #: (rows, lanes) of the smallest per-device block the compiler keeps as a reduce-scatter
+    #: or all-gather of a bucket (TPU); None where any block shape is kept
+    collective_block_tile: tuple[int, int] | None = None
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -76,7 +79,16 @@ class Topology:
             axes = _node_axes(config, count)
         memory = config.get("memory_bandwidth_bytes_per_s")
         flops = config.get("peak_bf16_flops_per_s")
-        return cls(name, found["hardware"], tuple(axes), memory, flops, config.get("hbm_bytes"))
+        tile = config.get("collective_block_tile")
+        return cls(
+            name,
+            found["hardware"],
+            tuple(axes),
+            memory,
+            flops,
+            config.get("hbm_bytes"),
+            tuple(tile) if tile else None,
+        )
 
     @property
     def slice_count(self) -> int:

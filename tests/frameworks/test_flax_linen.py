@@ -15,6 +15,7 @@ import optax
 from flax.training import train_state
 
 import xla_strategies as xs
+from tests import helpers
 from tests.frameworks.reference import R, assert_trees_close, distribute, mean_of, replica_slices
 from xla_strategies.arguments import Layout
 
@@ -161,39 +162,8 @@ def test_batchnorm_with_axis_name_equals_one_device_on_the_global_batch():
     assert_trees_close(ours.batch_stats, ref.batch_stats)
 
 
-class Block(nn.Module):
-    width: int
-
-    @nn.compact
-    def __call__(self, x, _):
-        h = nn.LayerNorm()(x)
-        h = nn.Dense(self.width * 2)(h)
-        return x + nn.Dense(self.width)(nn.gelu(h)), None
-
-
-class ScannedLM(nn.Module):
-    """Layers under `nn.scan(nn.remat(...))`, an embedding tied to the output layer."""
-
-    vocab: int = 11
-    width: int = 8
-    layers: int = 3
-
-    @nn.compact
-    def __call__(self, tokens):
-        embed = nn.Embed(self.vocab, self.width)
-        x = embed(tokens)
-        stack = nn.scan(
-            nn.remat(Block),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=self.layers,
-        )
-        x, _ = stack(self.width)(x, None)
-        return embed.attend(nn.LayerNorm()(x))
-
-
 def test_scanned_remat_lm_with_tied_embedding_equals_one_device():
-    model = ScannedLM()
+    model = helpers.ScannedLM()
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, 11, size=(16, 6)).astype(np.int32) for _ in range(3)]
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]

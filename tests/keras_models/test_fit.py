@@ -186,7 +186,7 @@ def test_the_train_step_runs_the_pass_pipeline(tmp_path, monkeypatch):
         model = _compiled(sequential)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     dumped = sorted(p.name for p in (tmp_path / "keras_train_step").iterdir())
-    name = "0006.mirrored.after_combine-all-reduces.txt"
+    name = "0007.mirrored.after_combine-all-reduces.txt"
     assert name in dumped
     combined = (tmp_path / "keras_train_step" / name).read_text()
     assert combined.count("= all_reduce(") < 4 + 2  # 4 gradients and 2 metric sums, bucketed
