@@ -128,8 +128,9 @@ def test_two_workers_train_like_one_device(tmp_path):
 
 
 def test_two_workers_shard_the_weight_update_like_the_replicated_one(tmp_path):
-    """Reduce-scatters and all-gathers across both hosts, the AdamW moments held split
-    over 8 devices in two processes: the replicated update's numbers, in float64."""
+    """Reduce-scatters and all-gathers across both hosts, the AdamW moments (and, with
+    parameter sharding, the parameters) held split over 8 devices in two processes: the
+    replicated update's numbers, in float64."""
     out = tmp_path / "sharded.npz"
     check(
         run_workers(
@@ -137,14 +138,21 @@ def test_two_workers_shard_the_weight_update_like_the_replicated_one(tmp_path):
         )
     )
     result = np.load(out)
-    on = {k.removeprefix("sharded=True/"): v for k, v in result.items() if "=True/" in k}
-    off = {k.removeprefix("sharded=False/"): v for k, v in result.items() if "=False/" in k}
-    assert on.keys() == off.keys() and len(on) >= 19  # params, count, both moments
-    held, replicated = on.pop("held_sharded"), off.pop("held_sharded")
-    assert held.sum() >= len(held) - 2 and not replicated.any()  # the [5] moments stay whole
-    for key, expected in off.items():
-        scale = np.max(np.abs(expected), initial=0.0)
-        assert np.max(np.abs(on[key] - expected), initial=0.0) <= 1e-12 * scale, key
+    runs = {
+        tag: {k.removeprefix(f"sharded={tag}/"): v for k, v in result.items() if f"={tag}/" in k}
+        for tag in ("True", "params", "False")
+    }
+    off = runs.pop("False")
+    assert not off.pop("held_sharded").any() and not off.pop("params_held_sharded").any()
+    for tag, on in runs.items():
+        assert on.keys() - {"held_sharded", "params_held_sharded"} == off.keys(), tag
+        assert len(off) >= 19  # params, count, both moments
+        held, params_held = on.pop("held_sharded"), on.pop("params_held_sharded")
+        assert held.sum() >= len(held) - 2  # the [5] moments stay whole
+        assert params_held.sum() == (len(params_held) - 1 if tag == "params" else 0)
+        for key, expected in off.items():
+            scale = np.max(np.abs(expected), initial=0.0)
+            assert np.max(np.abs(on[key] - expected), initial=0.0) <= 1e-12 * scale, key
 
 
 def test_a_killed_peer_fails_the_survivor_within_the_timeout(tmp_path):

@@ -197,4 +197,4 @@ def test_a_compile_only_step_lowers_host_arrays_as_their_shapes():
     batch = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=strategy.split_sharding())
     step = strategy.compile(_adam_step(tx))
     hlo = step.lower(params, tx.init(params), batch).compile().as_text()
-    assert "T(8,128)" in hlo and count_hlo_collectives(hlo)["all-reduce"] >= 1
+    assert "T(8,128)" in hlo and sum(count_hlo_collectives(hlo).values()) >= 1

@@ -11,6 +11,7 @@ asynchronous collective from XLA's own per-op cycle estimates.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -120,14 +121,29 @@ def collectives(hlo_text: str) -> list[Collective]:
     for name, ops in comps.items():
         if not times.get(name):
             continue
+        chain: dict[str, int] = {}  # an op (or a tuple element of it) -> its collective
         for position, (op_name, types, opcode, rest) in enumerate(ops):
+            operands = OPERAND.findall(rest.split("), ")[0])
+            if opcode == "get-tuple-element" and operands and operands[0] in chain:
+                chain[op_name] = chain[operands[0]]
             inner = _collective(opcode, types, rest, comps)
             if inner is None:
                 continue
+            earlier = next((chain[o] for o in operands if o in chain), None)
+            if opcode == "fusion" and earlier is not None and found[earlier].kind == inner[0]:
+                # libtpu runs one collective in steps, each fused with other compute and
+                # taking the previous step's buffers: one collective, more overlap
+                step = found[earlier]
+                found[earlier] = dataclasses.replace(
+                    step,
+                    overlapped_ops=step.overlapped_ops + _fused_compute(rest, comps),
+                    overlapped_cycles=step.overlapped_cycles + _cycles(rest),
+                )
+                chain[op_name] = earlier
+                continue
             kind, inner_types, inner_rest = inner
             if opcode == "fusion":  # the collective runs beside the compute fused with it
-                fused = [o for c in CALLEE.findall(rest) for o in comps.get(c, [])]
-                between = [o for o in fused if o[2] not in _BOOKKEEPING and o[2] not in _SKIP]
+                between = [None] * _fused_compute(rest, comps)
                 asynchronous, cycles = True, _cycles(rest)
             else:
                 asynchronous = opcode.endswith("-start")
@@ -150,7 +166,15 @@ def collectives(hlo_text: str) -> list[Collective]:
                     overlapped_cycles=cycles,
                 )
             )
+            if opcode == "fusion":
+                chain[op_name] = len(found) - 1
     return found
+
+
+def _fused_compute(rest: str, comps: dict[str, list[Op]]) -> int:
+    """How many compute instructions a fusion that wraps a collective runs beside it."""
+    fused = [o for c in CALLEE.findall(rest) for o in comps.get(c, [])]
+    return sum(1 for o in fused if o[2] not in _BOOKKEEPING and o[2] not in _SKIP)
 
 
 def total_cycles(hlo_text: str, per_trip: bool = True) -> int:

@@ -57,6 +57,9 @@ class Topology:
     #: (rows, lanes) of the smallest per-device block the compiler keeps as a reduce-scatter
     #: or all-gather of a bucket (TPU); None where any block shape is kept
     collective_block_tile: tuple[int, int] | None = None
+    #: whether the compiler runs a reduce-scatter over several torus axes as an all-reduce
+    #: and a slice (TPU), so that one axis at a time moves half the bytes
+    reduce_scatter_over_axes_is_all_reduce: bool = False
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -88,6 +91,7 @@ class Topology:
             flops,
             config.get("hbm_bytes"),
             tuple(tile) if tile else None,
+            bool(config.get("reduce_scatter_over_axes_is_all_reduce", False)),
         )
 
     @property

@@ -1,7 +1,7 @@
 """A worker: trains the MLP and the transformer with MultiWorkerMirroredStrategy on
 per-host input, printing `STEP n`; the chief saves the final parameters atomically.
-`--models sharded` trains a float64 MLP with clipped AdamW twice, with and without
-weight-update sharding, and saves the optimizer state too."""
+`--models sharded` trains a float64 MLP with clipped AdamW three times: with weight-update
+sharding, with parameter sharding and with neither, and saves the optimizer state too."""
 
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ def train(strategy, step_fn, params, tx, batches, tag, keep=1, **options):
         for name, piece in pieces.items()
         for p, x in jax.tree_util.tree_flatten_with_path(piece)[0]
     } | {
-        f"{tag}/held_sharded": np.asarray(
-            [strategy.is_held_sharded(x) for x in jax.tree.leaves(state[1]) if x.ndim]
+        f"{tag}/{name}": np.asarray(
+            [strategy.is_held_sharded(x) for x in jax.tree.leaves(piece) if x.ndim]
         )
+        for name, piece in (("held_sharded", state[1]), ("params_held_sharded", state[0]))
     }
 
 
@@ -103,16 +104,20 @@ def main() -> None:
         graphdef, params = helpers.mlp(np.float64)
         tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
         batches = helpers.mlp_batches(args.steps, dtype=np.float64)
-        for shard in (True, False):
+        for tag, options in (
+            ("sharded=True", {"shard_weight_updates": True}),
+            ("sharded=params", {"shard_parameters": True}),
+            ("sharded=False", {"shard_weight_updates": False}),
+        ):
             results |= train(
                 strategy,
                 models.mlp_train_step(graphdef, tx),
                 params,
                 tx,
                 batches,
-                f"sharded={shard}",
+                tag,
                 keep=2,
-                shard_weight_updates=shard,
+                **options,
             )
     if strategy.cluster_resolver.is_chief:
         out = Path(args.out)
