@@ -13,6 +13,7 @@ from xla_strategies.passes.insert_reductions import InsertReductions, MirroredOu
 from xla_strategies.passes.ir import Graph, Node, Value
 from xla_strategies.passes.ir_text import IRParseError, parse, print_graph
 from xla_strategies.passes.pipeline import PassPipeline, PipelineSpecError
+from xla_strategies.passes.prefetch_all_gathers import PrefetchAllGathers
 from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
 from xla_strategies.passes.registry import PASS_REGISTRY
@@ -26,11 +27,12 @@ from xla_strategies.passes.verifier import VerificationError, verify
 # the state split where it does not fit a chip (before the loops' reductions move), move
 # reductions out of loops or leave them pipelined there (the topology's cost model
 # decides), merge the parts of tied weights, shard the weight update where the cost model
-# says it pays, then bucket what is left.
+# says it pays, bucket what is left, then let layer loops gather their next layer's
+# parameters while the current one computes.
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
-    "combine-all-reduces"
+    "combine-all-reduces,prefetch-all-gathers{mode=auto}"
 )
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "PassContext",
     "PassPipeline",
     "PipelineSpecError",
+    "PrefetchAllGathers",
     "Value",
     "VerificationError",
     "parse",

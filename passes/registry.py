@@ -8,6 +8,7 @@ from xla_strategies.passes.decompose_all_reduces import DecomposeAllReduces
 from xla_strategies.passes.fold_invariant_reductions import FoldInvariantReductions
 from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.insert_reductions import InsertReductions
+from xla_strategies.passes.prefetch_all_gathers import PrefetchAllGathers
 from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
 from xla_strategies.passes.schedule_all_reduces import ScheduleAllReduces
@@ -26,6 +27,7 @@ PASS_REGISTRY: dict[str, type[Pass]] = {
         ShardWeightUpdates,
         CombineAllReduces,
         DecomposeAllReduces,
+        PrefetchAllGathers,
         ReduceToOneDevice,
     )
 }

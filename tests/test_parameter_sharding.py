@@ -89,6 +89,29 @@ def test_scanned_lm_with_clipped_adamw_matches_one_device(make_strategy):
         assert {s.data.shape for s in stack.addressable_shards} == {(3, 2, 32)}
 
 
+def test_prefetching_the_next_layer_keeps_the_numbers():
+    """prefetch-all-gathers (on by itself only with a topology) forced on emulated devices:
+    each loop gathers layer i+1 into a carry while layer i computes; same numbers."""
+    with jax.enable_x64(True):
+        strategy = xs.MirroredStrategy()
+        params, make_step, batches = _lm(np.float64)
+        tx = _clipped_adamw()
+        spec = xs.passes.DEFAULT_PIPELINE.replace(
+            "prefetch-all-gathers{mode=auto}", "prefetch-all-gathers{mode=on}"
+        )
+        (p_on, s_on), step = _train(
+            strategy, make_step(tx), params, tx, batches, shard_parameters=True, pipeline=spec
+        )
+        reference, _ = _train(xs.OneDeviceStrategy(), make_step(tx), params, tx, batches)
+        assert_close_to_scale((p_on, s_on), reference, 1e-12)
+        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+        executable = step.executable(p_on, s_on, batch)
+        assert executable.pass_stats["prefetch-all-gathers"]["loops"] == 2  # forward, backward
+        loops = [n for n in executable.graph.nodes if n.op == "jax.scan"]
+        # each loop carries the gathered layer: more carries than the scan had
+        assert all(n.attrs["num_carry"] > 1 for n in loops)
+
+
 def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update():
     """A [5] bias divides by no replica count: it stays replicated (a remark says so),
     and the rest is held split; the numbers are the replicated update's."""

@@ -121,25 +121,24 @@ def collectives(hlo_text: str) -> list[Collective]:
     for name, ops in comps.items():
         if not times.get(name):
             continue
-        chain: dict[str, int] = {}  # an op (or a tuple element of it) -> its collective
+        in_flight: list[int] = []  # libtpu's async collectives started, not yet done
         for position, (op_name, types, opcode, rest) in enumerate(ops):
-            operands = OPERAND.findall(rest.split("), ")[0])
-            if opcode == "get-tuple-element" and operands and operands[0] in chain:
-                chain[op_name] = chain[operands[0]]
-            inner = _collective(opcode, types, rest, comps)
+            inner = _collective(opcode, types, rest, comps, op_name)
             if inner is None:
                 continue
-            earlier = next((chain[o] for o in operands if o in chain), None)
-            if opcode == "fusion" and earlier is not None and found[earlier].kind == inner[0]:
-                # libtpu runs one collective in steps, each fused with other compute and
-                # taking the previous step's buffers: one collective, more overlap
-                step = found[earlier]
-                found[earlier] = dataclasses.replace(
-                    step,
-                    overlapped_ops=step.overlapped_ops + _fused_compute(rest, comps),
-                    overlapped_cycles=step.overlapped_cycles + _cycles(rest),
+            # libtpu runs an async collective in steps from its start to its done, each
+            # step fused with other compute: one collective, whose overlap adds up
+            step = next(
+                (i for i in in_flight if (found[i].kind, found[i].nbytes) == _key(inner)), None
+            )
+            if opcode == "fusion" and step is not None:
+                found[step] = dataclasses.replace(
+                    found[step],
+                    overlapped_ops=found[step].overlapped_ops + _fused_compute(rest, comps),
+                    overlapped_cycles=found[step].overlapped_cycles + _cycles(rest),
                 )
-                chain[op_name] = earlier
+                if "collective-done" in op_name:
+                    in_flight.remove(step)
                 continue
             kind, inner_types, inner_rest = inner
             if opcode == "fusion":  # the collective runs beside the compute fused with it
@@ -166,9 +165,13 @@ def collectives(hlo_text: str) -> list[Collective]:
                     overlapped_cycles=cycles,
                 )
             )
-            if opcode == "fusion":
-                chain[op_name] = len(found) - 1
+            if "collective-start" in op_name:
+                in_flight.append(len(found) - 1)
     return found
+
+
+def _key(inner: tuple[str, str, str]) -> tuple[str, int]:
+    return inner[0], _result_bytes(inner[1], False)
 
 
 def _fused_compute(rest: str, comps: dict[str, list[Op]]) -> int:
@@ -190,13 +193,14 @@ def total_cycles(hlo_text: str, per_trip: bool = True) -> int:
 
 
 def _collective(
-    opcode: str, types: str, rest: str, comps: dict[str, list[Op]]
+    opcode: str, types: str, rest: str, comps: dict[str, list[Op]], name: str = ""
 ) -> tuple[str, str, str] | None:
     """(kind, result types, attributes) of the collective this instruction is or wraps."""
     kind = collective_kind(opcode)
     if kind is not None:
         return kind, types, rest
-    wraps = opcode == "async-start" or (opcode == "fusion" and "collective" in rest)
+    fused = opcode == "fusion" and ("collective" in rest or "collective" in name)
+    wraps = opcode == "async-start" or fused
     for callee in CALLEE.findall(rest) if wraps else ():
         for _, inner_types, inner, inner_rest in comps.get(callee, []):
             found = _collective(inner, inner_types, inner_rest, comps)
