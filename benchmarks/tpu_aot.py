@@ -8,7 +8,8 @@ weights, bf16 compute):
   weight-update sharding);
 - (b) ours with `shard_weight_updates=True`;
 - (d) ours with `shard_parameters=True` (FSDP: parameters and optimizer state held split,
-  each scanned layer gathered inside the loop);
+  each scanned layer gathered inside the loop, the next layer prefetched);
+- (e) (d) without the prefetch (`prefetch-all-gathers` disabled);
 - (c) the peer a JAX user writes: `jax.jit` with `NamedSharding`s, the batch split and the
   parameters replicated; where that does not fit the chip, MaxText-style FSDP shardings
   (every parameter and its optimizer state split over all chips on its largest dimension).
@@ -39,11 +40,12 @@ import xla_strategies as xs
 from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.compile_program import compile_lowered
 from xla_strategies.compiled_report import compiled_report
+from xla_strategies.passes.pipeline import without_pass
 from xla_strategies.passes.timeline import step_estimate
 
 RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
 TOPOLOGIES = ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512")
-VARIANTS = ("a", "b", "c", "d")
+VARIANTS = ("a", "b", "c", "d", "e")
 
 
 def abstract_state(workload: Any, tx: optax.GradientTransformation) -> tuple[Any, Any]:
@@ -63,7 +65,10 @@ def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:
         axis_name="batch",
         donate_argnums=(0, 1),
         shard_weight_updates=True if variant == "b" else None,
-        shard_parameters=True if variant == "d" else None,
+        shard_parameters=True if variant in ("d", "e") else None,
+        pipeline=without_pass(strategy.pipeline(None), "prefetch-all-gathers")
+        if variant == "e"
+        else None,
         name=f"{workload.name} ({variant})",
     )
     return step, (*state, _batch(strategy, workload))

@@ -5,6 +5,8 @@
 (c) jax.jit, batch sharded by NamedSharding (automatic SPMD)
 (f) CentralStorageStrategy: gradients reduced to one device, update there, broadcast back
 (g) xla_strategies, shard_weight_updates=True: reduce-scatter, 1/N of the update, all-gather
+(h) xla_strategies, shard_parameters=True: parameters and optimizer state held split, each
+    scanned layer gathered inside the loop
 
 Run: `python -m benchmarks.train_step` (or `make bench`). Writes results/train_step.json.
 """
@@ -32,6 +34,7 @@ VARIANTS = {
     "e": "compute only (no reductions)",
     "f": "CentralStorageStrategy",
     "g": "xla_strategies, sharded weight update",
+    "h": "xla_strategies, sharded parameters",
 }
 
 
@@ -97,6 +100,7 @@ def build(
         "e": manual(check_vma=False),
         "f": xs.CentralStorageStrategy().compile(step, donate_argnums=(0, 1)),
         "g": strategy.compile(step, shard_weight_updates=True, donate_argnums=(0, 1)),
+        "h": strategy.compile(step, shard_parameters=True, donate_argnums=(0, 1)),
     }
     for threshold in thresholds:  # (a) with another bucket threshold, for the sweep
         spec = DEFAULT_PIPELINE.replace(
@@ -180,6 +184,9 @@ def measure(
         held, whole = optimizer_state_bytes(states[key][1], device)
         report[key]["opt_state_bytes_per_device"] = held
         report[key]["opt_state_bytes"] = whole
+        held, whole = optimizer_state_bytes(states[key][:2], device)
+        report[key]["state_bytes_per_device"] = held  # parameters and optimizer state
+        report[key]["state_bytes"] = whole
     a = report["a"]["step_ms"]
     return {
         "model": setup["model"],
@@ -195,11 +202,16 @@ def measure(
         "g_over_a": report["g"]["step_ms"] / a,
         "g_opt_state_fraction": report["g"]["opt_state_bytes_per_device"]
         / report["a"]["opt_state_bytes_per_device"],
+        "h_over_a": report["h"]["step_ms"] / a,
+        "h_over_g": report["h"]["step_ms"] / report["g"]["step_ms"],
+        "h_state_fraction": report["h"]["state_bytes_per_device"]
+        / report["a"]["state_bytes_per_device"],
         "targets": {
             "speedup_vs_b_and_c": 2.0,
             "a_over_e": 1.3,
             "g_over_e": 1.0,
             "g_opt_state_fraction": 1 / 8 + 0.05,
+            "h_state_fraction": 1 / 8 + 0.05,
         },
     }
 
@@ -233,6 +245,11 @@ def print_table(result: dict) -> None:
         f"(g) sharded update: (g)/(e) = {result['g_over_e']:.2f}, (g)/(a) = "
         f"{result['g_over_a']:.2f}; optimizer state per device "
         f"{result['g_opt_state_fraction']:.3f} of (a)'s"
+    )
+    print(
+        f"(h) sharded parameters: (h)/(a) = {result['h_over_a']:.2f}, (h)/(g) = "
+        f"{result['h_over_g']:.2f}; parameters and optimizer state per device "
+        f"{result['h_state_fraction']:.3f} of (a)'s"
     )
 
 
