@@ -13,6 +13,9 @@ block first (a cast to bf16 is run on the block, so the gather moves half the by
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.blocks import (
     block_shape,
@@ -20,7 +23,7 @@ from xla_strategies.passes.blocks import (
     sinks_to_blocks,
     unit_reshape_dim,
 )
-from xla_strategies.passes.cost_model import fast_first
+from xla_strategies.passes.cost_model import fast_first, split_levels
 from xla_strategies.passes.ir import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.traits import Trait, dimension_reduction
@@ -37,11 +40,27 @@ def block_order(ctx: PassContext) -> list[str]:
     return [a.name for a in fast_first(ctx.topology.axis_links(tuple(ctx.mesh_axes)))]
 
 
+def within_slice(ctx: PassContext) -> list[str]:
+    """The axes parameter sharding splits over: the fast levels (a slice's ICI), fast
+    first. Across a slow level (DCN) the blocks are replicated: a layer's gathers then
+    never cross it, and only the gradient blocks' sums do (HSDP)."""
+    if ctx.topology is None:
+        return list(ctx.mesh_axes)
+    fast, _ = split_levels(ctx.topology.axis_links(tuple(ctx.mesh_axes)))
+    order = [a.name for a in fast_first(fast)]
+    return order or block_order(ctx)
+
+
 class BlockSharder:
     """One walk over a graph (not its regions) in schedule order."""
 
-    def __init__(self, axes: list[str], replicas: int, created_by: str) -> None:
-        self.axes, self.replicas, self.created_by = axes, replicas, created_by
+    def __init__(self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str) -> None:
+        """`axes`: the replica axes blocks are numbered over; a value is replicated across
+        the other axes of `mesh_axes`, whose gradient sums run on the blocks."""
+        self.axes, self.created_by = axes, created_by
+        self.replicas = math.prod(mesh_axes[a] for a in axes)
+        self.all_axes = list(mesh_axes)
+        self.across = [a for a in mesh_axes if a not in axes and mesh_axes[a] > 1]
         self.varying = frozenset(axes)
         self.blocks: dict[Value, tuple[Value, int]] = {}
         self.gathered: set[Value] = set()
@@ -85,7 +104,7 @@ class BlockSharder:
 
     def walk(self, graph: Graph) -> None:
         for node in graph.nodes:
-            if is_gradient_reduction(node, self.axes):
+            if is_gradient_reduction(node, self.all_axes):
                 self.scatter(node)
             elif node.op == "all_gather" and node.attrs.get(DEFERRED):
                 self.blocks[node.outputs[0]] = (node.inputs[0], node.attrs["dimension"])
@@ -114,7 +133,13 @@ class BlockSharder:
         # reduction's own axis order was
         attrs = {**node.attrs, "axes": self.axes, "dimension": dim}
         attrs.pop("reduce_op")
-        self.emit("reduce_scatter", node.inputs, block, attrs)
+        if self.across:  # the sum over the other axes (slices), on the blocks
+            partial = block.like(varying_axes=block.varying_axes | frozenset(self.across))
+            self.emit("reduce_scatter", node.inputs, partial, attrs)
+            across = {**node.attrs, "axes": self.across, "reduce_op": "sum"}
+            self.emit("all_reduce", [partial], block, across)
+        else:
+            self.emit("reduce_scatter", node.inputs, block, attrs)
         self.blocks[full] = (block, dim)
         self.stats["sharded_gradients"] += 1
 

@@ -166,9 +166,10 @@ class Node:
 @dataclass(frozen=True)
 class Split:
     """How a mirrored value is held across the replicas: dimension `dim` cut into one block
-    per replica, numbered over `axes` in this order (the order tiled collectives and
-    `replica_slice` use), so block i of the value is on the replica whose index over
-    `axes` is i. Every replica axis is named: each replica holds one block."""
+    per position over `axes`, numbered in this order (the order tiled collectives and
+    `replica_slice` use), so block i of the value is on the replicas whose index over
+    `axes` is i. Replicas that differ only along the other axes (other slices) hold the
+    same block."""
 
     dim: int
     axes: tuple[str, ...]

@@ -39,11 +39,13 @@ blocks line up. A value with no such dimension stays replicated, with a remark.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.block_sharder import DEFERRED, BlockSharder, block_order
+from xla_strategies.passes.block_sharder import DEFERRED, BlockSharder, within_slice
 from xla_strategies.passes.blocks import block_shape, shard_dimension
 from xla_strategies.passes.ir import Graph, Node, Split, Value
 from xla_strategies.passes.ir_text import format_type
@@ -75,10 +77,17 @@ class ShardParameters(Pass):
         if ctx.num_replicas == 1 or (decision is not None and not decision["on"]):
             ctx.stats[self.name] = {"split_state": 0, "decision": decision}
             return False
-        splitter = _Splitter(block_order(ctx), ctx.num_replicas, self.name)
+        splitter = _Splitter(within_slice(ctx), ctx.mesh_axes, self.name)
         splitter.split_state(graph)
         splitter.shard_regions(graph)
-        ctx.stats[self.name] = {**splitter.stats, "decision": decision}
+        ctx.stats[self.name] = {**splitter.stats, "decision": decision, "axes": splitter.axes}
+        across = [a for a in ctx.mesh_axes if a not in splitter.axes and ctx.mesh_axes[a] > 1]
+        if across:
+            ctx.remarks.append(
+                f"{self.name}: split within a slice over {', '.join(splitter.axes)} and "
+                f"replicated across {', '.join(across)}: a layer's gathers stay on the "
+                "slice's links; the gradient blocks are summed across"
+            )
         ctx.remarks.extend(f"{self.name}: {r}" for r in splitter.remarks)
         return splitter.stats["split_state"] > 0 or splitter.stats["loop_reduce_scatters"] > 0
 
@@ -118,8 +127,9 @@ def _gradient_bytes(graph: Graph, iterations: int = 1) -> int:
 
 
 class _Splitter:
-    def __init__(self, axes: list[str], replicas: int, created_by: str) -> None:
-        self.axes, self.replicas, self.created_by = axes, replicas, created_by
+    def __init__(self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str) -> None:
+        self.axes, self.mesh_axes, self.created_by = axes, mesh_axes, created_by
+        self.replicas = math.prod(mesh_axes[a] for a in axes)
         self.remarks: list[str] = []
         self.stats: dict[str, int] = {
             "split_state": 0,
@@ -194,7 +204,7 @@ class _Splitter:
             self.shard_regions(region)
             if not any(n.attrs.get(DEFERRED) for n in region.nodes):
                 continue  # holds nothing split: its reductions stay for hoist-all-reduces
-            sharder = BlockSharder(self.axes, self.replicas, self.created_by)
+            sharder = BlockSharder(self.axes, self.mesh_axes, self.created_by)
             first = node.attrs["num_carry"] if scan else 0
             returned = sharder.rewrite_region(region, range(first, len(region.outputs)))
             self.stats["loop_gathers"] += sum(1 for n in region.nodes if n.op == "all_gather")

@@ -77,8 +77,9 @@ class ShardWeightUpdates(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         axes = block_order(ctx)
-        held_split = any(n.attrs.get(DEFERRED) for n in graph.nodes)
+        held_split = [n.attrs["axes"] for n in graph.nodes if n.attrs.get(DEFERRED)]
         if held_split:  # shard-parameters holds values split: only blocks can update them
+            axes = held_split[0]  # and its blocks say which axes they are split over
             decision = {"on": True, "reason": "shard-parameters"}
         else:
             decision = _cost_model_decision(graph, ctx) if self.mode == "auto" else None
@@ -86,11 +87,11 @@ class ShardWeightUpdates(Pass):
             ctx.stats[self.name] = {"sharded_gradients": 0, "sharded_state": 0}
             ctx.stats[self.name]["decision"] = decision
             return False
-        sharder = BlockSharder(axes, ctx.num_replicas, self.name)
+        sharder = BlockSharder(axes, ctx.mesh_axes, self.name)
         sharder.rewrite(graph)
         ctx.stats[self.name] = {**sharder.stats, "decision": decision}
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
-        return sharder.stats["sharded_gradients"] > 0 or held_split
+        return sharder.stats["sharded_gradients"] > 0 or bool(held_split)
 
 
 def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:

@@ -63,11 +63,16 @@ def _held(tree, strategy) -> list[bool]:
 
 
 @pytest.mark.parametrize(
-    "make_strategy",
-    [xs.MirroredStrategy, lambda: xs.TPUStrategy("v5e-8", emulate=True)],
-    ids=["mirrored", "tpu-v5e-8"],  # one replica axis; two (the slice's torus)
+    ("make_strategy", "blocks"),
+    [
+        (xs.MirroredStrategy, 8),  # one replica axis
+        (lambda: xs.TPUStrategy("v5e-8", emulate=True), 8),  # two: the slice's torus
+        # two slices of 2x2: split over each slice's 4 chips, replicated across DCN
+        (lambda: xs.TPUStrategy("2xv5e-4", emulate=True), 4),
+    ],
+    ids=["mirrored", "tpu-v5e-8", "tpu-2xv5e-4"],
 )
-def test_scanned_lm_with_clipped_adamw_matches_one_device(make_strategy):
+def test_scanned_lm_with_clipped_adamw_matches_one_device(make_strategy, blocks):
     with jax.enable_x64(True):
         strategy = make_strategy()
         params, make_step, batches = _lm(np.float64)
@@ -86,7 +91,7 @@ def test_scanned_lm_with_clipped_adamw_matches_one_device(make_strategy):
         assert [r.count_ops("all_gather") >= 1 for n in loops for r in n.regions] == [True] * 2
         assert sum(r.count_ops("reduce_scatter") for n in loops for r in n.regions) >= 1
         stack = p_on["ScanCheckpointBlock_0"]["Dense_0"]["kernel"]
-        assert {s.data.shape for s in stack.addressable_shards} == {(3, 2, 32)}
+        assert {s.data.shape for s in stack.addressable_shards} == {(3, 16 // blocks, 32)}
 
 
 def test_prefetching_the_next_layer_keeps_the_numbers():
