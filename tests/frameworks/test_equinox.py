@@ -41,3 +41,23 @@ def test_module_as_argument_equals_filter_jit_on_one_device():
     assert_trees_close(eqx.filter(ours[0], eqx.is_array), eqx.filter(ref[0], eqx.is_array))
     np.testing.assert_allclose(float(jnp.mean(loss)), float(ref_loss), rtol=1e-5)
     assert step.cache_size == 1  # the module's static parts hash the same every step
+
+
+def test_parameter_sharding_holds_the_module_split_and_equals_one_device():
+    """`shard_parameters=True` with the module and optimizer state declared as state
+    (donated): each array leaf comes back split across the replicas, same numbers."""
+    model = eqx.nn.MLP(in_size=4, out_size=2, width_size=16, depth=2, key=jax.random.key(0))
+    batches = regression_batches(3, rows=16, inputs=4, outputs=2)
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(make_step, donate_argnums=(0, 1), shard_parameters=True)
+    reference = eqx.filter_jit(make_step)
+    start = (model, optim.init(eqx.filter(model, eqx.is_array)))
+    ours = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, start)
+    ref = start
+    for (x, y), (gx, gy) in zip(distribute(strategy, batches), batches, strict=True):
+        *ours, loss = step(*ours, x, y)
+        *ref, ref_loss = reference(*ref, gx, gy)
+    assert_trees_close(eqx.filter(ours[0], eqx.is_array), eqx.filter(ref[0], eqx.is_array))
+    hidden = ours[0].layers[1].weight  # f32[16,16]
+    assert strategy.is_held_sharded(hidden)
+    assert {s.data.shape for s in hidden.addressable_shards} == {(2, 16)}
