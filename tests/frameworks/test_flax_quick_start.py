@@ -58,7 +58,9 @@ def train_step(state, batch):
     return state
 
 
-def test_the_quick_start_train_step_shards_its_momentum_and_equals_jax_jit():
+def _train(**options):
+    """The quick start's three steps under jax.jit and under a MirroredStrategy compiled
+    with `options`: (ours, jax.jit's, every state our step took, the strategy)."""
     rng = np.random.default_rng(0)
     batches = [
         {
@@ -74,23 +76,39 @@ def test_the_quick_start_train_step_shards_its_momentum_and_equals_jax_jit():
         expected = jitted(expected, batch)
 
     strategy = xs.MirroredStrategy()
-    step = strategy.compile(train_step, shard_weight_updates=True)
+    step = strategy.compile(train_step, **options)
     state = create_train_state(cnn, jax.random.key(0), 0.01, 0.9)
     previous = []
     for batch in distribute(strategy, batches):
         previous.append(state)
         state = step(state, batch)
-
     assert int(state.step) == int(expected.step) == 3
     assert_trees_close(state.params, expected.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(state.opt_state, expected.opt_state, rtol=1e-5, atol=1e-6)
     # nothing was declared donated: every state a step took is still there, as under jax.jit
     assert not any(p.params["Dense_0"]["kernel"].is_deleted() for p in previous)
+    return state, strategy
+
+
+def _unsplit(tree, strategy) -> list[str]:
+    """The paths of `tree`'s non-scalar leaves not held split across the replicas."""
+    return [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if leaf.ndim and not strategy.is_held_sharded(leaf)
+    ]
+
+
+def test_the_quick_start_train_step_shards_its_momentum_and_equals_jax_jit():
+    state, strategy = _train(shard_weight_updates=True)
     # every momentum leaf with a dimension that divides by 8 is held split: not the 10 biases
-    held = {
-        jax.tree_util.keystr(path): strategy.is_held_sharded(leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
-        if leaf.ndim
-    }
-    assert [path for path, split in held.items() if not split] == ["[0].trace['Dense_1']['bias']"]
-    assert len(held) == 8
+    assert _unsplit(state.opt_state, strategy) == ["[0].trace['Dense_1']['bias']"]
+    assert len([leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim]) == 8
+
+
+def test_parameter_sharding_holds_the_train_state_split_and_equals_jax_jit():
+    """A TrainState is the step's state without any declaration: with
+    `shard_parameters=True` its parameters are held split too."""
+    state, strategy = _train(shard_parameters=True)
+    assert _unsplit(state.params, strategy) == ["['Dense_1']['bias']"]
+    assert _unsplit(state.opt_state, strategy) == ["[0].trace['Dense_1']['bias']"]
