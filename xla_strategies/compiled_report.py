@@ -33,6 +33,7 @@ _ALGORITHM = re.compile(r'"emitter":"(\w+)","strategy":"(\w+)"')
 _GROUPS = re.compile(
     r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\][^,\s]*|mesh\[[^\]]*\][^,]*)"
 )
+_UNKNOWN_CYCLES = 1 << 62
 _BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 _SKIP = set(COLLECTIVES)
 
@@ -246,8 +247,11 @@ def _group_size(groups: str) -> int:
 
 
 def _cycles(rest: str) -> int:
+    """XLA's cycle estimate of an instruction; 0 where it has none, or where it writes
+    int64's maximum for "unknown" (libtpu 0.0.42 does on v5p and v6e)."""
     found = _CYCLES.search(rest)
-    return int(found.group(1)) if found else 0
+    cycles = int(found.group(1)) if found else 0
+    return cycles if cycles < _UNKNOWN_CYCLES else 0
 
 
 def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:

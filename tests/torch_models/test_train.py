@@ -31,10 +31,10 @@ STRATEGIES = {
 }
 
 
-def _train(strategy, model, optimizer, loss_fn, batches, after_step=None):
+def _train(strategy, model, optimizer, loss_fn, batches, after_step=None, **options):
     state = xst.TrainState.create(model, optimizer)
 
-    @strategy.compile
+    @strategy.compile(**options)
     def train_step(state, *batch):
         return xst.train_step(state, loss_fn, *batch)
 
@@ -129,6 +129,27 @@ def test_transformer_with_tied_embedding_and_adamw_matches_eager_torch(kind):
     optimizer = adamw(copy.deepcopy(model))
     optimizer.load_state_dict(state.optimizer_state_dict())
     assert optimizer.state_dict()["state"][0]["step"] == 3
+
+
+def test_parameter_sharding_holds_the_torch_state_split_and_matches_eager_torch():
+    """`shard_parameters=True` on a torch module's `xst.TrainState`: the parameters and
+    AdamW's moments are held split across the replicas, with eager torch's numbers."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    batches = token_batches(3)
+
+    def adamw(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    reference, _, ref_losses = eager_data_parallel(model, adamw, lm_loss, batches)
+    strategy = xs.MirroredStrategy()
+    state, losses, _ = _train(
+        strategy, model, adamw(model), lm_loss, batches, shard_parameters=True
+    )
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    _assert_params_match(state, reference)
+    params = [x for x in jax.tree.leaves(state.params) if x.ndim]
+    assert sum(strategy.is_held_sharded(x) for x in params) >= len(params) // 2
 
 
 def test_optax_optimizer_matches_torch_sgd():
