@@ -149,3 +149,11 @@ class ScannedLM(nn.Module):
         )
         x, _ = stack(self.width)(x, None)
         return embed.attend(nn.LayerNorm()(x))
+
+
+def bytes_on(tree: Any, device: Any) -> tuple[int, int]:
+    """(bytes of `tree`'s arrays that `device` holds, bytes of the whole arrays), read from
+    the arrays' addressable shards."""
+    leaves = jax.tree.leaves(tree)
+    held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+    return held, sum(x.nbytes for x in leaves)

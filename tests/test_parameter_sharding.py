@@ -145,14 +145,7 @@ def test_parameter_and_optimizer_bytes_per_device_fall_to_one_over_n():
     params, make_step, batches = _lm(vocab=64, width=64, layers=4)
     tx = optax.adam(1e-3)
     state, _ = _train(strategy, make_step(tx), params, tx, batches[:1], shard_parameters=True)
-    device = strategy.devices[5]
-    held = sum(
-        shard.data.nbytes
-        for leaf in jax.tree.leaves(state)
-        for shard in leaf.addressable_shards
-        if shard.device == device
-    )
-    replicated = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    held, replicated = helpers.bytes_on(state, strategy.devices[5])
     assert held <= (1 / 8 + 0.05) * replicated, (held, replicated)
 
 

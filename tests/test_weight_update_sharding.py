@@ -131,14 +131,7 @@ def test_sharded_state_is_one_mirrored_value_to_read():
 def test_optimizer_state_bytes_per_device_fall_to_one_over_n():
     strategy = xs.MirroredStrategy()
     _, s_on = _adam_mlp_state(strategy, steps=1)
-    device = strategy.devices[3]
-    held = sum(
-        shard.data.nbytes
-        for leaf in jax.tree.leaves(s_on)
-        for shard in leaf.addressable_shards
-        if shard.device == device
-    )
-    replicated = sum(leaf.nbytes for leaf in jax.tree.leaves(s_on))
+    held, replicated = helpers.bytes_on(s_on, strategy.devices[3])
     assert held <= (1 / 8 + 0.05) * replicated, (held, replicated)
 
 

@@ -104,50 +104,44 @@ def test_cnn_with_batchnorm_and_sgd_momentum_matches_eager_torch(case):
     assert float(trained.bn1.running_var.sum()) == 6.0
 
 
-@pytest.mark.parametrize("kind", STRATEGIES)
-def test_transformer_with_tied_embedding_and_adamw_matches_eager_torch(kind):
+def _adamw(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _tied_lm_with_adamw(strategy, **options):
+    """TinyLM (a tied embedding) trained 3 AdamW steps on `strategy` and in eager torch,
+    whose losses and parameters it must match: (the state, the module it started from)."""
     torch.manual_seed(0)
     model = TinyLM()
     batches = token_batches(3)
-
-    def adamw(m):
-        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-
-    reference, _, ref_losses = eager_data_parallel(model, adamw, lm_loss, batches)
-    strategy = STRATEGIES[kind]()
-    state, losses, _ = _train(strategy, model, adamw(model), lm_loss, batches)
-
+    reference, _, ref_losses = eager_data_parallel(model, _adamw, lm_loss, batches)
+    state, losses, _ = _train(strategy, model, _adamw(model), lm_loss, batches, **options)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
+    _assert_params_match(state, reference)
+    return state, model
+
+
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_transformer_with_tied_embedding_and_adamw_matches_eager_torch(kind):
+    strategy = STRATEGIES[kind]()
+    state, model = _tied_lm_with_adamw(strategy)
     # with a topology the cost model shards the weight update: AdamW's moments are held
     # split across the devices, and still give eager torch's numbers
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     held = sum(strategy.is_held_sharded(x) for x in moments)
     assert held >= len(moments) // 2 if kind == "tpu" else held == 0
     assert "decoder.weight" not in state.params  # tied: one parameter, one gradient
-    _assert_params_match(state, reference)
     # the optimizer state converts back to torch's format and loads into the optimizer
-    optimizer = adamw(copy.deepcopy(model))
+    optimizer = _adamw(copy.deepcopy(model))
     optimizer.load_state_dict(state.optimizer_state_dict())
     assert optimizer.state_dict()["state"][0]["step"] == 3
 
 
 def test_parameter_sharding_holds_the_torch_state_split_and_matches_eager_torch():
-    """`shard_parameters=True` on a torch module's `xst.TrainState`: the parameters and
-    AdamW's moments are held split across the replicas, with eager torch's numbers."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    batches = token_batches(3)
-
-    def adamw(m):
-        return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-
-    reference, _, ref_losses = eager_data_parallel(model, adamw, lm_loss, batches)
+    """`shard_parameters=True` on a torch module's `xst.TrainState`: the parameters are
+    held split across the replicas, with eager torch's numbers."""
     strategy = xs.MirroredStrategy()
-    state, losses, _ = _train(
-        strategy, model, adamw(model), lm_loss, batches, shard_parameters=True
-    )
-    np.testing.assert_allclose(losses, ref_losses, **TOL)
-    _assert_params_match(state, reference)
+    state, _ = _tied_lm_with_adamw(strategy, shard_parameters=True)
     params = [x for x in jax.tree.leaves(state.params) if x.ndim]
     assert sum(strategy.is_held_sharded(x) for x in params) >= len(params) // 2
 
