@@ -20,7 +20,10 @@ steps, and places the gathers where the values are read:
 
 The split dimension is the first that divides by the replica count (skipping a stack's
 layer dimension), the rule the block rewrite uses for gradients, so parameter and gradient
-blocks line up. A value with no such dimension stays replicated, with a remark.
+blocks line up. A value with no such dimension stays replicated, with a remark. On a
+multislice topology the blocks are numbered over a slice's fast axes only and replicated
+across slices (HSDP): the gathers stay on ICI, and each gradient block is summed across
+DCN after its reduce-scatter.
 
     Before (8 replicas; %0 a stack of 3 layers' weights, read by the scan as xs):
       func @step(%0: f32[3,16,4] loc("w"), %1: f32[2,4]{replica})
@@ -47,7 +50,7 @@ from typing import Any
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.block_sharder import DEFERRED, BlockSharder, within_slice
 from xla_strategies.passes.blocks import block_shape, shard_dimension
-from xla_strategies.passes.ir import Graph, Node, Split, Value
+from xla_strategies.passes.ir import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.traits import Trait
 
@@ -119,7 +122,7 @@ def _gradient_bytes(graph: Graph, iterations: int = 1) -> int:
     reductions count once per iteration."""
     total = 0
     for node in graph.nodes:
-        if node.op == "all_reduce" and node.attrs.get("origin") == "autodiff":
+        if node.op == "all_reduce" and node.attrs.get("origin") == Origin.AUTODIFF:
             total += node.outputs[0].nbytes * iterations
         trips = node.attrs.get("length", 1) if node.has(Trait.COUNTED_LOOP) else 1
         total += sum(_gradient_bytes(r, iterations * trips) for r in node.regions)
