@@ -35,22 +35,14 @@ from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.ir import Graph
 from xla_strategies.passes.jax_capture import capture
 from xla_strategies.passes.jax_lowering import input_shardings, lower, replica_spec
-from xla_strategies.passes.pipeline import PassPipeline, with_pass, without_pass
-from xla_strategies.passes.shard_parameters import ShardParameters
-from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
+from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import DeclaredState, declared_outputs, donated_state, state_pairs
+from xla_strategies.step_pipeline import check_sharding_options, step_pipeline
 from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
-
-# Passes that bucket or split collectives: weight-update sharding goes before them, so its
-# reduce-scatters and all-gathers are bucketed and decomposed like the all-reduces.
-_AFTER_SHARDING = ("combine-all-reduces", "decompose-all-reduces")
-# Passes that move reductions out of loops: parameter sharding goes before them, so each
-# layer's gradient is reduce-scattered inside the backward loop.
-_BEFORE_LOOPS = ("schedule-all-reduces", "hoist-all-reduces", *_AFTER_SHARDING)
 
 
 @dataclass
@@ -105,7 +97,7 @@ class CompiledStep:
             )
         if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
             raise TypeError(f"axis_name must be a non-empty string, got {axis_name!r}")
-        _check_sharding(strategy, shard_weight_updates, shard_parameters)
+        check_sharding_options(strategy, shard_weight_updates, shard_parameters)
         self.strategy = strategy
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "step")
@@ -229,21 +221,11 @@ class CompiledStep:
         return cached
 
     def _pipeline(self, spec: str | PassPipeline | None) -> PassPipeline:
-        """The strategy's pipeline for `spec`, with weight-update and parameter sharding
-        forced on (in place of the cost model's choice) or off when the step says so.
-        Parameter sharding brings weight-update sharding, which updates its blocks."""
-        pipeline = self.strategy.pipeline(self.gradient_reduction, spec)
-        if self.shard_parameters is False:
-            pipeline = without_pass(pipeline, ShardParameters.name)
-        elif self.shard_parameters:
-            pipeline = with_pass(pipeline, ShardParameters(mode="on"), before=_BEFORE_LOOPS)
-            if ShardWeightUpdates.name not in pipeline.enabled_names():
-                pipeline = with_pass(pipeline, ShardWeightUpdates(), before=_AFTER_SHARDING)
-        if self.shard_weight_updates is None:
-            return pipeline
-        if not self.shard_weight_updates:
-            return without_pass(pipeline, ShardWeightUpdates.name)
-        return with_pass(pipeline, ShardWeightUpdates(mode="on"), before=_AFTER_SHARDING)
+        return step_pipeline(
+            self.strategy.pipeline(self.gradient_reduction, spec),
+            self.shard_weight_updates,
+            self.shard_parameters,
+        )
 
     def _pass_context(self) -> PassContext:
         return PassContext(
@@ -412,24 +394,3 @@ def _reduction_stats(graph: Graph) -> dict[str, Any]:
     from xla_strategies.passes.collective_stats import collective_summary
 
     return collective_summary(graph)
-
-
-def _check_sharding(
-    strategy: Strategy, shard_weight_updates: bool | None, shard_parameters: bool | None
-) -> None:
-    for name, flag in (
-        ("shard_weight_updates", shard_weight_updates),
-        ("shard_parameters", shard_parameters),
-    ):
-        if flag not in (None, True, False):
-            raise TypeError(f"{name} must be True, False or None, got {flag!r}")
-        if flag and not strategy.shards_weight_updates:
-            raise ValueError(
-                f"{name}=True: {type(strategy).__name__} keeps the variables on one device "
-                "and updates them there, so there is nothing to shard"
-            )
-    if shard_parameters and shard_weight_updates is False:
-        raise ValueError(
-            "shard_parameters=True needs weight-update sharding (the update runs on the "
-            "parameters' blocks); drop shard_weight_updates=False"
-        )
