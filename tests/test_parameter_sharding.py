@@ -252,3 +252,18 @@ def test_the_tpu_compiler_gathers_one_layer_at_a_time_inside_the_loop():
     assert all(c.nbytes * 2 < stack_bytes for c in gathers)  # never a whole stack
     scatters = [c for c in report.collectives if c.kind == "reduce-scatter"]
     assert any(c.times == layers for c in scatters)  # each layer's gradient, in the loop
+
+
+def test_the_pass_works_from_a_pipeline_spec():
+    """`shard-parameters` written in a spec (with weight-update sharding after it, which
+    updates its blocks): the parameters come back split, with one device's numbers."""
+    strategy = xs.MirroredStrategy()
+    graphdef, params = helpers.mlp()
+    tx = optax.sgd(0.1, momentum=0.9)
+    step_fn = models.mlp_train_step(graphdef, tx)
+    batches = helpers.mlp_batches(2)
+    spec = "insert-reductions,shard-parameters,shard-weight-updates,combine-all-reduces"
+    (p_spec, s_spec), _ = _train(strategy, step_fn, params, tx, batches, pipeline=spec)
+    (p_ref, s_ref), _ = _train(xs.OneDeviceStrategy(), step_fn, params, tx, batches)
+    assert_close_to_scale((p_spec, s_spec), (p_ref, s_ref), 1e-5)
+    assert sum(_held(p_spec, strategy)) == len(_held(p_spec, strategy)) - 1  # not the [5]
