@@ -39,12 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.gather_prologue import clone, drop_dead, gather_prologue
 from xla_strategies.passes.ir import Graph, Node, Value
 from xla_strategies.passes.traits import Trait
 
 MODES = ("on", "auto")
-# ops a prologue may hold: pure, no regions, no communication
-_PURE_KNOWN = ("reshape", "concatenate", "slice", "convert", "constant", "transpose")
 
 
 @dataclass(frozen=True)
@@ -91,57 +90,22 @@ class PrefetchAllGathers(Pass):
         return loops > 0
 
 
-def _is_pure(node: Node) -> bool:
-    return not node.regions and (
-        node.op in _PURE_KNOWN
-        or node.has(Trait.RESHAPE)
-        or (node.has(Trait.ELEMENTWISE) and len(node.inputs) == 1)
-    )
-
-
-def _gather_prologue(graph: Graph, sources: set[Value]) -> tuple[list[Node], list[Node]]:
-    """The all-gathers of `graph` computed from `sources` only, and the pure nodes that
-    compute them (their prologue), in schedule order."""
-    derived, prologue, gathers = set(sources), [], []
-    for node in graph.nodes:
-        if not all(v in derived for v in node.inputs):
-            continue
-        if node.op == "all_gather" or _is_pure(node):
-            derived.update(node.outputs)
-            prologue.append(node)
-            if node.op == "all_gather":
-                gathers.append(node)
-    needed = _ancestors(gathers, prologue)
-    return [n for n in prologue if n in needed], gathers
-
-
-def _ancestors(ends: list[Node], nodes: list[Node]) -> set[Node]:
-    producers = {out: n for n in nodes for out in n.outputs}
-    found, stack = set(), list(ends)
-    while stack:
-        node = stack.pop()
-        if node not in found:
-            found.add(node)
-            stack.extend(producers[v] for v in node.inputs if v in producers)
-    return found
-
-
 def _prologue(body: Graph, loop: Node) -> tuple[list[Node], list[Node]]:
     first_xs = loop.attrs["num_consts"] + loop.attrs["num_carry"]
-    return _gather_prologue(body, set(body.inputs[first_xs:]))
+    return gather_prologue(body, set(body.inputs[first_xs:]))
 
 
 def _hoist_prologues(body: Graph, call: Node, created_by: str) -> None:
     """Move the gathers a checkpoint region computes from its operands out of it: the
     region takes the gathered values as operands instead."""
     region = call.regions[0]
-    prologue, gathers = _gather_prologue(region, set(region.inputs))
+    prologue, gathers = gather_prologue(region, set(region.inputs))
     if not gathers:
         return
     outside = dict(zip(region.inputs, call.inputs, strict=True))
     at = body.nodes.index(call)
     for node in prologue:
-        copy = _clone(node, outside, created_by)
+        copy = clone(node, outside, created_by)
         body.nodes.insert(at, copy)
         at += 1
     for gather in gathers:
@@ -149,7 +113,7 @@ def _hoist_prologues(body: Graph, call: Node, created_by: str) -> None:
         call.inputs.append(outside[inner])
         region.inputs.append(inner)
     region.nodes = [n for n in region.nodes if n not in gathers]
-    _drop_dead(region, prologue)
+    drop_dead(region, prologue)
 
 
 def _prefetch(
@@ -170,7 +134,7 @@ def _prefetch(
     first = length - 1 if reverse else 0
     initial = {body.inputs[i]: _layer(emit, loop.inputs[i], first) for i in used}
     for node in prologue:
-        new.append(_clone(node, initial, created_by))
+        new.append(clone(node, initial, created_by))
     starts = [initial[g.outputs[0]] for g in gathers]
     # the next layer's blocks, for the body to gather from
     rotated = [_rotate(emit, loop.inputs[i], reverse) for i in used]
@@ -179,9 +143,9 @@ def _prefetch(
     carried = [g.outputs[0] for g in gathers]
     nexts = {body.inputs[i]: body.inputs[i].like() for i in used}
     produced = dict(nexts)  # each prologue value -> its next layer's
-    prefetch = [_clone(n, produced, created_by) for n in prologue]
+    prefetch = [clone(n, produced, created_by) for n in prologue]
     body.nodes = prefetch + [n for n in body.nodes if n not in gathers]
-    _drop_dead(body, prologue)
+    drop_dead(body, prologue)
     body.inputs[first_xs:first_xs] = carried
     body.inputs.extend(nexts.values())
     outputs = body.outputs
@@ -221,21 +185,3 @@ def _rotate(emit, stack: Value, reverse: bool) -> Value:
         )
 
     return emit("concatenate", [rows(cut, length), rows(0, cut)], stack.like(), dimension=0)
-
-
-def _clone(node: Node, env: dict[Value, Value], created_by: str) -> Node:
-    """A copy of `node` reading `env`'s values, with fresh results added to `env`."""
-    outputs = [v.like() for v in node.outputs]
-    env.update(zip(node.outputs, outputs, strict=True))
-    inputs = [env.get(v, v) for v in node.inputs]
-    return Node(
-        node.op, inputs, outputs, dict(node.attrs), payload=node.payload, created_by=created_by
-    )
-
-
-def _drop_dead(graph: Graph, candidates: list[Node]) -> None:
-    """Remove the `candidates` nothing in `graph` reads any more (last first)."""
-    for node in reversed(candidates):
-        read = {v for n in graph.nodes for v in n.inputs} | set(graph.outputs)
-        if node in graph.nodes and not read & set(node.outputs):
-            graph.nodes.remove(node)

@@ -52,6 +52,7 @@ from xla_strategies.passes.block_sharder import DEFERRED, BlockSharder, within_s
 from xla_strategies.passes.blocks import block_shape, shard_dimension
 from xla_strategies.passes.ir import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir_text import format_type
+from xla_strategies.passes.regather_residuals import regather_residuals
 from xla_strategies.passes.traits import Trait
 
 MODES = ("on", "auto")
@@ -82,6 +83,7 @@ class ShardParameters(Pass):
             return False
         splitter = _Splitter(within_slice(ctx), ctx.mesh_axes, self.name)
         splitter.split_state(graph)
+        splitter.stats["regathered_residuals"] = regather_residuals(graph, self.name)
         splitter.shard_regions(graph)
         ctx.stats[self.name] = {**splitter.stats, "decision": decision, "axes": splitter.axes}
         across = [a for a in ctx.mesh_axes if a not in splitter.axes and ctx.mesh_axes[a] > 1]

@@ -131,18 +131,20 @@ class Block(nn.Module):
 
 
 class ScannedLM(nn.Module):
-    """Layers under `nn.scan(nn.remat(...))`, an embedding tied to the output layer."""
+    """Layers under `nn.scan(nn.remat(...))` (`remat=False`: under `nn.scan` alone), an
+    embedding tied to the output layer."""
 
     vocab: int = 11
     width: int = 8
     layers: int = 3
+    remat: bool = True
 
     @nn.compact
     def __call__(self, tokens):
         embed = nn.Embed(self.vocab, self.width)
         x = embed(tokens)
         stack = nn.scan(
-            nn.remat(Block),
+            nn.remat(Block) if self.remat else Block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=self.layers,

@@ -23,11 +23,11 @@ def _clipped_adamw() -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
 
 
-def _lm(dtype=np.float32, vocab=11, width=16, layers=3):
+def _lm(dtype=np.float32, vocab=11, width=16, layers=3, remat=True):
     """A flax linen LM with its layers under nn.scan(nn.remat(...)) and a tied embedding
     (vocab 11 divides by no replica count: the embedding splits on its width), the step
     flax's docs write for it, and its token batches."""
-    model = helpers.ScannedLM(vocab=vocab, width=width, layers=layers)
+    model = helpers.ScannedLM(vocab=vocab, width=width, layers=layers, remat=remat)
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, vocab, size=(16, 7)).astype(np.int32) for _ in range(STEPS)]
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
@@ -92,6 +92,29 @@ def test_scanned_lm_with_clipped_adamw_matches_one_device(make_strategy, blocks)
         assert sum(r.count_ops("reduce_scatter") for n in loops for r in n.regions) >= 1
         stack = p_on["ScanCheckpointBlock_0"]["Dense_0"]["kernel"]
         assert {s.data.shape for s in stack.addressable_shards} == {(3, 16 // blocks, 32)}
+
+
+def test_without_remat_the_backward_loop_gathers_again_instead_of_stacking_weights():
+    """Without nn.remat, autodiff stacks each layer's gathered weights as forward residuals
+    (the whole model on every replica until the backward pass); the backward loop gathers
+    them again from the blocks instead, and the numbers stay one device's."""
+    with jax.enable_x64(True):
+        strategy = xs.MirroredStrategy()
+        params, make_step, batches = _lm(np.float64, remat=False)
+        tx = _clipped_adamw()
+        (p_on, s_on), step = _train(
+            strategy, make_step(tx), params, tx, batches, shard_parameters=True
+        )
+        reference, _ = _train(xs.OneDeviceStrategy(), make_step(tx), params, tx, batches)
+        assert_close_to_scale((p_on, s_on), reference, 1e-12)
+        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+        executable = step.executable(p_on, s_on, batch)
+        assert executable.pass_stats["shard-parameters"]["regathered_residuals"] >= 2
+        forward, backward = [n for n in executable.graph.nodes if n.op == "jax.scan"]
+        # no stacked output of the forward loop has a whole layer's kernel in it
+        kernels = {(3, 16, 32), (3, 32, 16)}
+        assert not kernels & {tuple(v.shape) for v in forward.outputs}
+        assert backward.regions[0].count_ops("all_gather") >= 1  # both kernels, one bucket
 
 
 def test_prefetching_the_next_layer_keeps_the_numbers():
