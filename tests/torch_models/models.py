@@ -96,10 +96,12 @@ def eager_data_parallel(
     batches: list[tuple[np.ndarray, ...]],
     replicas: int = R,
     make_scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
+    max_grad_norm: float | None = None,
 ) -> tuple[nn.Module, list[dict[str, torch.Tensor]], list[float]]:
     """Data parallelism in eager torch on one device, as DDP defines it: each replica's
-    loss on its slice of the batch with its own buffers, the gradient of their mean, one
-    optimizer step. Returns the model, each replica's buffers and the mean losses."""
+    loss on its slice of the batch with its own buffers, the gradient of their mean
+    (clipped with `clip_grad_norm_` where `max_grad_norm` is given), one optimizer step.
+    Returns the model, each replica's buffers and the mean losses."""
     model = copy.deepcopy(model)
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer) if make_scheduler else None
@@ -114,6 +116,8 @@ def eager_data_parallel(
                 total = total + loss_fn(model, *(p[r] for p in parts))
         loss = total / replicas
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()

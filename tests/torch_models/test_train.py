@@ -146,6 +146,55 @@ def test_parameter_sharding_holds_the_torch_state_split_and_matches_eager_torch(
     assert sum(strategy.is_held_sharded(x) for x in params) >= len(params) // 2
 
 
+def test_gradient_clipping_where_torch_users_clip_matches_eager_torch():
+    """Eager torch clips between `loss.backward()` and `optimizer.step()`; the compiled
+    step takes that as `max_grad_norm`, a norm the unclipped gradients exceed."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    batches = token_batches(3)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.5)
+
+    clipped, _, ref_losses = eager_data_parallel(model, sgd, lm_loss, batches, max_grad_norm=0.1)
+    unclipped, _, _ = eager_data_parallel(model, sgd, lm_loss, batches)
+    state = xst.TrainState.create(model, sgd(model))
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(lambda s, *b: xst.train_step(s, lm_loss, *b, max_grad_norm=0.1))
+    losses = []
+    for batch in strategy.experimental_distribute_dataset(batches):
+        state, loss = step(state, *batch)
+        losses.append(float(strategy.reduce("mean", loss, axis=None)))
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    _assert_params_match(state, clipped)
+    weight = "embed.weight"
+    moved = np.abs(unclipped.state_dict()[weight].numpy() - clipped.state_dict()[weight].numpy())
+    assert moved.max() > 1e-3  # the clip changed the training
+
+
+def test_clipping_inside_the_loss_function_is_an_error():
+    """Inside loss_fn no gradients exist (in eager torch either): clipping there would
+    clip nothing, so it raises and names the place to clip."""
+    model = TinyLM()
+    state = xst.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def loss_and_clip(module, tokens, targets):
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        return lm_loss(module, tokens, targets)
+
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(lambda s, *b: xst.train_step(s, loss_and_clip, *b))
+    batch = next(iter(strategy.experimental_distribute_dataset(token_batches(1))))
+    original = torch.nn.utils.clip_grad_norm_
+    with pytest.raises(RuntimeError, match="max_grad_norm=... to xst.train_step"):
+        step(state, *batch)
+    assert torch.nn.utils.clip_grad_norm_ is original  # torch's own again, after the trace
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive number"):
+        strategy.compile(lambda s, *b: xst.train_step(s, lm_loss, *b, max_grad_norm=0))(
+            state, *batch
+        )
+
+
 def test_optax_optimizer_matches_torch_sgd():
     import optax
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import torch
 import torchax
 from torch.nn.utils.stateless import _reparametrize_module
@@ -34,9 +35,18 @@ from xla_strategies.torch.train_state import TrainState, trainable
 
 
 def train_step(
-    state: TrainState, loss_fn: Callable[..., Any], *batch: Any, has_aux: bool = False
+    state: TrainState,
+    loss_fn: Callable[..., Any],
+    *batch: Any,
+    has_aux: bool = False,
+    max_grad_norm: float | None = None,
 ) -> tuple[Any, ...]:
     """One optimizer step of `loss_fn(module, *batch)`, a scalar torch loss.
+
+    Where eager torch calls `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`
+    between `loss.backward()` and `optimizer.step()`, pass `max_grad_norm=max_norm`: the
+    gradients (reduced across the replicas) are scaled as torch's function scales them.
+    Inside `loss_fn` there are no gradients yet, so calling it there is an error.
 
     Args:
         state: the `TrainState` of the module and its optimizer.
@@ -45,17 +55,21 @@ def train_step(
             with `has_aux=True`.
         *batch: the step's arrays (JAX arrays; torch sees them as torch tensors).
         has_aux: whether `loss_fn` returns `(loss, aux)`.
+        max_grad_norm: clip the gradients to this global L2 norm before the optimizer
+            step, as `torch.nn.utils.clip_grad_norm_` does; None: no clipping.
 
     Returns:
         `(new_state, loss)`, or `(new_state, loss, aux)` with `has_aux`, as JAX values.
     """
     if state.optimizer is None:
         raise ValueError("train_step needs a state created with an optimizer")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
     rng, step_key = jax.random.split(state.rng)
 
     def loss_of(params: dict[str, Any]) -> tuple[Any, tuple[Any, Any]]:
         everything = {**state.params, **params}
-        with _drawing_from(step_key):
+        with _drawing_from(step_key), _no_gradients_to_clip():
             out, buffers = _call(state.module, everything, state.buffers, loss_fn, batch)
         loss, aux = out if has_aux else (out, None)
         _check_scalar(loss)
@@ -63,6 +77,8 @@ def train_step(
 
     grad_of = jax.value_and_grad(loss_of, has_aux=True)
     (loss, (buffers, aux)), grads = grad_of(trainable(state.module, state.params))
+    if max_grad_norm is not None:
+        grads = _clip_by_global_norm(grads, max_grad_norm)
     params, opt_state = apply_optimizer(state, grads)
     new_state = state.replace(params=params, buffers=buffers, opt_state=opt_state, rng=rng)
     return (new_state, loss, aux) if has_aux else (new_state, loss)
@@ -114,6 +130,40 @@ def _drawing_from(key: Any) -> Iterator[None]:
         yield
     finally:
         stack.remove(pushed)
+
+
+def _clip_by_global_norm(grads: dict[str, Any], max_norm: float) -> dict[str, Any]:
+    """torch's `clip_grad_norm_`: scale every gradient by max_norm / (norm + 1e-6) where
+    that is below 1 (the norm over all of them, in float32 or wider)."""
+    leaves = jax.tree.leaves(grads)
+    wide = jnp.promote_types(jnp.float32, jnp.result_type(*leaves)) if leaves else jnp.float32
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(wide))) for g in leaves))
+    scale = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+
+@contextlib.contextmanager
+def _no_gradients_to_clip() -> Iterator[None]:
+    """torch's gradient clipping, called while the loss is traced (where eager torch has no
+    gradients either), raises instead of silently clipping nothing."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "torch.nn.utils.clip_grad_norm_ / clip_grad_value_ called inside loss_fn: no "
+            "gradients exist there, so it would clip nothing. Pass max_grad_norm=... to "
+            "xst.train_step, which clips the gradients before the optimizer step"
+        )
+
+    utils, clip = torch.nn.utils, torch.nn.utils.clip_grad
+    names = ("clip_grad_norm_", "clip_grad_value_")
+    saved = [(owner, name, getattr(owner, name)) for owner in (utils, clip) for name in names]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 def _check_scalar(loss: Any) -> None:
