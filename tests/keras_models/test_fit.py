@@ -250,3 +250,41 @@ def test_a_scope_in_one_thread_leaves_other_threads_models_alone():
     assert "make_train_function" not in vars(results["plain"])
     assert results["scoped"].distribute_strategy is strategy
     assert keras.Model.compile is original and "compile" not in vars(keras.Model)
+
+
+def test_dropout_masks_differ_across_replicas_and_follow_keras_seed_state():
+    """Dropout(0.5) on all-ones rows, a bias-free Dense(16) after it, SGD on the mean
+    output: each kernel row's step counts how many of the 32 rows kept that input, so
+    with one mask per replica repeated on all 8 replicas every count is a multiple of 8.
+    The seed state then advances as single-device Keras advances it."""
+    rows, features = 32, 16
+    x = np.ones((rows, features), "float32")
+    y = np.zeros((rows, 1), "float32")
+
+    def model():
+        keras.utils.set_random_seed(3)
+        net = keras.Sequential(
+            [
+                keras.Input((features,)),
+                keras.layers.Dropout(0.5, seed=7),
+                keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros"),
+            ]
+        )
+        net.compile(optimizer=keras.optimizers.SGD(1.0), loss=lambda _, p: keras.ops.mean(p))
+        return net
+
+    single = model()
+    single.fit(x, y, batch_size=rows, epochs=1, shuffle=False, verbose=0)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        ours = model()
+    ours.fit(x, y, batch_size=rows, epochs=1, shuffle=False, verbose=0)
+    # the kernel moved by -(2 / rows) per row that kept the input (Dropout scales by 2)
+    kept = np.rint(-ours.get_weights()[0][:, 0] * rows / 2).astype(int)
+    assert kept.min() >= 0 and kept.max() <= rows
+    assert np.any(kept % R != 0), kept  # the replicas drew different masks
+    seed_state = [v for v in ours.non_trainable_variables if "seed_generator" in v.path]
+    expected = [v for v in single.non_trainable_variables if "seed_generator" in v.path]
+    assert seed_state and [np.asarray(v.value).tolist() for v in seed_state] == [
+        np.asarray(v.value).tolist() for v in expected
+    ]

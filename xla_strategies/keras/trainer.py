@@ -159,8 +159,11 @@ class _Trainer:
 
     def _train_step(self, state: Any, data: Any) -> Any:
         model = self.model
+        seeds = _seed_states(model.non_trainable_variables)
+        state = (state[0], _offset_seeds(state[1], seeds, +1), *state[2:])
         _, new_state = type(model).train_step(model, state, data)
         trainable, non_trainable, optimizer, metrics = new_state
+        non_trainable = _offset_seeds(non_trainable, seeds, -1)
         non_trainable = _reduce(model.non_trainable_variables, state[1], non_trainable)
         metrics = _reduce(model.metrics_variables, state[3], metrics)
         return _logs(model, metrics), (trainable, non_trainable, optimizer, metrics)
@@ -174,6 +177,34 @@ class _Trainer:
     def _predict_step(self, state: Any, data: Any) -> Any:
         outputs, non_trainable = type(self.model).predict_step(self.model, state, data)
         return outputs, (state[0], non_trainable)
+
+
+# Added to a seed state's first word times the replica id: an odd constant (the 32-bit
+# golden ratio), so every replica's key differs.
+_REPLICA_SEED_STRIDE = 0x9E3779B9
+
+
+def _seed_states(variables: Sequence[Any]) -> list[int]:
+    """The positions of Keras `SeedGenerator` states (what Dropout draws its masks from)."""
+    return [i for i, v in enumerate(variables) if v.path.endswith("seed_generator_state")]
+
+
+def _offset_seeds(values: Sequence[Any], positions: list[int], sign: int) -> list[Any]:
+    """Each replica draws from its own key: the seed state's first word moved by the
+    replica id (`sign=+1`) for the step, and moved back after it (`sign=-1`), so the state
+    advances as single-device Keras advances it (`SeedGenerator.next` adds [0, 1] per
+    draw) and every replica holds the same state."""
+    context = get_replica_context()
+    if not positions or context is None or context.num_replicas_in_sync == 1:
+        return list(values)
+    values = list(values)
+    for i in positions:
+        word = jnp.asarray(context.replica_id_in_sync_group, jnp.uint32) * jnp.uint32(
+            _REPLICA_SEED_STRIDE
+        )
+        offset = jnp.stack([word, jnp.uint32(0)]).astype(values[i].dtype)
+        values[i] = values[i] + offset if sign > 0 else values[i] - offset
+    return values
 
 
 def _reduce(variables: Sequence[Any], old: Sequence[Any], new: Sequence[Any]) -> list[Any]:
