@@ -288,3 +288,45 @@ def test_dropout_masks_differ_across_replicas_and_follow_keras_seed_state():
     assert seed_state and [np.asarray(v.value).tolist() for v in seed_state] == [
         np.asarray(v.value).tolist() for v in expected
     ]
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight", "sum_over_batch_size"])
+def test_fit_equals_single_device_keras_for_every_loss_reduction(reduction):
+    """`keras.losses.MeanSquaredError(reduction=...)`, with uneven sample weights and an
+    L2 regularizer: weights and the history's loss as single-device Keras has them."""
+    x, y = _data(rows=64)
+    weights = np.random.default_rng(4).uniform(0.1, 3.0, size=64).astype("float32")
+
+    def model():
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2"),
+                keras.layers.Dense(1),
+            ]
+        )
+        net.compile(
+            optimizer=keras.optimizers.SGD(1e-3),
+            loss=keras.losses.MeanSquaredError(reduction=reduction),
+        )
+        return net
+
+    single = model()
+    expected = single.fit(
+        x, y, sample_weight=weights, batch_size=32, epochs=2, shuffle=False, verbose=0
+    )
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        ours = model()
+    history = ours.fit(
+        x, y, sample_weight=weights, batch_size=32, epochs=2, shuffle=False, verbose=0
+    )
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    for got, want in zip(ours.get_weights(), single.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        ours.evaluate(x, y, sample_weight=weights, batch_size=32, verbose=0),
+        single.evaluate(x, y, sample_weight=weights, batch_size=32, verbose=0),
+        rtol=1e-5,
+    )

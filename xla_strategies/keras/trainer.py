@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 
 from xla_strategies.arguments import Layout, fold_stacked
 from xla_strategies.context import get_replica_context
+from xla_strategies.keras.loss_reduction import replica_losses
 from xla_strategies.reduce_op import ReduceOp
 
 
@@ -161,7 +162,8 @@ class _Trainer:
         model = self.model
         seeds = _seed_states(model.non_trainable_variables)
         state = (state[0], _offset_seeds(state[1], seeds, +1), *state[2:])
-        _, new_state = type(model).train_step(model, state, data)
+        with replica_losses(model):
+            _, new_state = type(model).train_step(model, state, data)
         trainable, non_trainable, optimizer, metrics = new_state
         non_trainable = _offset_seeds(non_trainable, seeds, -1)
         non_trainable = _reduce(model.non_trainable_variables, state[1], non_trainable)
@@ -170,7 +172,8 @@ class _Trainer:
 
     def _test_step(self, state: Any, data: Any) -> Any:
         model = self.model
-        _, (trainable, non_trainable, metrics) = type(model).test_step(model, state, data)
+        with replica_losses(model):
+            _, (trainable, non_trainable, metrics) = type(model).test_step(model, state, data)
         metrics = _reduce(model.metrics_variables, state[2], metrics)
         return _logs(model, metrics), (trainable, non_trainable, metrics)
 
