@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -235,6 +236,17 @@ def test_lr_scheduler_changes_reach_the_compiled_step():
     )
     assert train_step.cache_size == 3  # one program per learning rate
     _assert_params_match(state, reference)
+
+
+def test_apply_outside_a_step_takes_numpy_and_torch_inputs_as_eager_torch_does():
+    torch.manual_seed(0)
+    model = Net().eval()
+    state = xst.TrainState.create(model)
+    images = image_batches(1, rows=4, seed=2)[0][0]
+    with torch.no_grad():
+        expected = model(torch.from_numpy(images)).numpy()
+    for given in (images, torch.from_numpy(images), jnp.asarray(images)):
+        np.testing.assert_allclose(np.asarray(xst.apply(state, given)), expected, **TOL)
 
 
 def test_state_dict_round_trips_through_the_module():

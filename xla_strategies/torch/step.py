@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torchax
 from torch.nn.utils.stateless import _reparametrize_module
@@ -87,8 +88,10 @@ def train_step(
 def apply(state: TrainState, *inputs: Any, method: Callable[..., Any] | None = None) -> Any:
     """The module's output on `inputs` with the state's values: `module(*inputs)`, or
     `method(module, *inputs)`. Buffer updates (a module left in training mode) are dropped:
-    evaluate in `module.eval()` mode, and train with `train_step`."""
+    evaluate in `module.eval()` mode, and train with `train_step`. Outside a compiled step
+    the inputs may be numpy arrays or torch CPU tensors, as eager torch takes them."""
     call = method or (lambda module, *args: module(*args))
+    inputs = jax.tree.map(_as_jax, inputs)
     with _drawing_from(state.rng):
         out, _ = _call(state.module, state.params, state.buffers, call, inputs)
     return out
@@ -130,6 +133,15 @@ def _drawing_from(key: Any) -> Iterator[None]:
         yield
     finally:
         stack.remove(pushed)
+
+
+def _as_jax(x: Any) -> Any:
+    """A numpy array or a torch tensor (not one torchax traces) as a JAX array."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, torchax.tensor.Tensor):
+        return jnp.asarray(x.detach().cpu().numpy())
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    return x
 
 
 def _clip_by_global_norm(grads: dict[str, Any], max_norm: float) -> dict[str, Any]:
