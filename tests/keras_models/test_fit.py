@@ -330,3 +330,21 @@ def test_fit_equals_single_device_keras_for_every_loss_reduction(reduction):
         single.evaluate(x, y, sample_weight=weights, batch_size=32, verbose=0),
         rtol=1e-5,
     )
+
+
+def test_a_model_loaded_inside_the_scope_is_compiled_and_trains_there(tmp_path):
+    """keras.io's save-and-load guide: `keras.saving.load_model` in `strategy.scope()`
+    compiles the loaded model from its saved config, and it trains on the strategy as the
+    same model loaded on one device trains."""
+    x, y = _data()
+    path = tmp_path / "model.keras"
+    _compiled(sequential).save(path)
+    single = keras.saving.load_model(path)
+    single.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        loaded = keras.saving.load_model(path)
+    assert loaded.distribute_strategy is strategy
+    loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(loaded.get_weights(), single.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

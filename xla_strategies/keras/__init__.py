@@ -45,8 +45,11 @@ def models_compiled_in(strategy: Strategy) -> Iterator[None]:
     stack = _local.__dict__.setdefault("strategies", [])
     stack.append(strategy)
     try:
-        # once for every thread's scopes; the wrapper asks this thread's
-        with patched(keras.Model, "compile", _attaching):
+        # once for every thread's scopes; the wrapper asks this thread's. Patched where
+        # Keras defines it: `keras.saving.load_model` compiles a loaded model only if its
+        # class's `compile` is that one (otherwise it counts as a user's override)
+        owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+        with patched(owner, "compile", _attaching):
             yield
     finally:
         stack.pop()
