@@ -348,3 +348,18 @@ def test_a_model_loaded_inside_the_scope_is_compiled_and_trains_there(tmp_path):
     loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     for got, want in zip(loaded.get_weights(), single.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_predict_with_several_steps_per_execution_and_a_last_batch_that_does_not_divide():
+    """`steps_per_execution=4` puts a 32-row batch (8 replicas) and the last 5 rows (one
+    replica) in one call: their predictions join, and the model keeps its weights."""
+    x, _ = _data(rows=37)
+    reference = _compiled(sequential, steps_per_execution=4)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = _compiled(sequential, steps_per_execution=4)
+    predicted = model.predict(x, batch_size=32, verbose=0)
+    expected = reference.predict(x, batch_size=32, verbose=0)
+    np.testing.assert_allclose(predicted, expected, rtol=1e-6, atol=1e-7)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)

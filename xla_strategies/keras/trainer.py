@@ -257,8 +257,11 @@ def _split(strategy: Any, data: Any) -> Any:
 
 
 def _concatenate(outputs: list[Any]) -> Any:
-    """Stacked per-replica predictions of each call, as rows in sample order."""
+    """Stacked per-replica predictions of each call, as rows in sample order. Calls that
+    ran on different devices (a last batch that does not divide) are joined on the host."""
     rows = [jax.tree.map(lambda x: jnp.reshape(x, (-1, *x.shape[2:])), out) for out in outputs]
-    return functools.reduce(
-        lambda a, b: jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a, b), rows
-    )
+    placements = {frozenset(leaf.devices()) for leaf in jax.tree.leaves(rows)}
+    join = jnp.concatenate
+    if len(placements) > 1:
+        rows, join = jax.device_get(rows), np.concatenate
+    return functools.reduce(lambda a, b: jax.tree.map(lambda x, y: join([x, y]), a, b), rows)
