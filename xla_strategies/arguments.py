@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,7 @@ def flatten_arguments(
     """
     args = tuple(_Declared(a) if i in static_argnums else a for i, a in enumerate(args))
     kwargs = {k: _Declared(v) if k in static_argnames else v for k, v in kwargs.items()}
+    args, kwargs = _equinox_numbers_static((args, kwargs))
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     arrays: list[Any] = []
     specs: list[ArraySpec | Static] = []
@@ -174,6 +176,28 @@ def flatten_arguments(
     return arrays, Signature(treedef, tuple(specs))
 
 
+def _equinox_numbers_static(tree: Any) -> Any:
+    """Python numbers inside equinox modules are static, as `eqx.filter_jit` has them (a
+    dropout probability, a sequence length used in a shape); elsewhere they are traced, so
+    a learning rate that changes does not compile again."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return tree
+
+    def declare(module: Any) -> Any:
+        return jax.tree.map(
+            lambda x: (
+                _Declared(x)
+                if isinstance(x, int | float | complex) and not isinstance(x, bool)
+                else x
+            ),
+            module,
+        )
+
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    return jax.tree.map(lambda x: declare(x) if is_module(x) else x, tree, is_leaf=is_module)
+
+
 def argument_paths(signature: Signature) -> list[str]:
     """The path of each traced leaf, `args[0]['w']` or `kwargs['batch']`."""
     indices = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))
@@ -196,10 +220,12 @@ class Outputs:
 
     def split(self, result: Any) -> list[Any]:
         """Record `result`'s structure and static leaves; return its traced arrays."""
-        flat, self.treedef = jax.tree_util.tree_flatten_with_path(result)
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(_equinox_numbers_static(result))
         traced, leaves, names = [], [], []
         for path, leaf in flat:
-            if is_traced(leaf):
+            if isinstance(leaf, _Declared):  # an equinox module's number comes back as is
+                leaves.append(leaf.value)
+            elif is_traced(leaf):
                 array, impl = _unwrap_key(jnp.asarray(leaf))
                 traced.append(array)
                 leaves.append(_TracedOutput(impl))

@@ -61,3 +61,47 @@ def test_parameter_sharding_holds_the_module_split_and_equals_one_device():
     hidden = ours[0].layers[1].weight  # f32[16,16]
     assert strategy.is_held_sharded(hidden)
     assert {s.data.shape for s in hidden.addressable_shards} == {(2, 16)}
+
+
+class Attention(eqx.Module):
+    """equinox's attention module with the float and int fields its docs give it: a
+    dropout probability (0.0) in MultiheadAttention and a sequence length used in a shape."""
+
+    attention: eqx.nn.MultiheadAttention
+    head: eqx.nn.Linear
+    seq_len: int
+
+    def __init__(self, key, seq_len=4, size=8):
+        k1, k2 = jax.random.split(key)
+        self.attention = eqx.nn.MultiheadAttention(num_heads=2, query_size=size, key=k1)
+        self.head = eqx.nn.Linear(size * seq_len, 2, key=k2)
+        self.seq_len = seq_len
+
+    def __call__(self, x):
+        h = self.attention(x, x, x)
+        return self.head(jnp.reshape(h, (self.seq_len * h.shape[-1],)))
+
+
+def test_modules_with_float_and_int_fields_are_static_as_under_filter_jit():
+    """A Python number inside a module is static (as eqx.filter_jit has it): the dropout
+    probability stays a float that `Dropout` can test, and `seq_len` a shape."""
+    model = Attention(jax.random.key(0))
+    assert model.attention.dropout.p == 0.0 and isinstance(model.seq_len, int)
+    rng = np.random.default_rng(1)
+    batches = [
+        (
+            rng.normal(size=(16, 4, 8)).astype(np.float32),
+            rng.normal(size=(16, 2)).astype(np.float32),
+        )
+        for _ in range(3)
+    ]
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(make_step)
+    reference = eqx.filter_jit(make_step)
+    ours = (model, optim.init(eqx.filter(model, eqx.is_array)))
+    ref = ours
+    for (x, y), (gx, gy) in zip(distribute(strategy, batches), batches, strict=True):
+        *ours, loss = step(*ours, x, y)
+        *ref, ref_loss = reference(*ref, gx, gy)
+    assert_trees_close(eqx.filter(ours[0], eqx.is_array), eqx.filter(ref[0], eqx.is_array))
+    assert ours[0].seq_len == 4 and step.cache_size == 1
