@@ -26,19 +26,34 @@ def make_step(model, opt_state, x, y):
     return eqx.apply_updates(model, updates), opt_state, loss
 
 
-def test_module_as_argument_equals_filter_jit_on_one_device():
-    model = eqx.nn.MLP(in_size=4, out_size=2, width_size=16, depth=2, key=jax.random.key(0))
-    batches = regression_batches(3, rows=16, inputs=4, outputs=2)
+def _train(model, batches, **options):
+    """`make_step` compiled on a MirroredStrategy with `options`, and under
+    `eqx.filter_jit` on one device, from `model`: (ours, the reference's, the strategy,
+    the compiled step), each `(model, opt_state, loss)` after the last batch."""
     strategy = xs.MirroredStrategy()
-    step = strategy.compile(make_step)
+    step = strategy.compile(make_step, **options)
     reference = eqx.filter_jit(make_step)
-    ours = (model, optim.init(eqx.filter(model, eqx.is_array)))
-    ref = ours
+    start = (model, optim.init(eqx.filter(model, eqx.is_array)))
+    # our step may donate its arguments: it gets copies, the reference the originals
+    ours = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, start)
+    ref = start
     for (x, y), (gx, gy) in zip(distribute(strategy, batches), batches, strict=True):
         *ours, loss = step(*ours, x, y)
         *ref, ref_loss = reference(*ref, gx, gy)
-    assert isinstance(ours[0], eqx.nn.MLP) and ours[0].activation is model.activation
     assert_trees_close(eqx.filter(ours[0], eqx.is_array), eqx.filter(ref[0], eqx.is_array))
+    return (*ours, loss), (*ref, ref_loss), strategy, step
+
+
+def _mlp():
+    return eqx.nn.MLP(in_size=4, out_size=2, width_size=16, depth=2, key=jax.random.key(0))
+
+
+def test_module_as_argument_equals_filter_jit_on_one_device():
+    model = _mlp()
+    (trained, _, loss), (_, _, ref_loss), _, step = _train(
+        model, regression_batches(3, rows=16, inputs=4, outputs=2)
+    )
+    assert isinstance(trained, eqx.nn.MLP) and trained.activation is model.activation
     np.testing.assert_allclose(float(jnp.mean(loss)), float(ref_loss), rtol=1e-5)
     assert step.cache_size == 1  # the module's static parts hash the same every step
 
@@ -46,19 +61,11 @@ def test_module_as_argument_equals_filter_jit_on_one_device():
 def test_parameter_sharding_holds_the_module_split_and_equals_one_device():
     """`shard_parameters=True` with the module and optimizer state declared as state
     (donated): each array leaf comes back split across the replicas, same numbers."""
-    model = eqx.nn.MLP(in_size=4, out_size=2, width_size=16, depth=2, key=jax.random.key(0))
     batches = regression_batches(3, rows=16, inputs=4, outputs=2)
-    strategy = xs.MirroredStrategy()
-    step = strategy.compile(make_step, donate_argnums=(0, 1), shard_parameters=True)
-    reference = eqx.filter_jit(make_step)
-    start = (model, optim.init(eqx.filter(model, eqx.is_array)))
-    ours = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, start)
-    ref = start
-    for (x, y), (gx, gy) in zip(distribute(strategy, batches), batches, strict=True):
-        *ours, loss = step(*ours, x, y)
-        *ref, ref_loss = reference(*ref, gx, gy)
-    assert_trees_close(eqx.filter(ours[0], eqx.is_array), eqx.filter(ref[0], eqx.is_array))
-    hidden = ours[0].layers[1].weight  # f32[16,16]
+    (trained, _, _), _, strategy, _ = _train(
+        _mlp(), batches, donate_argnums=(0, 1), shard_parameters=True
+    )
+    hidden = trained.layers[1].weight  # f32[16,16]
     assert strategy.is_held_sharded(hidden)
     assert {s.data.shape for s in hidden.addressable_shards} == {(2, 16)}
 
@@ -95,13 +102,6 @@ def test_modules_with_float_and_int_fields_are_static_as_under_filter_jit():
         )
         for _ in range(3)
     ]
-    strategy = xs.MirroredStrategy()
-    step = strategy.compile(make_step)
-    reference = eqx.filter_jit(make_step)
-    ours = (model, optim.init(eqx.filter(model, eqx.is_array)))
-    ref = ours
-    for (x, y), (gx, gy) in zip(distribute(strategy, batches), batches, strict=True):
-        *ours, loss = step(*ours, x, y)
-        *ref, ref_loss = reference(*ref, gx, gy)
-    assert_trees_close(eqx.filter(ours[0], eqx.is_array), eqx.filter(ref[0], eqx.is_array))
-    assert ours[0].seq_len == 4 and step.cache_size == 1
+    (trained, _, _), _, _, step = _train(model, batches)
+    assert trained.seq_len == 4 and trained.attention.dropout.p == 0.0
+    assert step.cache_size == 1
