@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import xla_strategies as xs
+from xla_strategies import compiled_step
 from xla_strategies.hlo import count_hlo_collectives
 
 
@@ -137,6 +138,19 @@ def test_changed_structure_or_shape_retraces(mirrored):
     step({"a": np.ones(5, np.float32)})
     step({"a": np.ones(2, np.float32)})  # cached
     assert step.cache_size == 3
+
+
+def test_the_executable_cache_keeps_the_most_recently_used(mirrored, monkeypatch):
+    """A static value that changes every call compiles every call, but the cache keeps only
+    the CACHE_SIZE executables used last; one in use stays cached."""
+    monkeypatch.setattr(compiled_step, "CACHE_SIZE", 3)
+    step = mirrored.compile(lambda x, scale: x * scale, static_argnames="scale")
+    x = np.ones(2, np.float32)
+    for scale in range(6):
+        assert step(x, scale=scale).tolist() == [scale, scale]
+        step(x, scale=0)  # used again after every other one: never dropped
+    assert step.cache_size == 3
+    assert step.executable(x, scale=0) is step.executable(x, scale=0)
 
 
 def test_only_declared_arguments_are_donated(mirrored):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,6 +43,11 @@ from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
+
+
+# Executables a compiled step keeps, the least recently used dropped first (jax.jit's own
+# cache of a function is bounded alike)
+CACHE_SIZE = 64
 
 
 @dataclass
@@ -124,7 +129,7 @@ class CompiledStep:
         self.shard_weight_updates = shard_weight_updates
         self.shard_parameters = shard_parameters
         self.pipeline = self._pipeline(pipeline)
-        self._cache: dict[Signature, Executable] = {}
+        self._cache: OrderedDict[Signature, Executable] = OrderedDict()
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -215,9 +220,14 @@ class CompiledStep:
         return placed
 
     def _executable(self, signature: Signature) -> Executable:
+        """The executable for `signature`: the cache keeps the `CACHE_SIZE` most recently
+        used, so a value that changes every call (a static one) cannot grow it forever."""
         cached = self._cache.get(signature)
         if cached is None:
             cached = self._cache[signature] = self._build(signature)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(signature)
         return cached
 
     def _pipeline(self, spec: str | PassPipeline | None) -> PassPipeline:
