@@ -7,7 +7,6 @@ retraces.
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from collections import Counter, OrderedDict
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_strategies.argument_declarations import declared_arguments
 from xla_strategies.arguments import (
     Layout,
     Outputs,
@@ -108,17 +108,11 @@ class CompiledStep:
         self.name = name or getattr(fn, "__name__", "step")
         self.gradient_reduction = op
         self.mirrored_outputs = mirrored_outputs
-        self.static_argnums, self.static_argnames = _both_ways(
-            fn,
-            _int_set(static_argnums, "static_argnums"),
-            _name_set(static_argnames, fn, "static_argnames"),
+        self.static_argnums, self.static_argnames = declared_arguments(
+            fn, static_argnums, static_argnames, "static"
         )
         self.declared_state = DeclaredState(
-            *_both_ways(
-                fn,
-                _int_set(donate_argnums, "donate_argnums"),
-                _name_set(donate_argnames, fn, "donate_argnames"),
-            )
+            *declared_arguments(fn, donate_argnums, donate_argnames, "donate")
         )
         both = (self.declared_state.donate_argnums & self.static_argnums) | (
             self.declared_state.donate_argnames & self.static_argnames
@@ -356,48 +350,6 @@ def _put(leaf: Any, sharding: NamedSharding, strategy: Strategy) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
     return strategy.place(leaf, sharding)  # a copy where the program reads it, or abstract
-
-
-def _both_ways(
-    fn: Callable[..., Any], numbers: frozenset[int], names: frozenset[str]
-) -> tuple[frozenset[int], frozenset[str]]:
-    """Each argument named by position or by name (static, donated), by both, as `jax.jit`
-    maps them, so it is what it was declared however the caller passes it."""
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return numbers, names
-    positional = [
-        p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    numbers |= {i for i, name in enumerate(positional) if name in names}
-    names |= {positional[i] for i in numbers if i < len(positional)}
-    return frozenset(numbers), frozenset(names)
-
-
-def _int_set(value: int | Sequence[int], what: str) -> frozenset[int]:
-    items = (value,) if isinstance(value, int) else tuple(value)
-    if not all(isinstance(i, int) and i >= 0 for i in items):
-        raise TypeError(f"{what} must be non-negative ints, got {value!r}")
-    return frozenset(items)
-
-
-def _name_set(value: str | Sequence[str], fn: Callable[..., Any], what: str) -> frozenset[str]:
-    names = (value,) if isinstance(value, str) else tuple(value)
-    if not all(isinstance(n, str) for n in names):
-        raise TypeError(f"{what} must be strings, got {value!r}")
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin or C function: nothing to check against
-        return frozenset(names)
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    unknown = [n for n in names if n not in parameters and not takes_any]
-    if unknown:
-        raise ValueError(
-            f"{what} names {unknown}, which {getattr(fn, '__name__', 'the step')} "
-            f"does not take (its parameters: {list(parameters)})"
-        )
-    return frozenset(names)
 
 
 def _reduction_stats(graph: Graph) -> dict[str, Any]:
