@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.blocks import (
-    block_shape,
+    block_value,
     shard_dimension,
     sinks_to_blocks,
     unit_reshape_dim,
@@ -270,8 +270,7 @@ class BlockSharder:
     # building blocks
 
     def block_of(self, full: Value, dim: int) -> Value:
-        shape = block_shape(full.shape, dim, self.replicas)
-        return full.like(shape=shape, varying_axes=full.varying_axes | self.varying)
+        return block_value(full, dim, self.replicas, self.axes)
 
     def slice(self, value: Value, dim: int) -> Value:
         """This replica's block of a whole mirrored value. An elementwise producer (Adam's

@@ -4,6 +4,8 @@ block when run on blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from xla_strategies.passes.ir import Node, Value
 from xla_strategies.passes.traits import Trait
 
@@ -18,6 +20,12 @@ def shard_dimension(shape: tuple[int, ...], replicas: int) -> int | None:
 
 def block_shape(shape: tuple[int, ...], dim: int, replicas: int) -> tuple[int, ...]:
     return (*shape[:dim], shape[dim] // replicas, *shape[dim + 1 :])
+
+
+def block_value(full: Value, dim: int, replicas: int, axes: Iterable[str]) -> Value:
+    """The value of one replica's block of `full`, split on `dim` over `axes`."""
+    shape = block_shape(full.shape, dim, replicas)
+    return full.like(shape=shape, varying_axes=full.varying_axes | frozenset(axes))
 
 
 def sinks_to_blocks(node: Node, value: Value) -> bool:

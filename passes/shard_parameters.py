@@ -49,7 +49,7 @@ from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.block_sharder import DEFERRED, BlockSharder, within_slice
-from xla_strategies.passes.blocks import block_shape, shard_dimension
+from xla_strategies.passes.blocks import block_value, shard_dimension
 from xla_strategies.passes.ir import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir_text import format_type
 from xla_strategies.passes.regather_residuals import regather_residuals
@@ -226,8 +226,7 @@ class _Splitter:
     # building blocks
 
     def block_of(self, full: Value, dim: int) -> Value:
-        shape = block_shape(full.shape, dim, self.replicas)
-        return full.like(shape=shape, varying_axes=full.varying_axes | frozenset(self.axes))
+        return block_value(full, dim, self.replicas, self.axes)
 
     def node(self, op: str, inputs: list[Value], outputs: list[Value], attrs: dict) -> Node:
         return Node(op, inputs, outputs, attrs, created_by=self.created_by)
