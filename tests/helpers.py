@@ -159,3 +159,49 @@ def bytes_on(tree: Any, device: Any) -> tuple[int, int]:
     leaves = jax.tree.leaves(tree)
     held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
     return held, sum(x.nbytes for x in leaves)
+
+
+# Parameter sharding's end-to-end tests (tests/test_parameter_sharding*.py)
+
+
+def clipped_adamw() -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def scanned_lm(dtype=np.float32, vocab=11, width=16, layers=3, remat=True, steps=3):
+    """A flax linen LM with its layers under nn.scan(nn.remat(...)) and a tied embedding
+    (vocab 11 divides by no replica count: the embedding splits on its width), the step
+    flax's docs write for it, and its token batches."""
+    model = ScannedLM(vocab=vocab, width=width, layers=layers, remat=remat)
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, vocab, size=(16, 7)).astype(np.int32) for _ in range(steps)]
+    params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+
+    def make_step(tx):
+        def step(params, opt_state, tokens):
+            def loss_fn(p):
+                logits = model.apply({"params": p}, tokens[:, :-1])
+                labels = tokens[:, 1:]
+                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return step
+
+    return params, make_step, batches
+
+
+def train_on(strategy, step_fn, params, tx, batches, **options):
+    """(params, opt_state) after training on `strategy`, and the compiled step."""
+    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    step = strategy.compile(step_fn, donate_argnums=(0, 1), **options)
+    for batch in strategy.experimental_distribute_dataset(batches):
+        *state, _ = step(*state, batch)
+    return tuple(state), step
+
+
+def held_split(tree, strategy) -> list[bool]:
+    return [strategy.is_held_sharded(x) for x in jax.tree.leaves(tree) if x.ndim]
