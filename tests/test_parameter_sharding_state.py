@@ -15,8 +15,6 @@ from tests import helpers
 from tests.helpers import assert_close_to_scale, clipped_adamw, held_split, scanned_lm, train_on
 from xla_strategies.demo import models
 
-STEPS = 3
-
 
 def test_parameter_and_optimizer_bytes_per_device_fall_to_one_over_n():
     strategy = xs.MirroredStrategy()
