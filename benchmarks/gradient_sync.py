@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
-    from xla_strategies.passes.combine_all_reduces import DEFAULT_THRESHOLD_BYTES
+    from xla_strategies.passes.transforms.combine_all_reduces import DEFAULT_THRESHOLD_BYTES
 
     thresholds = [DEFAULT_THRESHOLD_BYTES]
     if args.sweep:

@@ -63,7 +63,7 @@ def write_profile(profile: dict[str, float]) -> None:
 
 
 def choices_elsewhere(nbytes: int) -> dict[str, str]:
-    from xla_strategies.passes import cost_model
+    from xla_strategies.passes.cost import model as cost_model
     from xla_strategies.topology import Topology
 
     return {

@@ -5,22 +5,22 @@ from it.
 """
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.combine_all_reduces import CombineAllReduces
-from xla_strategies.passes.decompose_all_reduces import DecomposeAllReduces
-from xla_strategies.passes.fold_invariant_reductions import FoldInvariantReductions
-from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
-from xla_strategies.passes.insert_reductions import InsertReductions, MirroredOutputError
-from xla_strategies.passes.ir import Graph, Node, Value
-from xla_strategies.passes.ir_text import IRParseError, parse, print_graph
+from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.text import IRParseError, parse, print_graph
+from xla_strategies.passes.ir.verifier import VerificationError, verify
 from xla_strategies.passes.pipeline import PassPipeline, PipelineSpecError
-from xla_strategies.passes.prefetch_all_gathers import PrefetchAllGathers
-from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
-from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
 from xla_strategies.passes.registry import PASS_REGISTRY
-from xla_strategies.passes.schedule_all_reduces import ScheduleAllReduces
-from xla_strategies.passes.shard_parameters import ShardParameters
-from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
-from xla_strategies.passes.verifier import VerificationError, verify
+from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduces
+from xla_strategies.passes.transforms.decompose_all_reduces import DecomposeAllReduces
+from xla_strategies.passes.transforms.fold_invariant_reductions import FoldInvariantReductions
+from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
+from xla_strategies.passes.transforms.insert_reductions import InsertReductions, MirroredOutputError
+from xla_strategies.passes.transforms.prefetch_all_gathers import PrefetchAllGathers
+from xla_strategies.passes.transforms.reassociate_all_reduces import ReassociateAllReduces
+from xla_strategies.passes.transforms.reduce_to_one_device import ReduceToOneDevice
+from xla_strategies.passes.transforms.schedule_all_reduces import ScheduleAllReduces
+from xla_strategies.passes.transforms.shard_parameters import ShardParameters
+from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 
 # What every synchronous strategy runs by default, in this order: give autodiff's
 # reductions their meaning, drop reductions of values already the same everywhere, hold

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.ir.graph import Graph
 
 
 @dataclass

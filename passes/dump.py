@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TextIO
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.ir import Graph
-from xla_strategies.passes.ir_text import print_graph
+from xla_strategies.passes.ir.graph import Graph
+from xla_strategies.passes.ir.text import print_graph
 from xla_strategies.passes.pipeline import Instrument
 
 

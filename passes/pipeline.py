@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.ir import Graph
+from xla_strategies.passes.ir.graph import Graph
+from xla_strategies.passes.ir.verifier import VerificationError, verify
 from xla_strategies.passes.registry import PASS_REGISTRY
-from xla_strategies.passes.verifier import VerificationError, verify
 
 
 class PipelineSpecError(ValueError):

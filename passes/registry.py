@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from xla_strategies.passes.base import Pass
-from xla_strategies.passes.combine_all_reduces import CombineAllReduces
-from xla_strategies.passes.decompose_all_reduces import DecomposeAllReduces
-from xla_strategies.passes.fold_invariant_reductions import FoldInvariantReductions
-from xla_strategies.passes.hoist_all_reduces import HoistAllReduces
-from xla_strategies.passes.insert_reductions import InsertReductions
-from xla_strategies.passes.prefetch_all_gathers import PrefetchAllGathers
-from xla_strategies.passes.reassociate_all_reduces import ReassociateAllReduces
-from xla_strategies.passes.reduce_to_one_device import ReduceToOneDevice
-from xla_strategies.passes.schedule_all_reduces import ScheduleAllReduces
-from xla_strategies.passes.shard_parameters import ShardParameters
-from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
+from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduces
+from xla_strategies.passes.transforms.decompose_all_reduces import DecomposeAllReduces
+from xla_strategies.passes.transforms.fold_invariant_reductions import FoldInvariantReductions
+from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
+from xla_strategies.passes.transforms.insert_reductions import InsertReductions
+from xla_strategies.passes.transforms.prefetch_all_gathers import PrefetchAllGathers
+from xla_strategies.passes.transforms.reassociate_all_reduces import ReassociateAllReduces
+from xla_strategies.passes.transforms.reduce_to_one_device import ReduceToOneDevice
+from xla_strategies.passes.transforms.schedule_all_reduces import ScheduleAllReduces
+from xla_strategies.passes.transforms.shard_parameters import ShardParameters
+from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 
 PASS_REGISTRY: dict[str, type[Pass]] = {
     cls.name: cls

@@ -15,7 +15,7 @@ from jax import grad as grad_bound_at_import
 from jax import vjp as vjp_bound_at_import
 
 import xla_strategies as xs
-from xla_strategies.passes.ir_text import print_graph
+from xla_strategies.passes.ir.text import print_graph
 
 R = 8
 

@@ -19,7 +19,7 @@ import xla_strategies as xs
 from xla_strategies.arguments import Layout
 from xla_strategies.compiled_report import compiled_report
 from xla_strategies.hlo import count_hlo_collectives, executed_collectives
-from xla_strategies.passes.collective_stats import collective_summary
+from xla_strategies.passes.cost.collective_stats import collective_summary
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
 

@@ -22,8 +22,8 @@ from xla_strategies.mirrored import MirroredStrategy
 from xla_strategies.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
 from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.parameter_server import ParameterServerStrategy
-from xla_strategies.passes.insert_reductions import MirroredOutputError
-from xla_strategies.passes.jax_capture import UnknownAxisError
+from xla_strategies.passes.bridge.capture import UnknownAxisError
+from xla_strategies.passes.transforms.insert_reductions import MirroredOutputError
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager
 from xla_strategies.runtime.input_options import InputContext, InputOptions

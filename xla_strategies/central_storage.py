@@ -16,8 +16,8 @@ from xla_strategies.passes import (
     ReduceToOneDevice,
 )
 from xla_strategies.passes.pipeline import parse_spec
-from xla_strategies.passes.shard_parameters import ShardParameters
-from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
+from xla_strategies.passes.transforms.shard_parameters import ShardParameters
+from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.strategy import Strategy
 
 BUCKET_BYTES = 32 << 20

@@ -14,7 +14,7 @@ from xla_strategies.dump_reader import select_step, steps
 from xla_strategies.hlo import executed_collectives
 from xla_strategies.passes import DEFAULT_PIPELINE, PassContext, parse, print_graph
 from xla_strategies.passes.dump import IRPrinter
-from xla_strategies.passes.ir_render import to_dot, to_json_text
+from xla_strategies.passes.ir.render import to_dot, to_json_text
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
 from xla_strategies.run_until_compiled import runs_in_process
 

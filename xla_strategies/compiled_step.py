@@ -32,9 +32,9 @@ from xla_strategies.dropped_mutations import check_unchanged, snapshot
 from xla_strategies.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
 from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
-from xla_strategies.passes.ir import Graph
-from xla_strategies.passes.jax_capture import capture
-from xla_strategies.passes.jax_lowering import input_shardings, lower, replica_spec
+from xla_strategies.passes.bridge.capture import capture
+from xla_strategies.passes.bridge.lowering import input_shardings, lower, replica_spec
+from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import DeclaredState, declared_outputs, donated_state, state_pairs
@@ -353,6 +353,6 @@ def _put(leaf: Any, sharding: NamedSharding, strategy: Strategy) -> Any:
 
 
 def _reduction_stats(graph: Graph) -> dict[str, Any]:
-    from xla_strategies.passes.collective_stats import collective_summary
+    from xla_strategies.passes.cost.collective_stats import collective_summary
 
     return collective_summary(graph)

@@ -24,12 +24,12 @@ import jax
 
 from xla_strategies.compile_program import compile_lowered
 from xla_strategies.compiled_report import compiled_report, summary_text
+from xla_strategies.passes.bridge.lowering import input_shardings
+from xla_strategies.passes.cost.ledger import LedgerRecorder
+from xla_strategies.passes.cost.timeline import chrome_trace
 from xla_strategies.passes.dump import IRDumper, IRPrinter
-from xla_strategies.passes.ir import Graph
-from xla_strategies.passes.jax_lowering import input_shardings
-from xla_strategies.passes.ledger import LedgerRecorder
+from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline, PassTimer
-from xla_strategies.passes.timeline import chrome_trace
 
 DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
 PIPELINE, STOP_AFTER_COMPILE = "XLA_STRATEGIES_PIPELINE", "XLA_STRATEGIES_STOP_AFTER_COMPILE"

@@ -8,7 +8,7 @@ import math
 import re
 from collections import Counter
 
-from xla_strategies.passes.ir import itemsize
+from xla_strategies.passes.ir.graph import itemsize
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")

@@ -17,8 +17,8 @@ import numpy as np
 
 from xla_strategies.cluster import SimpleClusterResolver, TFConfigClusterResolver
 from xla_strategies.passes import DEFAULT_PIPELINE
-from xla_strategies.passes.combine_all_reduces import CombineAllReduces
 from xla_strategies.passes.pipeline import PassPipeline, fill_options
+from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduces
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology

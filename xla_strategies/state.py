@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from xla_strategies.arguments import Layout, Outputs, Signature
-from xla_strategies.passes.ir import Graph, Value
+from xla_strategies.passes.ir.graph import Graph, Value
 from xla_strategies.reduce_op import ReduceOp
 
 

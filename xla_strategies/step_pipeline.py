@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xla_strategies.passes.pipeline import PassPipeline, with_pass, without_pass
-from xla_strategies.passes.shard_parameters import ShardParameters
-from xla_strategies.passes.shard_weight_updates import ShardWeightUpdates
+from xla_strategies.passes.transforms.shard_parameters import ShardParameters
+from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy

@@ -34,9 +34,9 @@ from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
 from xla_strategies.passes import DEFAULT_PIPELINE
-from xla_strategies.passes.insert_reductions import InsertReductions
-from xla_strategies.passes.jax_lowering import replica_spec
+from xla_strategies.passes.bridge.lowering import replica_spec
 from xla_strategies.passes.pipeline import PassPipeline, fill_options
+from xla_strategies.passes.transforms.insert_reductions import InsertReductions
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.distributed_dataset import (
     DistributedDataset,

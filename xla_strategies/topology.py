@@ -17,8 +17,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from xla_strategies.passes import cost_model
-from xla_strategies.passes.cost_model import AxisLink
+from xla_strategies.passes.cost import model as cost_model
+from xla_strategies.passes.cost.model import AxisLink
 
 _NAME = re.compile(
     r"^(?:(?P<count>\d+)x)?(?P<hardware>v\d+[a-z]*|[a-z][\w\-]*?)(?:-(?P<slice>\d+))?$"

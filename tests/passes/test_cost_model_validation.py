@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import xla_strategies as xs
-from xla_strategies.passes import cost_model
+from xla_strategies.passes.cost import model as cost_model
 
 GIB = 1 << 30
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xla_strategies.passes import IRParseError, VerificationError, parse, print_graph, verify
-from xla_strategies.passes.ir import Graph, Node, Split, Value
+from xla_strategies.passes.ir.graph import Graph, Node, Split, Value
 
 MESH = {"replica": 8}
 
@@ -190,7 +190,7 @@ def test_verifier_checks_region_arity_and_isolation():
 
 
 def test_collective_origins_are_one_of_the_known_ones():
-    from xla_strategies.passes.ir import Origin
+    from xla_strategies.passes.ir.graph import Origin
 
     text = """\
 func @step(%0: f32[4]{replica}) {

@@ -126,7 +126,7 @@ def test_capture_patches_nothing_outside_the_trace():
 
 
 def test_remat_policy_survives_the_text_form():
-    from xla_strategies.passes.jax_lowering import LoweringError, evaluate
+    from xla_strategies.passes.bridge.lowering import LoweringError, evaluate
 
     strategy = xs.MirroredStrategy()
     x = next(iter(strategy.experimental_distribute_dataset([np.ones((8, 3), np.float32)])))

@@ -15,7 +15,7 @@ from tests import helpers
 from xla_strategies.demo import models
 from xla_strategies.hlo import count_hlo_collectives
 from xla_strategies.passes import DEFAULT_PIPELINE
-from xla_strategies.passes.collective_stats import collective_summary
+from xla_strategies.passes.cost.collective_stats import collective_summary
 
 BASE = "insert-reductions"
 PIPELINES = {

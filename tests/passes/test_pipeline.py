@@ -16,8 +16,8 @@ from xla_strategies.passes import (
     parse,
 )
 from xla_strategies.passes.dump import IRDumper, IRPrinter, dump_header
+from xla_strategies.passes.ir.verifier import VerificationError
 from xla_strategies.passes.pipeline import PassTimer, PipelineSpecError, parse_spec
-from xla_strategies.passes.verifier import VerificationError
 
 GRAD = """\
 func @step(%0: f32[4]{replica}) {

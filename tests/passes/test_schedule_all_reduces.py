@@ -18,7 +18,7 @@ from xla_strategies.passes import (
     print_graph,
     verify,
 )
-from xla_strategies.passes.schedule_all_reduces import readiness
+from xla_strategies.passes.transforms.schedule_all_reduces import readiness
 
 # A backward scan over 4 layers: each reduces an [n, n] gradient, then computes the next
 # layer's input gradient (a matmul) while that reduction could run.

@@ -10,7 +10,7 @@ import pytest
 from tests.filecheck import filecheck
 from tests.passes.pass_testing import MESH, run_pass
 from xla_strategies.passes import PassContext, ShardWeightUpdates, parse
-from xla_strategies.passes.blocks import block_shape, shard_dimension
+from xla_strategies.passes.transforms.blocks import block_shape, shard_dimension
 
 # SGD with momentum: weights %0 (read by the forward pass), momentum %1, a batch %2
 MOMENTUM = """\

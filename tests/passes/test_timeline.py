@@ -9,7 +9,7 @@ import optax
 import xla_strategies as xs
 from tests import helpers
 from xla_strategies.demo import models
-from xla_strategies.passes.timeline import chrome_trace
+from xla_strategies.passes.cost.timeline import chrome_trace
 
 
 def assert_properly_nested(trace: dict) -> None:
@@ -44,7 +44,7 @@ def test_transformer_timeline_nests_loop_bodies_inside_loops():
 
 def test_exposed_communication_is_the_collective_time_compute_does_not_hide():
     from xla_strategies.passes import parse
-    from xla_strategies.passes.timeline import step_estimate
+    from xla_strategies.passes.cost.timeline import step_estimate
 
     waits = """\
 func @step(%0: f32[1024,1024]{x,y}) {
@@ -73,7 +73,7 @@ func @step(%0: f32[1024,1024]{x,y}) {
 
 def test_compute_estimates_take_the_topologys_rates():
     from xla_strategies.passes import parse
-    from xla_strategies.passes.timeline import BYTES_PER_S, FLOPS_PER_S, compute_seconds
+    from xla_strategies.passes.cost.timeline import BYTES_PER_S, FLOPS_PER_S, compute_seconds
 
     graph = parse(
         """\

@@ -24,7 +24,7 @@ from tests.torch_models.models import (
     lm_loss,
     token_batches,
 )
-from xla_strategies.passes.ir_text import print_graph
+from xla_strategies.passes.ir.text import print_graph
 
 STRATEGIES = {
     "mirrored": lambda: xs.MirroredStrategy(),

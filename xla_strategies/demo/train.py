@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from xla_strategies.demo import models
     from xla_strategies.demo.data import synthetic_tokens
     from xla_strategies.hlo import count_hlo_collectives
-    from xla_strategies.passes.collective_stats import collective_summary
+    from xla_strategies.passes.cost.collective_stats import collective_summary
 
     strategy = xs.MirroredStrategy()
     if args.batch_size % strategy.num_replicas_in_sync:

@@ -1,0 +1,355 @@
+"""Lowering: replay the IR as a jitted `shard_map` over the concrete mesh.
+
+Foreign nodes are bound from their captured equations (the `jax.core.eval_jaxpr` pattern),
+known ops go through `jax.lax`, and regions are re-emitted through `lax.scan`,
+`lax.while_loop`, `lax.switch` and `jax.checkpoint`: binding the original varying-typed
+sub-jaxprs under `check_vma=False` fails. Outputs that vary across replicas come back stacked
+on a new leading replica axis; mirrored outputs come back replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xla_strategies.passes.bridge import tree_collectives
+from xla_strategies.passes.ir.graph import Graph, Node, Split, Value
+
+
+class LoweringError(RuntimeError):
+    """The graph cannot be turned into a JAX program."""
+
+
+def replica_spec(mesh: Mesh) -> PartitionSpec:
+    """Dim 0 split (or stacked) over all of `mesh`'s axes: a per-replica value's spec."""
+    axes = tuple(mesh.axis_names)
+    return PartitionSpec(axes if len(axes) > 1 else axes[0])
+
+
+def value_spec(value: Value, mesh: Mesh, split: Split | None = None) -> PartitionSpec:
+    """The `shard_map` spec of a graph input or output: varying values are split (or
+    stacked) on dim 0 over the replica axes; a value held sharded is split on its dimension
+    over its axes, in its order; invariant ones are whole."""
+    if split is not None:
+        return split_spec(split, mesh, mesh)
+    return replica_spec(mesh) if value.varying_axes else PartitionSpec()
+
+
+def split_spec(split: Split, graph_mesh: Mesh, mesh: Mesh) -> PartitionSpec:
+    """The spec of a `Split` value on `mesh`, a mesh over the same devices as the graph's
+    whose axes may carry other names (the sharded mesh's `sharded:` prefix)."""
+    names = dict(zip(graph_mesh.axis_names, mesh.axis_names, strict=True))
+    axes = tuple(names[a] for a in split.axes)
+    return PartitionSpec(*[None] * split.dim, axes if len(axes) > 1 else axes[0])
+
+
+def input_shardings(
+    graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None, sharded_mesh: Mesh | None = None
+) -> list[Any]:
+    """The global sharding of each graph input: stacked inputs live on `stacked_mesh`,
+    inputs held sharded on `sharded_mesh`, the rest on `mesh`."""
+    meshes = (mesh, stacked_mesh, sharded_mesh)
+    return [
+        _global_sharding(v, i in graph.stacked_inputs, graph.sharded_inputs.get(i), meshes)
+        for i, v in enumerate(graph.inputs)
+    ]
+
+
+def output_shardings(
+    graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None, sharded_mesh: Mesh | None = None
+) -> list[Any]:
+    """The global sharding of each graph output: varying outputs come back stacked, those
+    the graph holds sharded come back sharded."""
+    meshes = (mesh, stacked_mesh, sharded_mesh)
+    return [
+        _global_sharding(v, _comes_back_stacked(graph, i), graph.sharded_outputs.get(i), meshes)
+        for i, v in enumerate(graph.outputs)
+    ]
+
+
+def _comes_back_stacked(graph: Graph, index: int) -> bool:
+    return bool(graph.outputs[index].varying_axes) and index not in graph.sharded_outputs
+
+
+def _global_sharding(
+    value: Value, stacked: bool, split: Split | None, meshes: tuple[Mesh, ...]
+) -> NamedSharding:
+    mesh, stacked_mesh, sharded_mesh = meshes
+    if stacked:
+        target = stacked_mesh or mesh
+        return NamedSharding(target, replica_spec(target))
+    if split is not None:
+        target = sharded_mesh or mesh
+        return NamedSharding(target, split_spec(split, mesh, target))
+    return NamedSharding(mesh, value_spec(value, mesh))
+
+
+def lower(
+    graph: Graph,
+    mesh: Mesh,
+    donate_argnums: Sequence[int] = (),
+    stacked_mesh: Mesh | None = None,
+    compiler_options: dict[str, str] | None = None,
+    sharded_mesh: Mesh | None = None,
+) -> Callable[..., tuple[jax.Array, ...]]:
+    """A jitted function of the flat global arguments that runs `graph` on every replica.
+
+    Inputs and outputs take their layout from the graph: invariant values are replicated,
+    varying inputs are split on dim 0 unless the graph marks them stacked (one row per
+    replica, squeezed before the graph sees them), and varying outputs come back stacked.
+    Stacked values live on `stacked_mesh` (the same devices under reserved axis names), so
+    their sharding tells them apart from a split batch; values the graph holds sharded
+    (weight-update sharding) live on `sharded_mesh` for the same reason.
+    """
+    in_specs = tuple(
+        value_spec(v, mesh, graph.sharded_inputs.get(i)) for i, v in enumerate(graph.inputs)
+    )
+    out_specs = tuple(
+        value_spec(v, mesh, graph.sharded_outputs.get(i)) for i, v in enumerate(graph.outputs)
+    )
+    stacked_in = [i in graph.stacked_inputs for i in range(len(graph.inputs))]
+    stacked_out = [_comes_back_stacked(graph, i) for i in range(len(graph.outputs))]
+
+    def body(*flat):
+        flat = [x[0] if s else x for x, s in zip(flat, stacked_in, strict=True)]
+        outs = evaluate(graph, flat)
+        return tuple(o[None] if s else o for o, s in zip(outs, stacked_out, strict=True))
+
+    program = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+    meshes = (mesh, stacked_mesh, sharded_mesh)
+    return jax.jit(
+        program,
+        in_shardings=tuple(input_shardings(graph, *meshes)),
+        out_shardings=tuple(output_shardings(graph, *meshes)),
+        donate_argnums=tuple(donate_argnums),
+        compiler_options=compiler_options or None,
+    )
+
+
+def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
+    """Run `graph` on per-replica values inside a trace; returns its outputs."""
+    env: dict[Value, Any] = dict(zip(graph.inputs, args, strict=True))
+    for node in graph.nodes:
+        rule = _RULES.get(node.op)
+        try:
+            results = (
+                rule(node, [env[v] for v in node.inputs])
+                if rule
+                else _bind_foreign(node, [env[v] for v in node.inputs])
+            )
+        except LoweringError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"while lowering IR node {node.op} of graph @{graph.name}")
+            raise
+        env.update(zip(node.outputs, results, strict=True))
+    return [env[v] for v in graph.outputs]
+
+
+def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
+    if node.payload is None:
+        raise LoweringError(
+            f"cannot lower foreign node {node.op}: it has no captured JAX equation "
+            "(graphs parsed from text can be optimised and printed, not run)"
+        )
+    eqn = node.payload
+    with _user_source(eqn), _equation_context(eqn.ctx) as params:
+        bound = _resized(node, params(eqn.params))
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(bound))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _resized(node: Node, params: dict) -> dict:
+    """A pass may give a foreign node other shapes than it was captured with (one replica's
+    block of an elementwise update); an equation that names its result's shape then gets
+    the node's (`shape` of broadcast_in_dim, `new_sizes` of reshape)."""
+    shape = node.outputs[0].shape if node.outputs else None
+    for name in ("shape", "new_sizes"):
+        if name in params and tuple(params[name]) != shape:
+            return {**params, name: shape}
+    return params
+
+
+def _user_source(eqn: Any) -> Any:
+    """The user's source line and name stack for what `eqn` lowers to, as
+    `jax.core.eval_jaxpr` keeps them, so XLA's HLO metadata names the user's code."""
+    from jax._src import source_info_util
+
+    info = eqn.source_info
+    name_stack = source_info_util.current_name_stack() + info.name_stack
+    return source_info_util.user_context(info.traceback, name_stack=name_stack)
+
+
+@contextlib.contextmanager
+def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
+    """The captured equation's context, moved to the mesh being lowered to, and a function
+    that moves its parameters' shardings there too. A step compiled with `axis_name=` was
+    traced on a mesh of that name, and its equations remember it. Inside the fully manual
+    `shard_map` body a sharding's spec names no mesh axis, so only its mesh changes."""
+    from jax._src import core
+    from jax._src import mesh as mesh_lib
+
+    current = mesh_lib.get_abstract_mesh()
+    if ctx.cur_abstract_mesh == current:
+        with ctx.manager:
+            yield lambda params: params
+        return
+    moved = core.JaxprEqnContext._create(
+        ctx.compute_type,
+        ctx.threefry_partitionable,
+        current,
+        ctx.remove_size_one_mesh_axis,
+        ctx.xla_metadata,
+    )
+
+    def move(params: dict) -> dict:
+        return {
+            k: NamedSharding(current, v.spec)
+            if isinstance(v, NamedSharding) and v.mesh == ctx.cur_abstract_mesh
+            else v
+            for k, v in params.items()
+        }
+
+    with moved.manager:
+        yield move
+
+
+def _constant(node: Node, args: list[Any]) -> list[Any]:
+    out = node.outputs[0]
+    value = node.payload if node.payload is not None else node.attrs["value"]
+    return [jnp.broadcast_to(jnp.asarray(value, dtype=out.dtype), out.shape)]
+
+
+_REDUCERS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
+
+
+def _all_reduce(node: Node, args: list[Any]) -> list[Any]:
+    """One collective for all operands (a tuple bucket is one tuple all-reduce)."""
+    reducer = _REDUCERS[node.attrs["reduce_op"]]
+    return list(reducer(list(args), tuple(node.attrs["axes"])))
+
+
+def _reduce_to_one(node: Node, args: list[Any]) -> list[Any]:
+    a = node.attrs
+    mean = a["reduce_op"] == "mean"
+    return [
+        tree_collectives.reduce_to_one(x, a["axes"][0], a["size"], a["root"], mean) for x in args
+    ]
+
+
+def _scan(node: Node, args: list[Any]) -> list[Any]:
+    a, region = node.attrs, node.regions[0]
+    consts, carry, xs = (
+        args[: a["num_consts"]],
+        args[a["num_consts"] : a["num_consts"] + a["num_carry"]],
+        args[a["num_consts"] + a["num_carry"] :],
+    )
+
+    def step(carry, x):
+        outs = evaluate(region, [*consts, *carry, *x])
+        return outs[: a["num_carry"]], outs[a["num_carry"] :]
+
+    carry, ys = lax.scan(
+        step, list(carry), list(xs), length=a["length"], reverse=a["reverse"], unroll=a["unroll"]
+    )
+    return [*carry, *ys]
+
+
+def _while(node: Node, args: list[Any]) -> list[Any]:
+    nc, nb = node.attrs["cond_nconsts"], node.attrs["body_nconsts"]
+    cond_consts, body_consts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
+    cond_region, body_region = node.regions
+    return list(
+        lax.while_loop(
+            lambda c: evaluate(cond_region, [*cond_consts, *c])[0],
+            lambda c: evaluate(body_region, [*body_consts, *c]),
+            list(init),
+        )
+    )
+
+
+def _cond(node: Node, args: list[Any]) -> list[Any]:
+    branches = [lambda *ops, r=region: evaluate(r, ops) for region in node.regions]
+    return list(lax.switch(args[0], branches, *args[1:]))
+
+
+def _remat(node: Node, args: list[Any]) -> list[Any]:
+    name = node.attrs.get("policy")
+    if node.payload is not None:
+        policy = node.payload.params.get("policy")
+    elif name is None:
+        policy = None
+    elif name == "custom" or not hasattr(jax.checkpoint_policies, name):
+        raise LoweringError(
+            f"cannot lower a remat region with policy {name!r} from text: only the policies "
+            "named in jax.checkpoint_policies can be rebuilt without the captured program"
+        )
+    else:
+        policy = getattr(jax.checkpoint_policies, name)
+    fn = jax.checkpoint(
+        lambda *a: evaluate(node.regions[0], a),
+        prevent_cse=node.attrs.get("prevent_cse", True),
+        policy=policy,
+    )
+    return list(fn(*args))
+
+
+def _replica_slice(node: Node, args: list[Any]) -> list[Any]:
+    """This replica's block of a mirrored value: block i of dimension `dimension` on replica
+    i, numbered over `axes` as tiled collectives number them."""
+    dim, block = node.attrs["dimension"], node.outputs[0].shape[node.attrs["dimension"]]
+    start = lax.axis_index(tuple(node.attrs["axes"])) * block
+    return [lax.dynamic_slice_in_dim(args[0], start, block, axis=dim)]
+
+
+def _slice(node: Node, args: list[Any]) -> list[Any]:
+    return [lax.slice(args[0], node.attrs["start"], node.attrs["limit"])]
+
+
+_RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
+    "constant": _constant,
+    "pvary": lambda node, args: list(args),
+    "axis_index": lambda n, a: [lax.axis_index(tuple(n.attrs["axes"]))],
+    "all_reduce": _all_reduce,
+    "reduce_to_one": _reduce_to_one,
+    "broadcast": lambda n, a: [
+        tree_collectives.broadcast(a[0], n.attrs["axes"][0], n.attrs["size"], n.attrs["root"])
+    ],
+    "reduce_scatter": lambda n, a: [
+        lax.psum_scatter(
+            a[0], tuple(n.attrs["axes"]), scatter_dimension=n.attrs["dimension"], tiled=True
+        )
+    ],
+    "all_gather": lambda n, a: [
+        lax.all_gather(a[0], tuple(n.attrs["axes"]), axis=n.attrs["dimension"], tiled=True)
+    ],
+    "all_to_all": lambda n, a: [
+        lax.all_to_all(
+            a[0], tuple(n.attrs["axes"]), n.attrs["split_axis"], n.attrs["concat_axis"], tiled=True
+        )
+    ],
+    "collective_permute": lambda n, a: [
+        lax.ppermute(a[0], tuple(n.attrs["axes"]), [tuple(p) for p in n.attrs["perm"]])
+    ],
+    "concatenate": lambda n, a: [jnp.concatenate(a, axis=n.attrs.get("dimension", 0))],
+    "slice": _slice,
+    "replica_slice": _replica_slice,
+    "reshape": lambda n, a: [jnp.reshape(a[0], n.outputs[0].shape)],
+    "transpose": lambda n, a: [jnp.transpose(a[0], n.attrs["permutation"])],
+    "add": lambda n, a: [sum(a[1:], a[0])],
+    "scale": lambda n, a: [a[0] * np.asarray(n.attrs["factor"], dtype=n.outputs[0].dtype)],
+    "convert": lambda n, a: [a[0].astype(n.outputs[0].dtype)],
+    "jax.scan": _scan,
+    "jax.while": _while,
+    "jax.cond": _cond,
+    "jax.remat2": _remat,
+}

@@ -1,0 +1,78 @@
+"""The JAX frontend's op table: the traits of each JAX primitive the capture imports as a
+foreign op `jax.<primitive>`. The only place passes learn what a JAX primitive does."""
+
+from __future__ import annotations
+
+from xla_strategies.passes.ir.traits import (
+    Trait,
+    declare,
+    declare_all,
+    declare_dimension_reduction,
+)
+
+
+def _jax(*names: str) -> list[str]:
+    return [f"jax.{name}" for name in names]
+
+
+declare_all(
+    _jax("transpose", "squeeze", "expand_dims"),
+    Trait.LINEAR,
+)
+declare("jax.reshape", Trait.LINEAR, Trait.RESHAPE)
+declare_all(_jax("neg", "copy", "copy_p"), Trait.LINEAR, Trait.ELEMENTWISE)
+declare_dimension_reduction("jax.reduce_sum", "sum", Trait.LINEAR)
+declare_dimension_reduction("jax.reduce_max", "max")
+declare_dimension_reduction("jax.reduce_min", "min")
+declare("jax.broadcast_in_dim", Trait.BROADCAST_IN_DIM)
+declare("jax.mul", Trait.SCALING, Trait.ELEMENTWISE)
+declare("jax.div", Trait.DIVIDING, Trait.ELEMENTWISE)
+declare_all(_jax("add", "add_any"), Trait.ADDING, Trait.ELEMENTWISE)
+declare_all(
+    _jax(
+        "sub",
+        "max",
+        "min",
+        "exp",
+        "log",
+        "tanh",
+        "sin",
+        "cos",
+        "logistic",
+        "integer_pow",
+        "sqrt",
+        "rsqrt",
+        "abs",
+        "sign",
+        "select_n",
+        "convert_element_type",
+        "pow",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "and",
+        "or",
+        "not",
+        "is_finite",
+        "square",
+        "log1p",
+        "expm1",
+        "erf",
+        "nextafter",
+        "clamp",
+        "floor",
+        "ceil",
+        "round",
+        "rem",
+    ),
+    Trait.ELEMENTWISE,
+)
+declare("jax.scan", Trait.COUNTED_LOOP)
+declare("jax.while", Trait.WHILE_LOOP)
+declare("jax.remat2", Trait.CALL_ONCE)
+declare("jax.cond", Trait.BRANCHES)
+declare("jax.dot_general", Trait.CONTRACTION)
+declare_all(_jax("debug_callback", "io_callback", "pure_callback"), Trait.SIDE_EFFECT)

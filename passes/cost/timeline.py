@@ -1,0 +1,153 @@
+"""An estimated one-step timeline as a Chrome trace / Perfetto JSON file.
+
+Compute runs on one track in schedule order; collectives run on a second track as soon as
+their operands are ready (asynchronously), and a consumer waits for them. Durations are
+estimates: collectives from the topology's cost model, compute from a roofline with the
+rates below (rough; they place events, they do not predict step time). A loop is one
+event containing its first iteration's events, so events nest properly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.traits import Trait
+from xla_strategies.passes.ir.walk import regions_per_step
+
+# Rough device rates for compute estimates on unknown hardware (no topology, or one whose
+# file gives no rate); a topology's own peak flops and memory bandwidth win.
+FLOPS_PER_S = 1e12
+BYTES_PER_S = 1e11
+COLLECTIVE_BYTES_PER_S = 1e10  # without a topology
+_COMPUTE, _COLLECTIVES = 1, 2
+
+
+def compute_seconds(node: Node, topology: Any = None) -> float:
+    """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes,
+    at the topology's peak flops and memory bandwidth where it knows them."""
+    out = sum(v.size for v in node.outputs)
+    flops = out
+    if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
+        contracting = node.attrs.get("dimension_numbers", [[[], []]])[0][0]
+        flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
+    moved = sum(v.nbytes for v in node.inputs + node.outputs)
+    peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S
+    bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
+    return max(flops / peak, moved / bandwidth)
+
+
+class _Timeline:
+    def __init__(self, topology: Any) -> None:
+        self.topology = topology
+        self.events: list[dict[str, Any]] = []
+        self.ready: dict[Value, float] = {}
+        self.network_free = 0.0
+        self.busy = 0.0  # compute seconds per step, loops counted per trip
+
+    def event(
+        self, name: str, track: int, start: float, end: float, args: dict | None = None
+    ) -> None:
+        self.events.append(_event(name, track, start, end, args))
+
+    def run(self, graph: Graph, clock: float) -> float:
+        """Lay out `graph`'s nodes from `clock`; return when its compute ends."""
+        for node in graph.nodes:
+            start = max([clock] + [self.ready.get(v, 0.0) for v in node.inputs])
+            if node.is_collective:
+                clock = self.collective(node, start, clock)
+                continue
+            if node.regions:
+                end = self.loop(node, start)
+            else:
+                end = start + compute_seconds(node, self.topology)
+                if node.op not in ("constant", "pvary"):
+                    self.event(node.op, _COMPUTE, start, end)
+                    self.busy += end - start
+            for out in node.outputs:
+                self.ready[out] = end
+            clock = end
+        return clock
+
+    def collective(self, node: Node, ready: float, clock: float) -> float:
+        nbytes = node.whole_bytes
+        if self.topology is not None and node.op in ("all_reduce", "reduce_scatter", "all_gather"):
+            seconds = self.topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))
+        else:
+            seconds = nbytes / COLLECTIVE_BYTES_PER_S
+        start = max(ready, self.network_free)
+        self.network_free = start + seconds
+        args = {"bytes": nbytes, "axes": node.attrs["axes"]}
+        self.event(node.op, _COLLECTIVES, start, self.network_free, args)
+        for out in node.outputs:
+            self.ready[out] = self.network_free
+        return clock
+
+    def loop(self, node: Node, start: float) -> float:
+        """One event for the node; the first run of each region it runs nests inside it."""
+        index = len(self.events)
+        self.events.append({})  # placeholder: the parent must precede its children
+        end, trips = start, 1
+        for region, trips in regions_per_step(node):
+            for value, operand in zip(
+                region.inputs, node.inputs[-len(region.inputs) :], strict=False
+            ):
+                self.ready[value] = self.ready.get(operand, start)
+            body_start, busy = end, self.busy
+            body_end = self.run(region, body_start)
+            self.busy += (trips - 1) * (self.busy - busy)
+            self.network_free = max(self.network_free, body_end)
+            end = body_start + trips * (body_end - body_start)
+        self.events[index] = _event(f"{node.op} x{trips}", _COMPUTE, start, end)
+        return end
+
+
+def _event(name: str, track: int, start: float, end: float, args: dict | None = None) -> dict:
+    """A complete ("X") event in microseconds; start and end are rounded alike, so events
+    that touch in time still nest after rounding."""
+    ts, stop = round(start * 1e6, 3), round(end * 1e6, 3)
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": 1,
+        "tid": track,
+        "ts": ts,
+        "dur": round(stop - ts, 3),
+        "args": args or {},
+    }
+
+
+def _laid_out(graph: Graph, topology: Any) -> tuple[_Timeline, dict[str, float]]:
+    timeline = _Timeline(topology)
+    end = max(timeline.run(graph, 0.0), timeline.network_free)
+    exposed = max(0.0, end - timeline.busy)
+    return timeline, {"step_s": end, "compute_s": timeline.busy, "exposed_s": exposed}
+
+
+def step_estimate(graph: Graph, topology: Any = None) -> dict[str, float]:
+    """The estimated step: its length, the compute in it, and the **exposed
+    communication**, the collective time no compute overlaps (the step minus its compute:
+    what the compute track spends waiting for collectives, and collectives after it)."""
+    return _laid_out(graph, topology)[1]
+
+
+def chrome_trace(graph: Graph, topology: Any = None) -> dict[str, Any]:
+    """The estimated schedule of one step of `graph`, as Chrome trace JSON: compute and
+    collectives on tracks of their own, and the step estimate in its metadata."""
+    timeline, estimate = _laid_out(graph, topology)
+    names = [
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": _COMPUTE, "args": {"name": "compute"}},
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 1,
+            "tid": _COLLECTIVES,
+            "args": {"name": "collectives"},
+        },
+    ]
+    return {
+        "traceEvents": names + timeline.events,
+        "displayTimeUnit": "ms",
+        "metadata": estimate,
+    }

@@ -1,0 +1,258 @@
+"""The graph IR the passes work on: a small SSA graph whose node order is the schedule.
+
+A `Graph` has input values, a list of nodes and output values. A `Node` consumes values and
+defines new ones; it may own nested regions (loop bodies, branches), each itself a `Graph`
+that sees only its own inputs. Collectives and the few ops passes create are *known* ops;
+everything else the capture finds is a *foreign* node (`jax.<primitive>`) that passes treat
+as opaque, reading only the shapes and dtypes of its values.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from xla_strategies.passes.ir.traits import Trait, traits_of
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class Origin(enum.StrEnum):
+    """Who put a collective (or a gradient's scale) into the program: the `origin`
+    attribute of the IR, as its text form spells it."""
+
+    AUTODIFF = "autodiff"  # a mirrored value's gradient completed by JAX's autodiff
+    USER = "user"  # written in the step (lax.psum, a replica context's all_reduce)
+    GRADIENT = "gradient"  # the scale a gradient gets from the strategy's MEAN or SUM
+    AGGREGATION = "aggregation"  # an output declared aggregated (mirrored_outputs)
+    WEIGHT_UPDATE = "weight-update"  # a sharded update's partial sums
+
+
+FOREIGN_PREFIX = "jax."
+
+_DTYPE_SHORT = {
+    "float64": "f64",
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "int64": "i64",
+    "int32": "i32",
+    "int16": "i16",
+    "int8": "i8",
+    "uint64": "u64",
+    "uint32": "u32",
+    "uint16": "u16",
+    "uint8": "u8",
+    "bool": "bool",
+    "complex64": "c64",
+    "complex128": "c128",
+    "float8_e4m3fn": "f8e4m3fn",
+    "float8_e5m2": "f8e5m2",
+}
+_DTYPE_LONG = {v: k for k, v in _DTYPE_SHORT.items()}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element, also for the ml_dtypes types numpy does not know by name."""
+    bits = re.search(r"(\d+)", short_dtype(dtype))
+    return 1 if bits is None else max(1, int(bits.group(1)) // 8)
+
+
+def short_dtype(dtype: Any) -> str:
+    """`float32` -> `f32`, the spelling used in the text form."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    return _DTYPE_SHORT.get(name, name)
+
+
+def long_dtype(short: str) -> str:
+    """`f32` -> `float32`."""
+    return _DTYPE_LONG.get(short, short)
+
+
+@dataclass(eq=False)
+class Value:
+    """An SSA value: one array of the per-replica program.
+
+    Attributes:
+        shape: the per-replica shape.
+        dtype: numpy dtype name, e.g. ``"float32"``.
+        varying_axes: mesh axes over which replicas may hold different data; empty means
+            the value is identical on every replica (mirrored).
+        name: an optional human name (the pytree path of a step input or output).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    varying_axes: frozenset[str] = frozenset()
+    name: str | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * itemsize(self.dtype)
+
+    def like(self, **changes: Any) -> Value:
+        """A fresh value of the same type, with `changes` applied."""
+        fields = dict(shape=self.shape, dtype=self.dtype, varying_axes=self.varying_axes)
+        fields.update(changes)
+        return Value(**fields)
+
+    def __repr__(self) -> str:
+        axes = "{" + ",".join(sorted(self.varying_axes)) + "}" if self.varying_axes else ""
+        return f"Value({short_dtype(self.dtype)}{list(self.shape)}{axes})"
+
+
+@dataclass(eq=False)
+class Node:
+    """One operation. `payload` holds what only the JAX layer understands (a jaxpr equation
+    for foreign nodes, an array for large constants); it never appears in the text form.
+    `created_by` names the pass that made the node, for dumps and debugging."""
+
+    op: str
+    inputs: list[Value]
+    outputs: list[Value]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    regions: list[Graph] = field(default_factory=list)
+    payload: Any = None
+    created_by: str | None = None
+
+    @property
+    def is_foreign(self) -> bool:
+        return self.op.startswith(FOREIGN_PREFIX)
+
+    @property
+    def traits(self) -> frozenset[Trait]:
+        """What passes may know about this op (`passes/ir/traits.py`)."""
+        return traits_of(self.op)
+
+    def has(self, trait: Trait) -> bool:
+        return trait in traits_of(self.op)
+
+    @property
+    def is_collective(self) -> bool:
+        return self.has(Trait.COLLECTIVE)
+
+    @property
+    def whole_bytes(self) -> int:
+        """Bytes of the whole tensors a collective moves, which the cost model takes: the
+        larger of its operands and results (an all-gather's result, not its block)."""
+        return max(sum(v.nbytes for v in self.inputs), sum(v.nbytes for v in self.outputs))
+
+    @property
+    def primitive(self) -> str:
+        """The JAX primitive name of a foreign node (``jax.scan`` -> ``scan``)."""
+        return self.op[len(FOREIGN_PREFIX) :] if self.is_foreign else self.op
+
+    @property
+    def label(self) -> str | None:
+        """What a collective reduces, for dumps: its parameter's pytree path (a gradient),
+        the output it aggregates, or the user's source line."""
+        a = self.attrs
+        return a.get("param") or a.get("output") or a.get("source")
+
+    def __repr__(self) -> str:
+        return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a mirrored value is held across the replicas: dimension `dim` cut into one block
+    per position over `axes`, numbered in this order (the order tiled collectives and
+    `replica_slice` use), so block i of the value is on the replicas whose index over
+    `axes` is i. Replicas that differ only along the other axes (other slices) hold the
+    same block."""
+
+    dim: int
+    axes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.dim}{{{','.join(self.axes)}}}"
+
+
+@dataclass(eq=False)
+class Graph:
+    """A program (or a region of one).
+
+    `output_names` gives each output position its pytree path; `declared_mirrored` holds
+    the output positions the user declared mirrored, which a pass must reject if they still
+    vary across replicas; `output_aggregation` maps output positions the user declared
+    aggregated to the reduction (`sum`, `mean`, `max`, `min`) that makes them mirrored;
+    `rooted_outputs` those only the root replica holds correctly. `stacked_inputs` are the
+    input positions that hold one value per replica (stacked on a leading replica axis
+    outside the step) rather than a split batch. `state_outputs` maps an output position to
+    the input position it is the next value of (a step's state: `params, opt_state = ...`),
+    and `donated_inputs` are the state inputs whose buffers the step may reuse (declared
+    with `donate_argnums`).
+    `sharded_inputs` and `sharded_outputs` map positions to the `Split` of a mirrored value
+    held split across all replicas between steps (weight-update sharding); such a value's
+    type is the per-replica block.
+    """
+
+    inputs: list[Value]
+    nodes: list[Node]
+    outputs: list[Value]
+    name: str = "main"
+    output_names: list[str | None] = field(default_factory=list)
+    declared_mirrored: frozenset[int] = frozenset()
+    output_aggregation: dict[int, str] = field(default_factory=dict)
+    stacked_inputs: frozenset[int] = frozenset()
+    # Outputs correct on the root replica only (reduce-to-one-device); the runtime keeps
+    # the root's copy.
+    rooted_outputs: frozenset[int] = frozenset()
+    state_outputs: dict[int, int] = field(default_factory=dict)
+    donated_inputs: frozenset[int] = frozenset()
+    sharded_inputs: dict[int, Split] = field(default_factory=dict)
+    sharded_outputs: dict[int, Split] = field(default_factory=dict)
+
+    def output_name(self, index: int) -> str:
+        """The pytree path of output `index`, or a positional fallback."""
+        names = self.output_names
+        return (names[index] if index < len(names) else None) or f"output #{index}"
+
+    def walk(self) -> Iterator[Node]:
+        """Every node, nested regions included, in schedule order (pre-order)."""
+        for node in self.nodes:
+            yield node
+            for region in node.regions:
+                yield from region.walk()
+
+    def graphs(self) -> list[Graph]:
+        """This graph and every region nested in it, outermost first."""
+        found = [self]
+        for node in self.walk():
+            found.extend(node.regions)
+        return found
+
+    def users(self) -> dict[Value, list[Node]]:
+        """Map each value to the nodes of this graph (not nested regions) that read it."""
+        result: dict[Value, list[Node]] = {}
+        for node in self.nodes:
+            for value in node.inputs:
+                result.setdefault(value, []).append(node)
+        return result
+
+    def producers(self) -> dict[Value, Node]:
+        """Map each value defined by a node of this graph to that node."""
+        return {out: node for node in self.nodes for out in node.outputs}
+
+    def replace_uses(self, old: Value, new: Value) -> None:
+        """Make every reader of `old` in this graph (and its outputs) read `new` instead."""
+        for node in self.nodes:
+            node.inputs = [new if v is old else v for v in node.inputs]
+        self.outputs = [new if v is old else v for v in self.outputs]
+
+    def count_ops(self, op: str) -> int:
+        return sum(1 for node in self.walk() if node.op == op)
+
+
+# The JAX frontend's declarations: IR text names JAX ops, with or without a capture.
+from xla_strategies.passes.bridge import ops as jax_ops  # noqa: E402, F401

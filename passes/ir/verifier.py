@@ -1,0 +1,259 @@
+"""IR verifier: run after every pass, so a broken rewrite fails where it happened.
+
+Checks SSA (every use is defined earlier in the same region, nothing is defined twice),
+regions (isolated from above, arity matching their op), collective axes (known to the mesh)
+and the shapes and dtypes of the known ops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+from xla_strategies.passes.ir.graph import REDUCE_OPS, Graph, Node, Origin, Value
+from xla_strategies.passes.ir.text import format_type
+from xla_strategies.passes.ir.traits import REGION_TRAITS, Trait, is_declared
+
+_ORIGINS = frozenset(o.value for o in Origin)
+
+
+class VerificationError(ValueError):
+    """The graph breaks an IR invariant; the message lists every problem found."""
+
+
+def verify(graph: Graph, mesh_axes: Mapping[str, int] | None = None) -> None:
+    """Raise `VerificationError` if `graph` is malformed.
+
+    Args:
+        graph: the graph to check.
+        mesh_axes: axis name -> size; when given, collectives must name only these axes.
+    """
+    problems: list[str] = []
+    _verify_region(graph, mesh_axes, problems, defined_anywhere=set())
+    problems.extend(_check_interface(graph))
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise VerificationError(f"graph @{graph.name} is malformed:\n  {shown}{more}")
+
+
+def _verify_region(
+    graph: Graph, mesh_axes: Mapping[str, int] | None, problems: list[str], defined_anywhere: set
+) -> None:
+    in_scope: set[int] = set()
+
+    def define(value: Value, where: str) -> None:
+        if id(value) in defined_anywhere:
+            problems.append(f"{where}: defines a value that is already defined")
+        defined_anywhere.add(id(value))
+        in_scope.add(id(value))
+
+    for index, value in enumerate(graph.inputs):
+        define(value, f"@{graph.name} input {index}")
+    for position, node in enumerate(graph.nodes):
+        where = f"@{graph.name} node {position} ({node.op})"
+        for index, value in enumerate(node.inputs):
+            if id(value) not in in_scope:
+                problems.append(f"{where}: operand {index} is used before it is defined")
+        for region in node.regions:
+            _verify_region(region, mesh_axes, problems, defined_anywhere)
+        for value in node.outputs:
+            define(value, where)
+        problems.extend(f"{where}: {p}" for p in _check_node(node, mesh_axes))
+    for index, value in enumerate(graph.outputs):
+        if id(value) not in in_scope:
+            problems.append(f"@{graph.name} output {index} is not defined in this region")
+
+
+def _check_interface(graph: Graph) -> list[str]:
+    """The step's interface (per-input and per-output attributes) names real positions
+    and donates only state."""
+    problems: list[str] = []
+    inputs, outputs = range(len(graph.inputs)), range(len(graph.outputs))
+    tables = {
+        "stacked_inputs": (graph.stacked_inputs, inputs),
+        "donated_inputs": (graph.donated_inputs, inputs),
+        "sharded_inputs": (graph.sharded_inputs, inputs),
+        "declared_mirrored": (graph.declared_mirrored, outputs),
+        "output_aggregation": (graph.output_aggregation, outputs),
+        "rooted_outputs": (graph.rooted_outputs, outputs),
+        "sharded_outputs": (graph.sharded_outputs, outputs),
+        "state_outputs": (graph.state_outputs, outputs),
+    }
+    for table, (positions, valid) in tables.items():
+        bad = sorted(p for p in positions if p not in valid)
+        if bad:
+            problems.append(f"@{graph.name} {table} names positions {bad} it does not have")
+    missing = sorted(arg for arg in graph.state_outputs.values() if arg not in inputs)
+    if missing:
+        problems.append(f"@{graph.name} state_outputs name missing inputs {missing}")
+    undonatable = sorted(graph.donated_inputs - set(graph.state_outputs.values()))
+    if undonatable:
+        problems.append(f"@{graph.name} donates inputs {undonatable}, which are not state")
+    return problems
+
+
+def _check_node(node: Node, mesh_axes: Mapping[str, int] | None) -> list[str]:
+    problems: list[str] = []
+    if node.is_collective:
+        axes = node.attrs.get("axes")
+        if not axes:
+            return ["collective without an 'axes' attribute"]
+        unknown = [a for a in axes if mesh_axes is not None and a not in mesh_axes]
+        if unknown:
+            known = ", ".join(mesh_axes or ()) or "none"
+            return [f"collective over unknown mesh axis {unknown} (mesh axes: {known})"]
+    origin = node.attrs.get("origin")
+    if origin is not None and origin not in _ORIGINS:
+        problems.append(f"unknown origin {origin!r} (one of {sorted(_ORIGINS)})")
+    if not node.is_foreign and not is_declared(node.op):
+        problems.append(f"unknown op {node.op!r}: not one of the IR's ops nor a foreign jax.* op")
+    if node.regions or node.traits & REGION_TRAITS:
+        message = _check_regions(node)
+        if message:
+            problems.append(message)
+    check = None if node.is_foreign else _SHAPE_RULES.get(node.op)
+    if check is not None:
+        message = check(node, mesh_axes or {})
+        if message:
+            problems.append(message)
+    return problems
+
+
+def _types(values: list[Value]) -> str:
+    return ", ".join(format_type(v) for v in values)
+
+
+def _unary(node: Node) -> str | None:
+    if len(node.inputs) != 1 or len(node.outputs) != 1:
+        return f"expects one operand and one result, has {len(node.inputs)} and {len(node.outputs)}"
+    return None
+
+
+def _check_all_reduce(node: Node, mesh: Mapping[str, int]) -> str | None:
+    if node.attrs.get("reduce_op") not in REDUCE_OPS:
+        return f"reduce_op must be one of {REDUCE_OPS}, got {node.attrs.get('reduce_op')!r}"
+    if len(node.inputs) != len(node.outputs):
+        return "needs as many results as operands"
+    for src, dst in zip(node.inputs, node.outputs, strict=True):
+        if (src.shape, src.dtype) != (dst.shape, dst.dtype):
+            return f"result type {format_type(dst)} differs from operand {format_type(src)}"
+        if dst.varying_axes != src.varying_axes - set(node.attrs["axes"]):
+            return f"result should vary over {sorted(src.varying_axes - set(node.attrs['axes']))}"
+    return None
+
+
+def _group_size(node: Node, mesh: Mapping[str, int]) -> int | None:
+    sizes = [mesh.get(a) for a in node.attrs["axes"]]
+    return None if None in sizes else math.prod(sizes)
+
+
+def _check_resize(node: Node, mesh: Mapping[str, int], grow: bool) -> str | None:
+    problem = _unary(node)
+    size = _group_size(node, mesh)
+    if problem or size is None:
+        return problem
+    dim = node.attrs.get("dimension", 0)
+    src, dst = node.inputs[0].shape, node.outputs[0].shape
+    want = list(src)
+    if grow:
+        want[dim] *= size
+    elif want[dim] % size:
+        return f"dimension {dim} of {format_type(node.inputs[0])} does not divide by {size}"
+    else:
+        want[dim] //= size
+    return None if tuple(want) == dst else f"result shape {dst} should be {tuple(want)}"
+
+
+def _check_concatenate(node: Node, mesh: Mapping[str, int]) -> str | None:
+    dim = node.attrs.get("dimension", 0)
+    total = sum(v.shape[dim] for v in node.inputs)
+    out = node.outputs[0].shape
+    return (
+        None
+        if out[dim] == total
+        else f"result dimension {dim} is {out[dim]}, operands sum to {total}"
+    )
+
+
+def _check_same_size(node: Node, mesh: Mapping[str, int]) -> str | None:
+    problem = _unary(node)
+    if problem:
+        return problem
+    if node.inputs[0].size != node.outputs[0].size:
+        return f"changes the element count: {_types(node.inputs)} -> {_types(node.outputs)}"
+    return None
+
+
+def _check_elementwise(node: Node, mesh: Mapping[str, int]) -> str | None:
+    shapes = {v.shape for v in node.inputs + node.outputs}
+    dtypes = {v.dtype for v in node.inputs + node.outputs}
+    if len(shapes) > 1 or len(dtypes) > 1:
+        return f"operands and result differ: {_types(node.inputs)} -> {_types(node.outputs)}"
+    return None
+
+
+def _check_slice(node: Node, mesh: Mapping[str, int]) -> str | None:
+    start, limit = node.attrs.get("start", []), node.attrs.get("limit", [])
+    want = tuple(b - a for a, b in zip(start, limit, strict=False))
+    got = node.outputs[0].shape
+    return None if want == got else f"result shape {got} does not match limit - start = {want}"
+
+
+def _check_transpose(node: Node, mesh: Mapping[str, int]) -> str | None:
+    problem = _unary(node)
+    if problem:
+        return problem
+    perm, src = node.attrs.get("permutation", []), node.inputs[0].shape
+    if sorted(perm) != list(range(len(src))):
+        return f"permutation {perm} is not one of {len(src)} dimensions"
+    want = tuple(src[p] for p in perm)
+    got = node.outputs[0].shape
+    return None if want == got else f"result shape {got} should be {want}"
+
+
+_SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
+    "all_reduce": _check_all_reduce,
+    "reduce_to_one": _check_all_reduce,
+    "broadcast": _check_elementwise,
+    "reduce_scatter": lambda n, m: _check_resize(n, m, grow=False),
+    "all_gather": lambda n, m: _check_resize(n, m, grow=True),
+    "replica_slice": lambda n, m: _check_resize(n, m, grow=False),
+    "concatenate": _check_concatenate,
+    "reshape": _check_same_size,
+    "convert": _check_same_size,
+    "pvary": _check_same_size,
+    "add": _check_elementwise,
+    "scale": _check_elementwise,
+    "slice": _check_slice,
+    "transpose": _check_transpose,
+}
+
+
+def _region_arity(node: Node) -> list[tuple[int, int]]:
+    """(inputs, outputs) each region of `node` must have, from the node's own attributes."""
+    n_in, n_out, attrs = len(node.inputs), len(node.outputs), node.attrs
+    if node.has(Trait.COUNTED_LOOP) or node.has(Trait.CALL_ONCE):
+        return [(n_in, n_out)]
+    if node.has(Trait.BRANCHES):
+        return [(n_in - 1, n_out)] * len(node.regions)
+    if node.has(Trait.WHILE_LOOP):
+        carry = n_in - attrs.get("cond_nconsts", 0) - attrs.get("body_nconsts", 0)
+        return [
+            (attrs.get("cond_nconsts", 0) + carry, 1),
+            (attrs.get("body_nconsts", 0) + carry, carry),
+        ]
+    return [(len(r.inputs), len(r.outputs)) for r in node.regions]
+
+
+def _check_regions(node: Node) -> str | None:
+    want = _region_arity(node)
+    if len(want) != len(node.regions) or (node.has(Trait.BRANCHES) and not node.regions):
+        return f"has {len(node.regions)} regions, expected {max(len(want), 1)}"
+    for index, (region, (n_in, n_out)) in enumerate(zip(node.regions, want, strict=True)):
+        if (len(region.inputs), len(region.outputs)) != (n_in, n_out):
+            return (
+                f"region {index} takes {len(region.inputs)} and returns {len(region.outputs)} "
+                f"values, expected {n_in} and {n_out}"
+            )
+    return None

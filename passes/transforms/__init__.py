@@ -1,0 +1,2 @@
+"""The passes, one file each, with the helpers that only passes use (block rewrites,
+gather prologues)."""

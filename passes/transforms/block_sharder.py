@@ -1,0 +1,342 @@
+"""Rewrites a graph to work on one replica's block of mirrored values, forward from the
+gradient reductions that can deliver blocks: the engine of weight-update sharding
+(`shard_weight_updates.py`) and of parameter sharding (`shard_parameters.py`).
+
+A logical (mirrored) value the rewrite has split is represented by its block in
+`BlockSharder.blocks`; the original `Value` object is defined again, by an `all_gather`,
+only if something reads it whole. Besides the gradient reductions, a block enters through
+a *deferred* `all_gather` (attribute `"deferred": true`): a pass that holds a value split
+(a parameter, a loop's stacked gradient blocks) defines the logical value by one, and the
+sharder gathers it only where it is read whole, after any elementwise ops it can run on the
+block first (a cast to bf16 is run on the block, so the gather moves half the bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from xla_strategies.passes.base import PassContext
+from xla_strategies.passes.cost.model import fast_first, split_levels
+from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
+from xla_strategies.passes.ir.text import format_type
+from xla_strategies.passes.ir.traits import Trait, dimension_reduction
+from xla_strategies.passes.transforms.blocks import (
+    block_value,
+    shard_dimension,
+    sinks_to_blocks,
+    unit_reshape_dim,
+)
+
+DEFERRED = "deferred"
+
+
+def block_order(ctx: PassContext) -> list[str]:
+    """The replica axes in the order blocks are numbered over: fast levels first on a
+    topology, so that decompose-all-reduces' reduce-scatter crosses a slow level (DCN)
+    last, with 1/(fast replicas) of the data; the mesh's order otherwise."""
+    if ctx.topology is None:
+        return list(ctx.mesh_axes)
+    return [a.name for a in fast_first(ctx.topology.axis_links(tuple(ctx.mesh_axes)))]
+
+
+def within_slice(ctx: PassContext) -> list[str]:
+    """The axes parameter sharding splits over: the fast levels (a slice's ICI), fast
+    first. Across a slow level (DCN) the blocks are replicated: a layer's gathers then
+    never cross it, and only the gradient blocks' sums do (HSDP)."""
+    if ctx.topology is None:
+        return list(ctx.mesh_axes)
+    fast, _ = split_levels(ctx.topology.axis_links(tuple(ctx.mesh_axes)))
+    order = [a.name for a in fast_first(fast)]
+    return order or block_order(ctx)
+
+
+class BlockSharder:
+    """One walk over a graph (not its regions) in schedule order."""
+
+    def __init__(self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str) -> None:
+        """`axes`: the replica axes blocks are numbered over; a value is replicated across
+        the other axes of `mesh_axes`, whose gradient sums run on the blocks."""
+        self.axes, self.created_by = axes, created_by
+        self.replicas = math.prod(mesh_axes[a] for a in axes)
+        self.all_axes = list(mesh_axes)
+        self.across = [a for a in mesh_axes if a not in axes and mesh_axes[a] > 1]
+        self.varying = frozenset(axes)
+        self.blocks: dict[Value, tuple[Value, int]] = {}
+        self.gathered: set[Value] = set()
+        self.deferred: set[Value] = set()  # held split by a pass: gathered where read whole
+        self.slices: dict[tuple[Value, int], Value] = {}
+        self.nodes: list[Node] = []
+        self.producers: dict[Value, Node] = {}
+        self.sunk: set[Node] = set()  # whole nodes redone on blocks; dropped if unread
+        self.remarks: list[str] = []
+        self.stats: dict[str, int] = {
+            "sharded_gradients": 0,
+            "replicated_gradients": 0,
+            "gathered_for_ops": 0,
+            "sharded_state": 0,
+            "sharded_state_bytes": 0,
+        }
+
+    def rewrite(self, graph: Graph) -> None:
+        """The program: its state outputs come back as blocks where the next step can take
+        them so (`hold_sharded`); every other output that is still a block is gathered."""
+        self.walk(graph)
+        self.drop_unread(graph)
+        self.finish_outputs(graph)
+
+    def rewrite_region(self, graph: Graph, returnable: range) -> dict[int, int]:
+        """A region (loop body, checkpoint): its outputs at positions in `returnable` that
+        are blocks are returned as blocks; returns their positions and split dimensions.
+        The rest are gathered."""
+        self.walk(graph)
+        returned: dict[int, int] = {}
+        for index, value in enumerate(graph.outputs):
+            if value not in self.blocks:
+                continue
+            if index in returnable and graph.outputs.count(value) == 1:
+                block, returned[index] = self.blocks[value]
+                graph.outputs[index] = block
+            elif value not in self.gathered:
+                self.gather(value)
+        self.drop_unread(graph)
+        return returned
+
+    def walk(self, graph: Graph) -> None:
+        for node in graph.nodes:
+            if is_gradient_reduction(node, self.all_axes):
+                self.scatter(node)
+            elif node.op == "all_gather" and node.attrs.get(DEFERRED):
+                self.blocks[node.outputs[0]] = (node.inputs[0], node.attrs["dimension"])
+                self.deferred.add(node.outputs[0])
+            elif not any(v in self.blocks for v in node.inputs) or not self.shard(node):
+                self.read_whole(node)
+                self.producers.update((out, node) for out in node.outputs)
+        graph.nodes = self.nodes  # the same list: finishing the outputs edits it
+
+    # the reductions
+
+    def scatter(self, node: Node) -> None:
+        full = node.outputs[0]
+        dim = shard_dimension(full.shape, self.replicas)
+        if dim is None:
+            self.stats["replicated_gradients"] += 1
+            self.remarks.append(
+                f"kept the all-reduce of {node.label or 'a gradient'} {_type(full)}: no "
+                f"dimension divides by {self.replicas} replicas, and a jax.Array cannot be "
+                "split unevenly, so its update stays replicated"
+            )
+            self.nodes.append(node)
+            return
+        block = self.block_of(full, dim)
+        # the block order of every collective and slice of the update, whatever the
+        # reduction's own axis order was
+        attrs = {**node.attrs, "axes": self.axes, "dimension": dim}
+        attrs.pop("reduce_op")
+        if self.across:  # the sum over the other axes (slices), on the blocks
+            partial = block.like(varying_axes=block.varying_axes | frozenset(self.across))
+            self.emit("reduce_scatter", node.inputs, partial, attrs)
+            across = {**node.attrs, "axes": self.across, "reduce_op": "sum"}
+            self.emit("all_reduce", [partial], block, across)
+        else:
+            self.emit("reduce_scatter", node.inputs, block, attrs)
+        self.blocks[full] = (block, dim)
+        self.stats["sharded_gradients"] += 1
+
+    # the update on blocks
+
+    def shard(self, node: Node) -> bool:
+        """Rewrite `node` to work on blocks; False if no rule proves that right."""
+        if node.has(Trait.ELEMENTWISE):
+            return self.elementwise(node)
+        if len(node.inputs) != 1 or len(node.outputs) != 1:
+            return False
+        block, dim = self.blocks[node.inputs[0]]
+        out = node.outputs[0]
+        if node.has(Trait.DIMENSION_REDUCTION):
+            return self.reduction(node, block, dim)
+        if node.has(Trait.BROADCAST_IN_DIM):
+            new_dim = node.attrs["broadcast_dimensions"][dim]
+            if out.shape[new_dim] != node.inputs[0].shape[dim]:
+                return False
+            return self.follow(node, [block], new_dim)
+        if node.has(Trait.RESHAPE):
+            new_dim = unit_reshape_dim(node.inputs[0].shape, out.shape, dim)
+            return new_dim is not None and self.follow(node, [block], new_dim)
+        return False
+
+    def elementwise(self, node: Node) -> bool:
+        dims = {self.blocks[v][1] for v in node.inputs if v in self.blocks}
+        logical = next(v.shape for v in node.inputs if v in self.blocks)
+        if len(dims) != 1 or any(o.shape != logical for o in node.outputs):
+            return False
+        dim = dims.pop()
+        operands = []
+        for value in node.inputs:
+            if value in self.blocks:
+                operands.append(self.blocks[value][0])
+            elif value.shape == ():  # a scalar broadcasts to any block
+                operands.append(value)
+            elif value.shape == logical and not value.varying_axes:
+                operands.append(self.slice(value, dim))
+            else:
+                return False
+        return self.follow(node, operands, dim)
+
+    def reduction(self, node: Node, block: Value, dim: int) -> bool:
+        reduced = node.attrs["axes"]
+        out = node.outputs[0]
+        if dim not in reduced:
+            return self.follow(node, [block], dim - sum(1 for a in reduced if a < dim))
+        # each replica reduces its block; one small all-reduce combines the partial results
+        partial = out.like(varying_axes=out.varying_axes | self.varying)
+        self.nodes.append(self.copy(node, [block], [partial]))
+        attrs = {"axes": self.axes, "reduce_op": dimension_reduction(node.op)}
+        self.emit("all_reduce", [partial], out, {**attrs, "origin": Origin.WEIGHT_UPDATE})
+        return True
+
+    def follow(self, node: Node, operands: list[Value], dim: int) -> bool:
+        """Emit `node` on blocks; its results are blocks split on `dim`."""
+        blocks = [self.block_of(out, dim) for out in node.outputs]
+        self.nodes.append(self.copy(node, operands, blocks))
+        for out, block in zip(node.outputs, blocks, strict=True):
+            self.blocks[out] = (block, dim)
+        if all(v in self.deferred for v in node.inputs if v in self.blocks):
+            self.deferred.update(node.outputs)  # a held-split value's cast, still deferred
+        return True
+
+    def read_whole(self, node: Node) -> None:
+        """`node` as it was, reading every sharded operand whole (gathered once)."""
+        sharded = [v for v in node.inputs if v in self.blocks and v not in self.gathered]
+        unplanned = [v for v in sharded if v not in self.deferred]
+        if unplanned:
+            self.stats["gathered_for_ops"] += 1
+            self.remarks.append(
+                f"gathered {', '.join(_type(v) for v in unplanned)} for {node.op}: no rule "
+                "proves it elementwise along the sharded dimension, so it runs replicated"
+            )
+        for value in sharded:
+            self.gather(value)
+        self.nodes.append(node)
+
+    # the program's outputs
+
+    def finish_outputs(self, graph: Graph) -> None:
+        """State read only by the update comes back sharded, as it is taken next step;
+        every other output that is still a block is gathered."""
+        users = graph.users()
+        for index, value in enumerate(graph.outputs):
+            arg = graph.state_outputs.get(index)
+            if value not in self.blocks and arg in graph.sharded_inputs and not value.varying_axes:
+                # state taken split whose next value is computed whole (running statistics):
+                # returned as its block (a local slice), so the next step takes it as is
+                split = graph.sharded_inputs[arg]
+                graph.outputs[index] = self.slice(value, split.dim)
+                graph.sharded_outputs[index] = split
+                continue
+            if value not in self.blocks:
+                continue
+            block, dim = self.blocks[value]
+            if arg is not None and self.hold_sharded(graph, arg, dim, users):
+                graph.outputs[index] = block
+                graph.sharded_outputs[index] = Split(dim, tuple(self.axes))
+                self.stats["sharded_state"] += 1
+                self.stats["sharded_state_bytes"] += value.nbytes
+            elif value not in self.gathered:
+                self.gather(value, graph.output_name(index))
+
+    def hold_sharded(self, graph: Graph, arg: int, dim: int, users: dict) -> bool:
+        """Take input `arg` as this replica's block if all that reads it is its slice on
+        `dim`; that slice's result becomes the input."""
+        value, split = graph.inputs[arg], Split(dim, tuple(self.axes))
+        if arg in graph.sharded_inputs:
+            return graph.sharded_inputs[arg] == split
+        readers = users.get(value, [])
+        block = self.slices.get((value, dim))
+        if (
+            block is None
+            or len(readers) != 1
+            or value in graph.outputs
+            or value.varying_axes
+            or arg in graph.stacked_inputs
+        ):
+            return False
+        self.nodes.remove(readers[0])
+        block.name = value.name
+        graph.inputs[arg] = block
+        graph.sharded_inputs[arg] = split
+        return True
+
+    # building blocks
+
+    def block_of(self, full: Value, dim: int) -> Value:
+        return block_value(full, dim, self.replicas, self.axes)
+
+    def slice(self, value: Value, dim: int) -> Value:
+        """This replica's block of a whole mirrored value. An elementwise producer (Adam's
+        `b1 * mu` before it meets the gradient) is redone on blocks of its operands, so
+        state is read only through its block and can be held sharded."""
+        key = (value, dim)
+        if key in self.slices:
+            return self.slices[key]
+        producer = self.producers.get(value)
+        block = self.block_of(value, dim)
+        if producer is not None and sinks_to_blocks(producer, value):
+            # scalars broadcast to any block; the rest have the value's shape
+            operands = [
+                self.slice(x, dim) if x.shape == value.shape else x for x in producer.inputs
+            ]
+            self.nodes.append(self.copy(producer, operands, [block]))
+            self.sunk.add(producer)
+        else:
+            self.emit("replica_slice", [value], block, {"axes": self.axes, "dimension": dim})
+        self.slices[key] = block
+        return block
+
+    def drop_unread(self, graph: Graph) -> None:
+        """Drop the whole nodes that were redone on blocks and that nothing reads now."""
+        while True:
+            read = {v for n in self.nodes for v in n.inputs} | set(graph.outputs)
+            dead = [n for n in self.sunk if n in self.nodes and not read & set(n.outputs)]
+            if not dead:
+                return
+            for node in dead:
+                self.nodes.remove(node)
+
+    def gather(self, value: Value, output: str | None = None) -> None:
+        """Define `value` again, whole, from its block (`output`: the step output it is)."""
+        block, dim = self.blocks[value]
+        attrs = {"axes": self.axes, "dimension": dim} | ({"output": output} if output else {})
+        self.emit("all_gather", [block], value, attrs)
+        self.gathered.add(value)
+
+    def emit(self, op: str, inputs: list[Value], out: Value, attrs: dict) -> None:
+        self.nodes.append(Node(op, list(inputs), [out], attrs, created_by=self.created_by))
+
+    def copy(self, node: Node, inputs: list[Value], outputs: list[Value]) -> Node:
+        return Node(
+            node.op,
+            inputs,
+            outputs,
+            dict(node.attrs),
+            payload=node.payload,
+            created_by=self.created_by,
+        )
+
+
+def is_gradient_reduction(node: Node, axes: list[str]) -> bool:
+    """A complete gradient: autodiff's sum of one tensor over every replica axis."""
+    a = node.attrs
+    return (
+        node.op == "all_reduce"
+        and a.get("origin") == Origin.AUTODIFF
+        and a.get("reduce_op") == "sum"
+        and sorted(a.get("axes", ())) == sorted(axes)
+        and len(node.inputs) == 1
+        and not node.outputs[0].varying_axes
+        and "bucket" not in a
+    )
+
+
+def _type(value: Value) -> str:
+    return (f"{value.name} " if value.name else "") + format_type(value)

@@ -1,0 +1,51 @@
+"""Arithmetic of a mirrored value split into one block per replica along a dimension, as
+weight-update sharding holds it: which dimension, the block's shape, and which ops give a
+block when run on blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from xla_strategies.passes.ir.graph import Node, Value
+from xla_strategies.passes.ir.traits import Trait
+
+
+def shard_dimension(shape: tuple[int, ...], replicas: int) -> int | None:
+    """The dimension a tensor's update is split on: the first that divides by `replicas`
+    (a block is contiguous when every dimension before it is 1; combine-all-reduces
+    transposes the others); None if none does."""
+    candidates = [d for d, size in enumerate(shape) if size >= replicas and size % replicas == 0]
+    return candidates[0] if candidates else None
+
+
+def block_shape(shape: tuple[int, ...], dim: int, replicas: int) -> tuple[int, ...]:
+    return (*shape[:dim], shape[dim] // replicas, *shape[dim + 1 :])
+
+
+def block_value(full: Value, dim: int, replicas: int, axes: Iterable[str]) -> Value:
+    """The value of one replica's block of `full`, split on `dim` over `axes`."""
+    shape = block_shape(full.shape, dim, replicas)
+    return full.like(shape=shape, varying_axes=full.varying_axes | frozenset(axes))
+
+
+def sinks_to_blocks(node: Node, value: Value) -> bool:
+    """Whether `node`, which computes the whole mirrored `value`, gives its block when run
+    on blocks: elementwise over operands of `value`'s shape and scalars, or a scalar
+    broadcast."""
+    if len(node.outputs) != 1 or value.varying_axes or node.regions:
+        return False
+    if node.has(Trait.BROADCAST_IN_DIM):
+        return node.inputs[0].shape == ()
+    return node.has(Trait.ELEMENTWISE) and all(
+        not x.varying_axes and x.shape in ((), value.shape) for x in node.inputs
+    )
+
+
+def unit_reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
+    """Where dimension `dim` of `src` lands in `dst`, for a reshape that only adds or drops
+    unit dimensions; None for any other reshape."""
+    kept_src = [d for d, n in enumerate(src) if n != 1]
+    kept_dst = [d for d, n in enumerate(dst) if n != 1]
+    if [src[d] for d in kept_src] != [dst[d] for d in kept_dst] or dim not in kept_src:
+        return None
+    return kept_dst[kept_src.index(dim)]

@@ -1,0 +1,254 @@
+"""shard-parameters: hold the step's state split across the replicas and gather each
+parameter where it is used (ZeRO-3 / FSDP without user changes).
+
+Weight-update sharding (`shard-weight-updates`) keeps every parameter and every full
+gradient on every replica. This pass holds all of the step's state (parameters and
+optimizer state, as declared by the step's interface) as one block per replica between
+steps, and places the gathers where the values are read:
+
+- a state input becomes its block (`sharded=D{axes}`), and its logical value is defined by
+  a *deferred* `all_gather`: the block rewrite (`block_sharder.py`) gathers it just before
+  the first op that reads it whole, after running elementwise ops (a cast to bf16) on the
+  block, so the gather moves the cast's bytes;
+- a scan over a stack of layers (`nn.scan`) takes the stack's blocks as its `xs`: its body
+  gathers one layer's slice, in the loop, where that layer reads it. The backward scan
+  does the same, so the backward pass gathers again instead of keeping the forward's
+  gathers alive; checkpoint (`remat2`) regions take blocks as well and gather inside;
+- inside those loop bodies and checkpoints, autodiff's per-layer gradient all-reduce becomes
+  a reduce-scatter straight into the split layout; the loop returns the stacked blocks,
+  and the update (`shard-weight-updates`, which this pass implies) runs on them.
+
+The split dimension is the first that divides by the replica count (skipping a stack's
+layer dimension), the rule the block rewrite uses for gradients, so parameter and gradient
+blocks line up. A value with no such dimension stays replicated, with a remark. On a
+multislice topology the blocks are numbered over a slice's fast axes only and replicated
+across slices (HSDP): the gathers stay on ICI, and each gradient block is summed across
+DCN after its reduce-scatter.
+
+    Before (8 replicas; %0 a stack of 3 layers' weights, read by the scan as xs):
+      func @step(%0: f32[3,16,4] loc("w"), %1: f32[2,4]{replica})
+      %2: f32[2,4]{replica} = jax.scan(%1, %0) {"num_carry": 1, "num_consts": 0, ...}
+        region (%3: f32[2,4]{replica}, %4: f32[16,4]) {
+          %5: f32[16,4]{replica} = pvary(%4) {"axes": ["replica"]}
+          ...
+    After:
+      func @step(%0: f32[3,2,4]{replica} sharded=1{replica} loc("w"), %1: f32[2,4]{replica})
+      %2: f32[2,4]{replica} = jax.scan(%1, %0) {"num_carry": 1, "num_consts": 0, ...}
+        region (%3: f32[2,4]{replica}, %6: f32[2,4]{replica}) {
+          %4: f32[16,4] = all_gather(%6) {"axes": ["replica"], "dimension": 0}
+          %5: f32[16,4]{replica} = pvary(%4) {"axes": ["replica"]}
+          ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
+from xla_strategies.passes.ir.text import format_type
+from xla_strategies.passes.ir.traits import Trait
+from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder, within_slice
+from xla_strategies.passes.transforms.blocks import block_value, shard_dimension
+from xla_strategies.passes.transforms.regather_residuals import regather_residuals
+
+MODES = ("on", "auto")
+# In auto mode, shard when the replicated state and its gradients take more than this
+# share of a chip's memory: the rest is for activations and XLA's temporaries.
+STATE_SHARE_OF_HBM = 0.5
+
+
+@dataclass(frozen=True)
+class ShardParameters(Pass):
+    """Options:
+    mode: ``on`` holds the state split whenever the replicas are more than one; ``auto``
+        lets the topology decide: on where the replicated state and its gradients take
+        more than half a chip's memory (off without a topology or a chip memory size).
+    """
+
+    name = "shard-parameters"
+    mode: str = "on"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"shard-parameters: mode must be one of {MODES}, got {self.mode!r}")
+
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
+        decision = _memory_decision(graph, ctx) if self.mode == "auto" else None
+        if ctx.num_replicas == 1 or (decision is not None and not decision["on"]):
+            ctx.stats[self.name] = {"split_state": 0, "decision": decision}
+            return False
+        splitter = _Splitter(within_slice(ctx), ctx.mesh_axes, self.name)
+        splitter.split_state(graph)
+        splitter.stats["regathered_residuals"] = regather_residuals(graph, self.name)
+        splitter.shard_regions(graph)
+        ctx.stats[self.name] = {**splitter.stats, "decision": decision, "axes": splitter.axes}
+        across = [a for a in ctx.mesh_axes if a not in splitter.axes and ctx.mesh_axes[a] > 1]
+        if across:
+            ctx.remarks.append(
+                f"{self.name}: split within a slice over {', '.join(splitter.axes)} and "
+                f"replicated across {', '.join(across)}: a layer's gathers stay on the "
+                "slice's links; the gradient blocks are summed across"
+            )
+        ctx.remarks.extend(f"{self.name}: {r}" for r in splitter.remarks)
+        return splitter.stats["split_state"] > 0 or splitter.stats["loop_reduce_scatters"] > 0
+
+
+def _memory_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
+    """On when the replicated state and its gradients would take more than
+    `STATE_SHARE_OF_HBM` of a chip's memory; the figures go in the stats and a remark."""
+    where = f"{ShardParameters.name}{{mode=auto}}"
+    hbm = getattr(ctx.topology, "hbm_bytes", None)
+    if hbm is None:
+        ctx.remarks.append(
+            f"{where}: off: no chip memory size (no topology, or one without hbm_bytes); "
+            "compile(shard_parameters=True) turns it on"
+        )
+        return {"on": False, "reason": "no chip memory size"}
+    state = sum(graph.inputs[k].nbytes for k in set(graph.state_outputs.values()))
+    gradients = _gradient_bytes(graph)
+    on = state + gradients > STATE_SHARE_OF_HBM * hbm
+    ctx.remarks.append(
+        f"{where}: {'on' if on else 'off'}: replicated state {state / 2**30:.2f} GiB and "
+        f"gradients {gradients / 2**30:.2f} GiB per chip, against {STATE_SHARE_OF_HBM:.0%} "
+        f"of {hbm / 2**30:.1f} GiB"
+    )
+    return {"on": on, "reason": "memory", "state_bytes": state, "gradient_bytes": gradients}
+
+
+def _gradient_bytes(graph: Graph, iterations: int = 1) -> int:
+    """Bytes of the gradients autodiff completes in `graph`: a loop's per-iteration
+    reductions count once per iteration."""
+    total = 0
+    for node in graph.nodes:
+        if node.op == "all_reduce" and node.attrs.get("origin") == Origin.AUTODIFF:
+            total += node.outputs[0].nbytes * iterations
+        trips = node.attrs.get("length", 1) if node.has(Trait.COUNTED_LOOP) else 1
+        total += sum(_gradient_bytes(r, iterations * trips) for r in node.regions)
+    return total
+
+
+class _Splitter:
+    def __init__(self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str) -> None:
+        self.axes, self.mesh_axes, self.created_by = axes, mesh_axes, created_by
+        self.replicas = math.prod(mesh_axes[a] for a in axes)
+        self.remarks: list[str] = []
+        self.stats: dict[str, int] = {
+            "split_state": 0,
+            "split_state_bytes": 0,
+            "replicated_state": 0,
+            "loop_gathers": 0,
+            "loop_reduce_scatters": 0,
+        }
+
+    # the state
+
+    def split_state(self, graph: Graph) -> None:
+        scanned = {v for n in graph.nodes if n.has(Trait.COUNTED_LOOP) for v in _xs(n)}
+        for arg in sorted(set(graph.state_outputs.values())):
+            value = graph.inputs[arg]
+            if value.varying_axes or arg in graph.stacked_inputs or arg in graph.sharded_inputs:
+                continue
+            skip = 1 if value in scanned else 0  # a stack's layer dimension stays whole
+            dim = shard_dimension(value.shape[skip:], self.replicas)
+            if dim is None:
+                self.stats["replicated_state"] += 1
+                if value.shape:  # a scalar (a step count) needs no word
+                    self.remarks.append(
+                        f"kept {_type(value)} replicated: no dimension"
+                        f"{' after the layer dimension' if skip else ''} divides by "
+                        f"{self.replicas} replicas"
+                    )
+                continue
+            block = self.block_of(value, dim + skip)
+            block.name = value.name
+            graph.inputs[arg] = block
+            graph.sharded_inputs[arg] = Split(dim + skip, tuple(self.axes))
+            self.stats["split_state"] += 1
+            self.stats["split_state_bytes"] += value.nbytes
+            self.hold_split(graph, value, block, dim + skip)
+
+    def hold_split(self, graph: Graph, value: Value, block: Value, dim: int) -> None:
+        """`graph` read `value`, which it now has as `block`: a loop over its layers or a
+        checkpoint region takes the block (and gathers inside); a deferred `all_gather`
+        defines `value` for every other reader."""
+        whole_readers = value in graph.outputs
+        for node in graph.nodes:
+            positions = [i for i, v in enumerate(node.inputs) if v is value]
+            if not positions:
+                continue
+            inner_dim = _region_dim(node, positions, dim)
+            if inner_dim is None:
+                whole_readers = True
+                continue
+            region = node.regions[0]
+            for i in positions:
+                node.inputs[i] = block
+                inner = region.inputs[i]
+                region.inputs[i] = inner_block = self.block_of(inner, inner_dim)
+                self.hold_split(region, inner, inner_block, inner_dim)
+        if whole_readers:
+            attrs = {"axes": self.axes, "dimension": dim, DEFERRED: True}
+            graph.nodes.insert(0, self.node("all_gather", [block], [value], attrs))
+
+    # the loops
+
+    def shard_regions(self, graph: Graph) -> None:
+        """Innermost first, rewrite each scan body and checkpoint region on blocks: its
+        gradient all-reduces become reduce-scatters, its parameters are gathered where
+        read, and the blocks it returns come out of the loop stacked, defined for the
+        enclosing graph by deferred all-gathers."""
+        for node in list(graph.nodes):
+            scan = node.has(Trait.COUNTED_LOOP)
+            if not (scan or node.has(Trait.CALL_ONCE)):
+                continue
+            region = node.regions[0]
+            self.shard_regions(region)
+            if not any(n.attrs.get(DEFERRED) for n in region.nodes):
+                continue  # holds nothing split: its reductions stay for hoist-all-reduces
+            sharder = BlockSharder(self.axes, self.mesh_axes, self.created_by)
+            first = node.attrs["num_carry"] if scan else 0
+            returned = sharder.rewrite_region(region, range(first, len(region.outputs)))
+            self.stats["loop_gathers"] += sum(1 for n in region.nodes if n.op == "all_gather")
+            self.stats["loop_reduce_scatters"] += sharder.stats["sharded_gradients"]
+            self.remarks.extend(sharder.remarks)
+            at = graph.nodes.index(node) + 1
+            for index, dim in sorted(returned.items()):
+                outer_dim = dim + 1 if scan else dim
+                whole = node.outputs[index]
+                node.outputs[index] = block = self.block_of(whole, outer_dim)
+                attrs = {"axes": self.axes, "dimension": outer_dim, DEFERRED: True}
+                graph.nodes.insert(at, self.node("all_gather", [block], [whole], attrs))
+
+    # building blocks
+
+    def block_of(self, full: Value, dim: int) -> Value:
+        return block_value(full, dim, self.replicas, self.axes)
+
+    def node(self, op: str, inputs: list[Value], outputs: list[Value], attrs: dict) -> Node:
+        return Node(op, inputs, outputs, attrs, created_by=self.created_by)
+
+
+def _xs(scan: Node) -> list[Value]:
+    """The values a scan slices per iteration (after its consts and carry)."""
+    return scan.inputs[scan.attrs["num_consts"] + scan.attrs["num_carry"] :]
+
+
+def _region_dim(node: Node, positions: list[int], dim: int) -> int | None:
+    """The dimension a split value has inside `node`'s region, if the region can take its
+    block at `positions`: a scan's xs drop the layer dimension (which is never split),
+    a checkpoint's operands keep theirs. None where the region needs it whole."""
+    if node.has(Trait.CALL_ONCE):
+        return dim
+    if node.has(Trait.COUNTED_LOOP) and dim > 0:
+        first_xs = node.attrs["num_consts"] + node.attrs["num_carry"]
+        if all(i >= first_xs for i in positions):
+            return dim - 1
+    return None
+
+
+def _type(value: Value) -> str:
+    return (f"{value.name} " if value.name else "") + format_type(value)
