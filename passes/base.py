@@ -34,39 +34,45 @@ class PassContext:
         return total
 
 
+@dataclass(frozen=True)
 class Pass:
     """Base of all passes. Subclasses are `@dataclass(frozen=True)`; fields are options.
 
     `run(graph, ctx)` rewrites `graph` in place and returns whether it changed anything.
+    `written_options` names the options a spec string wrote (even at their default): a
+    field, so copies (`dataclasses.replace`) keep it; it is not an option itself.
     """
 
     name: ClassVar[str] = ""
+    written_options: frozenset[str] | None = field(
+        default=None, kw_only=True, compare=False, repr=False
+    )
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         raise NotImplementedError
 
     @classmethod
+    def option_fields(cls) -> list[dataclasses.Field]:
+        """The dataclass fields that are options."""
+        return [f for f in dataclasses.fields(cls) if f.name != "written_options"]
+
+    @classmethod
     def option_names(cls) -> dict[str, str]:
         """Spec-string option name (kebab-case) -> dataclass field name."""
-        return {f.name.replace("_", "-"): f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return {f.name.replace("_", "-"): f.name for f in cls.option_fields()}
 
     def set_options(self) -> frozenset[str]:
         """The options this pass was given, as field names: those a spec string wrote
         (even at their default), else those that differ from their defaults."""
-        written = getattr(self, "_written_options", None)
-        if written is not None:
-            return written
-        return frozenset(
-            f.name
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
-            if getattr(self, f.name) != f.default
-        )
+        if self.written_options is not None:
+            return self.written_options
+        return frozenset(f.name for f in self.option_fields() if getattr(self, f.name) != f.default)
 
     def spec(self) -> str:
         """This pass as it is written in a pipeline spec, options included."""
         options = [
             f"{f.name.replace('_', '-')}={_format_option(getattr(self, f.name))}"
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            for f in self.option_fields()
             if getattr(self, f.name) != f.default
         ]
         return f"{self.name}{{{' '.join(options)}}}" if options else self.name

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.verifier import VerificationError, verify
-from xla_strategies.passes.registry import PASS_REGISTRY
+from xla_strategies.passes.registry import PASS_ORDER, PASS_REGISTRY
 
 
 class PipelineSpecError(ValueError):
@@ -61,13 +61,10 @@ class PassPipeline(Pass):
         return dataclasses.replace(self, instruments=self.instruments + instruments)
 
     def run(self, graph: Graph, ctx: PassContext, stop_after: str | None = None) -> bool:
-        """Run the passes; with `stop_after`, stop where the pass of that name runs (or,
-        disabled, would run)."""
-        known = [p.name for p in self.passes]
-        if stop_after is not None and stop_after not in known:
-            raise PipelineSpecError(
-                f"no pass named {stop_after!r} in this pipeline ({', '.join(known)})"
-            )
+        """Run the passes; with `stop_after`, stop after the pass of that name (an error
+        when it is not in the pipeline or is disabled: there is no graph after it)."""
+        if stop_after is not None:
+            self._check_stop_after(stop_after)
         try:  # a broken capture is reported as such, not blamed on the first pass
             _verify(graph, ctx)
         except VerificationError as exc:
@@ -78,9 +75,7 @@ class PassPipeline(Pass):
         history = ["capture"]
         changed_any = False
         for pass_ in self.passes:
-            if pass_.name in self.disabled:  # the graph "after" it is the graph before it
-                if pass_.name == stop_after:
-                    break
+            if pass_.name in self.disabled:
                 continue
             start = time.perf_counter()
             try:
@@ -99,6 +94,17 @@ class PassPipeline(Pass):
             if pass_.name == stop_after:
                 break
         return changed_any
+
+    def _check_stop_after(self, name: str) -> None:
+        enabled = self.enabled_names()
+        if name in enabled:
+            return
+        if name in self.disabled and any(p.name == name for p in self.passes):
+            raise PipelineSpecError(
+                f"pass {name!r} is disabled in this pipeline, so no graph comes after it; "
+                f"the passes that run: {', '.join(enabled)}"
+            )
+        raise PipelineSpecError(f"no pass named {name!r} in this pipeline ({', '.join(enabled)})")
 
 
 def _verify(graph: Graph, ctx: PassContext) -> None:
@@ -151,7 +157,7 @@ def parse_spec(spec: str) -> list[Pass]:
 
 
 def _instantiate(cls: type[Pass], options: str) -> Pass:
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {f.name: f for f in cls.option_fields()}
     kwargs: dict[str, Any] = {}
     for item in options.replace(",", " ").split():
         key, sep, raw = item.partition("=")
@@ -160,9 +166,7 @@ def _instantiate(cls: type[Pass], options: str) -> Pass:
             known = ", ".join(cls.option_names()) or "none"
             raise PipelineSpecError(f"pass {cls.name!r} has no option {key!r} (options: {known})")
         kwargs[attr] = _convert(raw, fields[attr].type, f"{cls.name}{{{key}}}")
-    instance = cls(**kwargs)
-    object.__setattr__(instance, "_written_options", frozenset(kwargs))
-    return instance
+    return cls(**kwargs, written_options=frozenset(kwargs))
 
 
 def fill_options(
@@ -188,15 +192,18 @@ def fill_options(
     return dataclasses.replace(pipeline, passes=tuple(passes))
 
 
-def with_pass(pipeline: PassPipeline, pass_: Pass, before: tuple[str, ...] = ()) -> PassPipeline:
-    """`pipeline` running `pass_`: in place of each pass of its name, else inserted before
-    the first pass named in `before` (at the end when none is); enabled either way."""
+def with_pass(pipeline: PassPipeline, pass_: Pass) -> PassPipeline:
+    """`pipeline` running `pass_`: in place of each pass of its name, else inserted where
+    `PASS_ORDER` puts it (before the first pass that runs after it there, or at the end);
+    enabled either way."""
     passes = list(pipeline.passes)
     found = [i for i, p in enumerate(passes) if p.name == pass_.name]
     for i in found:
         passes[i] = pass_
     if not found:
-        at = next((i for i, p in enumerate(passes) if p.name in before), len(passes))
+        order = PASS_ORDER if pass_.name in PASS_ORDER else (pass_.name,)
+        later = order[order.index(pass_.name) + 1 :]
+        at = next((i for i, p in enumerate(passes) if p.name in later), len(passes))
         passes.insert(at, pass_)
     return dataclasses.replace(
         pipeline, passes=tuple(passes), disabled=pipeline.disabled - {pass_.name}
@@ -204,8 +211,18 @@ def with_pass(pipeline: PassPipeline, pass_: Pass, before: tuple[str, ...] = ())
 
 
 def without_pass(pipeline: PassPipeline, name: str) -> PassPipeline:
-    """`pipeline` with the pass of that name disabled."""
+    """`pipeline` with the pass of that name disabled (it stays in the list, so the dump
+    and `stop_after` can name it)."""
     return dataclasses.replace(pipeline, disabled=pipeline.disabled | {name})
+
+
+def dropping_pass(pipeline: PassPipeline, name: str) -> PassPipeline:
+    """`pipeline` without the pass of that name: not part of it at all."""
+    return dataclasses.replace(
+        pipeline,
+        passes=tuple(p for p in pipeline.passes if p.name != name),
+        disabled=pipeline.disabled - {name},
+    )
 
 
 def _convert(raw: str, annotation: Any, where: str) -> Any:

@@ -31,3 +31,22 @@ PASS_REGISTRY: dict[str, type[Pass]] = {
         ReduceToOneDevice,
     )
 }
+
+# The order passes run in when present: a pass a strategy or a compile option adds goes
+# before the first pass that comes after it here. Autodiff's reductions get their meaning
+# first; the state is split before the loop passes move reductions, so each layer's
+# gradient is reduce-scattered inside the loop; weight-update sharding and the reduction to
+# one device go before bucketing, so their collectives are bucketed and decomposed too.
+PASS_ORDER: tuple[str, ...] = (
+    InsertReductions.name,
+    FoldInvariantReductions.name,
+    ShardParameters.name,
+    ScheduleAllReduces.name,
+    HoistAllReduces.name,
+    ReassociateAllReduces.name,
+    ShardWeightUpdates.name,
+    ReduceToOneDevice.name,
+    CombineAllReduces.name,
+    PrefetchAllGathers.name,
+    DecomposeAllReduces.name,
+)

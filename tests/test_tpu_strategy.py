@@ -25,7 +25,7 @@ def test_emulated_slice_has_the_topology_mesh_and_trains_like_one_device():
     tpu = helpers.train(strategy, step, params, tx, batches)[-1]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), tpu, one)
     assert helpers.max_relative_error(one, jax.tree.map(np.asarray, params)) > 1e-3  # it trained
-    assert "decompose-all-reduces" in strategy.default_pipeline
+    assert "decompose-all-reduces" in strategy.pipeline().enabled_names()
 
 
 def test_errors_say_what_to_do():

@@ -7,6 +7,7 @@ retraces.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections import Counter, OrderedDict
@@ -38,7 +39,11 @@ from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import DeclaredState, declared_outputs, donated_state, state_pairs
-from xla_strategies.step_pipeline import check_sharding_options, step_pipeline
+from xla_strategies.step_pipeline import (
+    PipelineOptions,
+    check_sharding_options,
+    step_pipeline,
+)
 from xla_strategies.trees import copy_to
 
 if TYPE_CHECKING:
@@ -120,9 +125,10 @@ class CompiledStep:
         if both:
             raise ValueError(f"arguments {sorted(map(str, both))} are both static and donated")
         self.axis_name = axis_name
-        self.shard_weight_updates = shard_weight_updates
-        self.shard_parameters = shard_parameters
-        self.pipeline = self._pipeline(pipeline)
+        self.pipeline_options = PipelineOptions(
+            pipeline, op, shard_weight_updates, shard_parameters
+        )
+        self.pipeline = step_pipeline(strategy, self.pipeline_options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
@@ -224,13 +230,6 @@ class CompiledStep:
         self._cache.move_to_end(signature)
         return cached
 
-    def _pipeline(self, spec: str | PassPipeline | None) -> PassPipeline:
-        return step_pipeline(
-            self.strategy.pipeline(self.gradient_reduction, spec),
-            self.shard_weight_updates,
-            self.shard_parameters,
-        )
-
     def _pass_context(self) -> PassContext:
         return PassContext(
             mesh_axes=dict(self.strategy.mesh.shape), topology=self.strategy.topology
@@ -307,8 +306,9 @@ class CompiledStep:
         seconds["capture"] = time.perf_counter() - start
         captured_stats = _reduction_stats(graph)
         pipeline = self.pipeline
-        if options.pipeline:
-            pipeline = self._pipeline(options.pipeline)
+        if options.pipeline:  # XLA_STRATEGIES_PIPELINE: the user's spec, by the same rule
+            spec = dataclasses.replace(self.pipeline_options, spec=options.pipeline)
+            pipeline = step_pipeline(self.strategy, spec)
         dump = StepDump(options, self.name, self.strategy)
         start = time.perf_counter()
         ctx = self._pass_context()

@@ -16,10 +16,8 @@ import jax
 import numpy as np
 
 from xla_strategies.cluster import SimpleClusterResolver, TFConfigClusterResolver
-from xla_strategies.passes import DEFAULT_PIPELINE
-from xla_strategies.passes.pipeline import PassPipeline, fill_options
-from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduces
-from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.passes import CombineAllReduces, DecomposeAllReduces
+from xla_strategies.step_pipeline import PipelineChanges, Setting
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
 
@@ -46,7 +44,6 @@ class MultiWorkerMirroredStrategy(Strategy):
     """One replica per device of every worker; gradients reduced across all of them."""
 
     pipeline_label = "multi_worker"
-    default_pipeline = DEFAULT_PIPELINE + ",decompose-all-reduces"
 
     def __init__(
         self,
@@ -60,15 +57,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         grid = np.asarray(devices, dtype=object).reshape(jax.process_count(), -1)
         super().__init__(grid, ("host", "local"))
 
-    def pipeline(
-        self, gradient_reduction: ReduceOp | None, spec: str | PassPipeline | None = None
-    ) -> PassPipeline:
-        pipeline = super().pipeline(gradient_reduction, spec)
+    def pipeline_changes(self) -> PipelineChanges:
+        """Reductions are decomposed over the host and local axes."""
+        return PipelineChanges(add=(DecomposeAllReduces(),))
+
+    def pipeline_settings(self) -> tuple[Setting, ...]:
         pack = self.communication_options.bytes_per_pack
         if not pack:
-            return pipeline
-        setting = f"CommunicationOptions(bytes_per_pack={pack})"
-        return fill_options(pipeline, CombineAllReduces, setting, threshold_bytes=pack)
+            return ()
+        source = f"CommunicationOptions(bytes_per_pack={pack})"
+        return (Setting(CombineAllReduces, source, {"threshold_bytes": pack}),)
 
     @property
     def topology(self) -> Topology | None:

@@ -33,24 +33,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
-from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.bridge.lowering import replica_spec
-from xla_strategies.passes.pipeline import PassPipeline, fill_options
-from xla_strategies.passes.transforms.insert_reductions import InsertReductions
+from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.distributed_dataset import (
     DistributedDataset,
     DistributedDatasetFromFunction,
 )
 from xla_strategies.runtime.input_options import InputContext, InputOptions
+from xla_strategies.step_pipeline import PipelineChanges, PipelineOptions, Setting, step_pipeline
 from xla_strategies.trees import abstract_like, copy_to, map_arrays
 
 
 class Strategy:
     """Shared API of all strategies (`OneDeviceStrategy`, `MirroredStrategy`, ...)."""
 
-    #: The pass pipeline every compiled step runs unless `compile(pipeline=...)` says otherwise.
-    default_pipeline: ClassVar[str | PassPipeline] = DEFAULT_PIPELINE
     #: The label of this strategy's pipeline in dump file names.
     pipeline_label: ClassVar[str] = "strategy"
     #: Whether every replica updates the weights, so the update can be sharded.
@@ -154,22 +151,21 @@ class Strategy:
         """Whether replicas see different parts of `array` (a split batch or stacked values)."""
         return self.layout(array) is not Layout.MIRRORED
 
+    def pipeline_changes(self) -> PipelineChanges:
+        """What this strategy changes in the default pipeline (`step_pipeline`)."""
+        return PipelineChanges()
+
+    def pipeline_settings(self) -> tuple[Setting, ...]:
+        """Pass options this strategy's user-facing settings give any pipeline."""
+        return ()
+
     def pipeline(
-        self, gradient_reduction: ReduceOp | None, spec: str | PassPipeline | None = None
+        self, gradient_reduction: ReduceOp | None = None, spec: str | PassPipeline | None = None
     ) -> PassPipeline:
-        """The pass pipeline for a step: `spec` (default: the strategy's), with the step's
-        gradient reduction filled in where the spec did not set one. `None` means the step
-        did not choose either: the spec's, or MEAN."""
-        spec = self.default_pipeline if spec is None else spec
-        pipeline = spec if isinstance(spec, PassPipeline) else PassPipeline.from_spec(spec)
-        if gradient_reduction is None:
-            return pipeline
-        return fill_options(
-            pipeline,
-            InsertReductions,
-            f"compile(gradient_reduction={gradient_reduction.name})",
-            gradient_reduction=gradient_reduction.value,
-        )
+        """The pass pipeline a step compiled with these options runs (`step_pipeline`):
+        `spec` (default: the strategy's), with the gradient reduction filled in where the
+        spec did not set one."""
+        return step_pipeline(self, PipelineOptions(spec, gradient_reduction))
 
     # tf.distribute's API
 

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from xla_strategies.passes import DEFAULT_PIPELINE
+from xla_strategies.passes import DecomposeAllReduces
+from xla_strategies.step_pipeline import PipelineChanges
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
 
@@ -37,7 +38,6 @@ class TPUStrategy(Strategy):
             compile-only for NAME (the environment variable `AOT_TOPOLOGY`).
     """
 
-    default_pipeline = DEFAULT_PIPELINE + ",decompose-all-reduces"
     pipeline_label = "tpu"
 
     def __init__(
@@ -71,6 +71,10 @@ class TPUStrategy(Strategy):
     @property
     def topology(self) -> Topology:
         return self._topology
+
+    def pipeline_changes(self) -> PipelineChanges:
+        """Reductions are decomposed along the ICI and DCN axes."""
+        return PipelineChanges(add=(DecomposeAllReduces(),))
 
     def __repr__(self) -> str:
         only = ", compile_only=True" if self._compile_only else ""
