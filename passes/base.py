@@ -16,13 +16,17 @@ class PassContext:
 
     Attributes:
         mesh_axes: mesh axis name -> size, in mesh order.
-        topology: the strategy's topology, when it has one (used by the cost model).
+        topology: the strategy's topology, when it is known (used by the cost model).
+        synchronous_collectives: whether collectives run as synchronous copies that
+            nothing overlaps (emulated devices sharing one host's cores). Without a
+            topology and without this, the hardware is simply unknown.
         stats: counters and timings passes and instruments record, keyed by pass name.
         remarks: human-readable notes passes leave for the dump (why a rewrite did not fire).
     """
 
     mesh_axes: Mapping[str, int]
     topology: Any = None
+    synchronous_collectives: bool = False
     stats: dict[str, Any] = field(default_factory=dict)
     remarks: list[str] = field(default_factory=list)
 

@@ -9,7 +9,7 @@ import pytest
 
 import xla_strategies as xs
 from xla_strategies.passes.cost import model as cost_model
-from xla_strategies.topology import known_hardware
+from xla_strategies.topology import Topology, known_hardware
 
 BENCHMARKED = ["v4-1024", "v5e-256", "v5p-1024", "v6e-256", "2xv5p-512", "4xdgx-h100"]
 
@@ -110,3 +110,24 @@ def test_gloo_cpu_hosts_stay_flat_where_accelerators_decompose():
         for name in ("2xv5p-512", "4xdgx-h100"):
             links = xs.Topology.from_name(name).axis_links()
             assert cost_model.best_algorithm("all_reduce", nbytes, links)[0] != "flat"
+
+
+def test_a_gpu_mesh_gets_its_nodes_topology_from_the_device_kind():
+    one_node = Topology.for_gpu_mesh("NVIDIA H100 80GB HBM3", {"replica": 8})
+    assert one_node.mesh_axes == {"replica": 8}
+    assert one_node.axes[0].level == "nvlink" and one_node.hbm_bytes == 80 << 30
+    nodes = Topology.for_gpu_mesh("NVIDIA H200", {"host": 4, "local": 8})
+    assert nodes.mesh_axes == {"host": 4, "local": 8}
+    assert [a.level for a in nodes.axes] == ["infiniband", "nvlink"]
+    assert nodes.hardware == "dgx-h200" and nodes.slice_count == 4
+    # the links' numbers are the node file's, whatever the mesh calls its axes
+    named = Topology.from_name("4xdgx-h200")
+    assert nodes.collective_time("all_reduce", 1 << 20) == named.collective_time(
+        "all_reduce", 1 << 20
+    )
+
+
+def test_an_unknown_or_oversized_gpu_mesh_has_no_topology():
+    assert Topology.for_gpu_mesh("NVIDIA H100 PCIe", {"replica": 8}) is None  # other links
+    assert Topology.for_gpu_mesh("NVIDIA H100 80GB HBM3", {"replica": 16}) is None
+    assert xs.MirroredStrategy().topology is None  # emulated CPU devices: unknown

@@ -195,10 +195,16 @@ def test_the_default_pipeline_says_what_the_cost_model_decided(tmp_path, monkeyp
     graphdef, params = helpers.mlp()
     tx = optax.adam(1e-2)
     step_fn = models.mlp_train_step(graphdef, tx)
+    decisions = []
     for strategy in (xs.MirroredStrategy(), xs.TPUStrategy("v5e-8", emulate=True)):
-        _train(strategy, step_fn, params, tx, helpers.mlp_batches(1))
+        state = strategy.replicate(params), strategy.replicate(tx.init(params))
+        batch = next(iter(strategy.experimental_distribute_dataset(helpers.mlp_batches(1))))
+        step = strategy.compile(step_fn, donate_argnums=(0, 1))
+        decisions.append(step.executable(*state, batch).pass_stats["shard-weight-updates"])
+    assert decisions[0]["decision"] == {"on": False, "reason": "synchronous collectives"}
+    assert decisions[1]["decision"]["on"] and decisions[1]["decision"]["reason"] == "cost model"
     remarks = "\n".join(p.read_text() for p in tmp_path.rglob("*.txt"))
-    assert "shard-weight-updates{mode=auto}: off: no topology" in remarks
+    assert "shard-weight-updates{mode=auto}: off: emulated devices" in remarks  # and dumped
     assert "shard-weight-updates{mode=auto}: on:" in remarks
 
 

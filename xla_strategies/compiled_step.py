@@ -232,7 +232,9 @@ class CompiledStep:
 
     def _pass_context(self) -> PassContext:
         return PassContext(
-            mesh_axes=dict(self.strategy.mesh.shape), topology=self.strategy.topology
+            mesh_axes=dict(self.strategy.mesh.shape),
+            topology=self.strategy.topology,
+            synchronous_collectives=self.strategy.devices_share_host_cores,
         )
 
     def _capture_mesh(self) -> tuple[Mesh, dict[str, tuple[str, ...]]]:

@@ -70,8 +70,11 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def topology(self) -> Topology | None:
-        """On CPU hosts, the gloo profile fitted by benchmarks/multi_worker.py, when the
-        hosts have as many devices as it was fitted for; None elsewhere (no estimates)."""
+        """On GPUs, the nodes' (from the devices' kind); on CPU hosts, the gloo profile
+        fitted by benchmarks/multi_worker.py, when the hosts have as many devices as it was
+        fitted for; None elsewhere (no estimates)."""
+        if self.devices[0].platform == "gpu":
+            return super().topology
         if self.devices[0].platform != "cpu" or jax.process_count() == 1:
             return None  # one worker: no network level to model
         topology = Topology.from_name(f"{jax.process_count()}xcpu-gloo")

@@ -42,6 +42,7 @@ from xla_strategies.runtime.distributed_dataset import (
 )
 from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.step_pipeline import PipelineChanges, PipelineOptions, Setting, step_pipeline
+from xla_strategies.topology import Topology
 from xla_strategies.trees import abstract_like, copy_to, map_arrays
 
 
@@ -80,9 +81,14 @@ class Strategy:
         return self._mesh.devices.size
 
     @property
-    def topology(self) -> Any:
-        """The strategy's interconnect topology for the cost model; None when unknown."""
-        return None
+    def topology(self) -> Topology | None:
+        """The interconnect the cost model prices collectives on: on GPUs, the node's
+        (`Topology.for_gpu_mesh`, from the devices' kind); None where it is unknown
+        (emulated CPU devices, or hardware no `tpu_configs` file describes)."""
+        first = self._mesh.devices.flat[0]
+        if first.platform != "gpu":
+            return None
+        return Topology.for_gpu_mesh(first.device_kind, dict(self._mesh.shape))
 
     def compiler_options(self) -> dict[str, str]:
         """XLA options for this strategy's programs. When several CPU devices share a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -93,6 +93,34 @@ class Topology:
             tuple(tile) if tile else None,
             bool(config.get("reduce_scatter_over_axes_is_all_reduce", False)),
         )
+
+    @classmethod
+    def for_gpu_mesh(cls, device_kind: str, mesh_axes: dict[str, int]) -> Topology | None:
+        """The topology of a GPU mesh whose devices are `device_kind` (as JAX names it),
+        from the node file that lists that kind; None for a kind no file lists. One axis:
+        GPUs of one node (NVLink). Two axes: nodes (the network), then each node's GPUs."""
+        hardware = next(
+            (
+                name
+                for name in known_hardware()
+                if device_kind in hardware_config(name).get("device_kinds", ())
+            ),
+            None,
+        )
+        if hardware is None or len(mesh_axes) not in (1, 2):
+            return None
+        config = hardware_config(hardware)
+        sizes = list(mesh_axes.values())
+        if sizes[-1] > config["gpus_per_host"]:
+            return None  # more GPUs on one axis than a node has: not this node's links
+        links = _node_axes(config, 2)[-len(sizes) :]  # (network, NVLink) or (NVLink,)
+        axes = tuple(
+            replace(link, name=name, size=size)
+            for link, (name, size) in zip(links, mesh_axes.items(), strict=True)
+        )
+        nodes = sizes[0] if len(sizes) == 2 else 1
+        base = cls.from_name(f"{nodes}x{hardware}" if nodes > 1 else hardware)
+        return replace(base, axes=axes)
 
     @property
     def slice_count(self) -> int:

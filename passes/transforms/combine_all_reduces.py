@@ -50,11 +50,12 @@ from xla_strategies.passes.ir.graph import Graph, Node, Value
 # Without a topology (CPU, plain MirroredStrategy): chosen from the sweep in
 # benchmarks/README.md ("Bucket threshold sweep").
 DEFAULT_THRESHOLD_BYTES = 64 * 1024
-# Without a topology, a bucket's members of this size or more are operands of their own
-# (one tuple all-reduce) rather than copied into the flat buffer: on CPU, copying large
+# With synchronous collectives (emulated CPU devices), a bucket's members of this size or
+# more are operands of their own (one tuple all-reduce) rather than copied into the flat
+# buffer: on CPU, copying large
 # tensors in and out cost more than reducing them (2.5-3.9x XLA's tuple all-reduce from
 # 1 MiB buckets up, benchmarks/README.md), while many small operands cost more than copying
-# them. With a topology buckets stay flat: decompose-all-reduces splits the flat buffer.
+# them. Elsewhere buckets stay flat: decompose-all-reduces splits the flat buffer.
 OWN_OPERAND_BYTES = DEFAULT_THRESHOLD_BYTES
 # With a topology, the first bucket of each kind holds at most 1/16 of the threshold.
 FIRST_BUCKET_FRACTION = 16
@@ -108,7 +109,9 @@ class CombineAllReduces(Pass):
                     tile = getattr(ctx.topology, "collective_block_tile", None)
                     _combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes, tile)
                 else:
-                    tuple_ok = ctx.topology is None and op == "all_reduce"
+                    # an emulated topology keeps the real slice's flat buckets
+                    tuple_ok = ctx.topology is None and ctx.synchronous_collectives
+                    tuple_ok = tuple_ok and op == "all_reduce"
                     own_bytes = OWN_OPERAND_BYTES if tuple_ok else 0
                     _combine(region, bucket, len(sizes), self.name, own_bytes)
                 sizes.append(bucket.nbytes)

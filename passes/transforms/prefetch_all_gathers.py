@@ -65,7 +65,10 @@ class PrefetchAllGathers(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "auto" and ctx.topology is None:
-            ctx.stats[self.name] = {"loops": 0, "distance": 0, "reason": "no topology"}
+            # nothing overlaps a synchronous gather; unknown hardware has no estimate (an
+            # emulated topology keeps its passes: it runs the real slice's program)
+            reason = "synchronous collectives" if ctx.synchronous_collectives else "no topology"
+            ctx.stats[self.name] = {"loops": 0, "distance": 0, "reason": reason}
             return False
         loops = gathered_bytes = 0
         for node in [n for n in graph.nodes if n.has(Trait.COUNTED_LOOP)]:

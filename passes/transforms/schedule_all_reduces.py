@@ -94,15 +94,17 @@ class ScheduleAllReduces(Pass):
         estimates = {} if ctx.topology is None else exposed_estimates(ready, trips, ctx.topology)
         if self.force:
             choice = self.force
-        elif not estimates:
-            choice = "hoist"  # synchronous collectives: nothing to hide them behind
+        elif not estimates:  # synchronous collectives have nothing to hide behind, and
+            choice = "hoist"  # unknown hardware no estimate: one reduction per step
         else:
             choice = "pipeline" if estimates["pipeline"] < estimates["hoist"] else "hoist"
         per_iteration = sum(r.nbytes for r in ready)
         shown = (
             ", ".join(f"{k}ed {v * 1e3:.3f} ms" for k, v in sorted(estimates.items()))
             if estimates
-            else "no topology: collectives are synchronous"
+            else "synchronous collectives"
+            if ctx.synchronous_collectives
+            else "no topology"
         )
         ctx.remarks.append(
             f"{self.name}: {loop.op} x{trips}, {per_iteration:,} bytes reduced per "

@@ -63,7 +63,8 @@ class ShardWeightUpdates(Pass):
     """Options:
     mode: ``on`` shards whenever it can; ``auto`` lets the cost model decide for the
         strategy's topology (off without one: on emulated CPU devices the collectives are
-        synchronous copies and the update is cheap), and says what it decided in a remark.
+        synchronous copies and the update is cheap, and on unknown hardware nothing can
+        be estimated), and says what it decided in its stats and a remark.
     """
 
     name = "shard-weight-updates"
@@ -96,15 +97,21 @@ class ShardWeightUpdates(Pass):
 
 def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
     """Whether sharding pays on the strategy's topology, with its estimates (the pass's
-    stats; also printed as a remark): `on`, `reason` ("no topology" or "cost model"),
+    stats; also printed as a remark): `on`, `reason` ("synchronous collectives", "no
+    topology" or "cost model"),
     and the gradient bytes and both estimated seconds when there is a topology."""
     where = f"{ShardWeightUpdates.name}{{mode=auto}}"
     if ctx.topology is None:
-        ctx.remarks.append(
-            f"{where}: off: no topology (emulated or unknown devices), whose collectives "
-            "run as synchronous copies; compile(shard_weight_updates=True) turns it on"
+        reason, why = (
+            (
+                "synchronous collectives",
+                "emulated devices, whose collectives are synchronous copies",
+            )
+            if ctx.synchronous_collectives
+            else ("no topology", "unknown devices, so no cost model")
         )
-        return {"on": False, "reason": "no topology"}
+        ctx.remarks.append(f"{where}: off: {why}; compile(shard_weight_updates=True) turns it on")
+        return {"on": False, "reason": reason}
     axes = list(ctx.mesh_axes)
     seeds = [n for n in graph.nodes if is_gradient_reduction(n, axes)]
     gradient_bytes = sum(n.outputs[0].nbytes for n in seeds)

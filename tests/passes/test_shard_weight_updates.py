@@ -178,11 +178,18 @@ func @step(%0: f32[8], %1: f32[8]{dcn,ici}) {
     assert not changed  # a reduction over part of the replicas is not a whole gradient
 
 
-def test_auto_mode_is_off_without_a_topology_and_says_so():
+def test_auto_mode_is_off_without_a_topology_and_says_why():
     changed, _, ctx = _run(MOMENTUM, mode="auto")
     assert not changed
     assert ctx.stats["shard-weight-updates"]["decision"] == {"on": False, "reason": "no topology"}
-    assert any("mode=auto}: off: no topology" in r for r in ctx.remarks)
+    assert any("mode=auto}: off: unknown devices" in r for r in ctx.remarks)
+    graph = parse(MOMENTUM)
+    emulated = PassContext(mesh_axes=MESH, synchronous_collectives=True)
+    assert not ShardWeightUpdates(mode="auto").run(graph, emulated)
+    assert emulated.stats["shard-weight-updates"]["decision"] == {
+        "on": False,
+        "reason": "synchronous collectives",
+    }
 
 
 def test_auto_mode_asks_the_cost_model_on_a_topology():
