@@ -116,5 +116,5 @@ def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update
         assert [k for k, h in held.items() if not h] == ["['layers'][2]['bias'].value"]
         batch = next(iter(strategy.experimental_distribute_dataset(batches)))
         executable = step.executable(p_on, s_on, batch)
-        assert executable.pass_stats["shard-parameters"]["replicated_state"] >= 1
-        assert any("f64[5]" in r and "divides by 8" in r for r in executable.remarks)
+        replicated = executable.pass_stats["shard-parameters"]["replicated"]
+        assert {"f64[5]"} <= {r["type"] for r in replicated}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.cost.model import fast_first, split_levels
@@ -70,12 +71,15 @@ class BlockSharder:
         self.producers: dict[Value, Node] = {}
         self.sunk: set[Node] = set()  # whole nodes redone on blocks; dropped if unread
         self.remarks: list[str] = []
-        self.stats: dict[str, int] = {
+        self.stats: dict[str, Any] = {
             "sharded_gradients": 0,
             "replicated_gradients": 0,
             "gathered_for_ops": 0,
             "sharded_state": 0,
             "sharded_state_bytes": 0,
+            # the decisions the remarks word: what stayed whole, and why
+            "replicated": [],  # {"gradient", "type", "reason"}
+            "gathered": [],  # {"op", "types", "reason"}
         }
 
     def rewrite(self, graph: Graph) -> None:
@@ -121,6 +125,9 @@ class BlockSharder:
         dim = shard_dimension(full.shape, self.replicas)
         if dim is None:
             self.stats["replicated_gradients"] += 1
+            self.stats["replicated"].append(
+                {"gradient": node.label, "type": _type(full), "reason": "no dividing dimension"}
+            )
             self.remarks.append(
                 f"kept the all-reduce of {node.label or 'a gradient'} {_type(full)}: no "
                 f"dimension divides by {self.replicas} replicas, and a jax.Array cannot be "
@@ -211,6 +218,13 @@ class BlockSharder:
         unplanned = [v for v in sharded if v not in self.deferred]
         if unplanned:
             self.stats["gathered_for_ops"] += 1
+            self.stats["gathered"].append(
+                {
+                    "op": node.op,
+                    "types": [_type(v) for v in unplanned],
+                    "reason": "not elementwise along the split dimension",
+                }
+            )
             self.remarks.append(
                 f"gathered {', '.join(_type(v) for v in unplanned)} for {node.op}: no rule "
                 "proves it elementwise along the sharded dimension, so it runs replicated"

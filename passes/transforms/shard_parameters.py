@@ -136,10 +136,11 @@ class _Splitter:
         self.axes, self.mesh_axes, self.created_by = axes, mesh_axes, created_by
         self.replicas = math.prod(mesh_axes[a] for a in axes)
         self.remarks: list[str] = []
-        self.stats: dict[str, int] = {
+        self.stats: dict[str, Any] = {
             "split_state": 0,
             "split_state_bytes": 0,
             "replicated_state": 0,
+            "replicated": [],  # {"state", "type", "reason"}: what stays whole, and why
             "loop_gathers": 0,
             "loop_reduce_scatters": 0,
         }
@@ -156,6 +157,14 @@ class _Splitter:
             dim = shard_dimension(value.shape[skip:], self.replicas)
             if dim is None:
                 self.stats["replicated_state"] += 1
+                self.stats["replicated"].append(
+                    {
+                        "state": value.name,
+                        "type": format_type(value),
+                        "reason": "no dividing dimension"
+                        + (" after the layer dimension" if skip else ""),
+                    }
+                )
                 if value.shape:  # a scalar (a step count) needs no word
                     self.remarks.append(
                         f"kept {_type(value)} replicated: no dimension"

@@ -98,8 +98,13 @@ def test_a_value_with_no_dividing_dimension_stays_replicated_with_a_remark():
     text = LAYERS.replace("f32[3,16,16]", "f32[3,15,15]").replace("f32[16,16]", "f32[15,15]")
     changed, after, ctx = run_pass(ShardParameters(), text)
     assert "sharded=" not in after and "all_gather" not in after
-    assert ctx.stats["shard-parameters"]["replicated_state"] == 1
-    assert any("w f32[3,15,15]" in r and "after the layer dimension" in r for r in ctx.remarks)
+    assert ctx.stats["shard-parameters"]["replicated"] == [
+        {
+            "state": "w",
+            "type": "f32[3,15,15]",
+            "reason": "no dividing dimension after the layer dimension",
+        }
+    ]
 
 
 def test_auto_mode_needs_a_chip_memory_size():
