@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.passes.bridge import tree_collectives
 from xla_strategies.passes.ir.graph import Graph, Node, Split, Value
+from xla_strategies.passes.ir.traits import result_shape_param
 
 
 class LoweringError(RuntimeError):
@@ -170,13 +171,12 @@ def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
 
 def _resized(node: Node, params: dict) -> dict:
     """A pass may give a foreign node other shapes than it was captured with (one replica's
-    block of an elementwise update); an equation that names its result's shape then gets
-    the node's (`shape` of broadcast_in_dim, `new_sizes` of reshape)."""
-    shape = node.outputs[0].shape if node.outputs else None
-    for name in ("shape", "new_sizes"):
-        if name in params and tuple(params[name]) != shape:
-            return {**params, name: shape}
-    return params
+    block of an elementwise update); the parameter the op table declares names its result's
+    shape then gets the node's."""
+    name = result_shape_param(node.op)
+    if name is None or tuple(params[name]) == node.outputs[0].shape:
+        return params
+    return {**params, name: node.outputs[0].shape}
 
 
 def _user_source(eqn: Any) -> Any:

@@ -8,6 +8,7 @@ from xla_strategies.passes.ir.traits import (
     declare,
     declare_all,
     declare_dimension_reduction,
+    declare_result_shape_param,
 )
 
 
@@ -20,11 +21,13 @@ declare_all(
     Trait.LINEAR,
 )
 declare("jax.reshape", Trait.LINEAR, Trait.RESHAPE)
+declare_result_shape_param("jax.reshape", "new_sizes")
 declare_all(_jax("neg", "copy", "copy_p"), Trait.LINEAR, Trait.ELEMENTWISE)
 declare_dimension_reduction("jax.reduce_sum", "sum", Trait.LINEAR)
 declare_dimension_reduction("jax.reduce_max", "max")
 declare_dimension_reduction("jax.reduce_min", "min")
 declare("jax.broadcast_in_dim", Trait.BROADCAST_IN_DIM)
+declare_result_shape_param("jax.broadcast_in_dim", "shape")
 declare("jax.mul", Trait.SCALING, Trait.ELEMENTWISE)
 declare("jax.div", Trait.DIVIDING, Trait.ELEMENTWISE)
 declare_all(_jax("add", "add_any"), Trait.ADDING, Trait.ELEMENTWISE)

@@ -66,6 +66,21 @@ def dimension_reduction(op: str) -> str:
     return _COMBINERS[op]
 
 
+_RESULT_SHAPE_PARAMS: dict[str, str] = {}
+
+
+def declare_result_shape_param(op: str, param: str) -> None:
+    """Declare that `op`'s frontend parameter `param` names its result's shape, so a pass
+    may re-type the result (run the op on one replica's block) and the lowering passes the
+    node's shape there."""
+    _RESULT_SHAPE_PARAMS[op] = param
+
+
+def result_shape_param(op: str) -> str | None:
+    """The frontend parameter that names `op`'s result shape, if it has one."""
+    return _RESULT_SHAPE_PARAMS.get(op)
+
+
 def is_declared(op: str) -> bool:
     return op in _TRAITS
 

@@ -71,3 +71,13 @@ def test_statistics_ledger_and_timeline_agree_on_branches_and_loops():
     assert sorted((e["bytes"], e["per_step"]) for e in entries) == [(8, 3), (400, 1)]
     events = [e for e in chrome_trace(graph, None)["traceEvents"] if e.get("name") == "all_reduce"]
     assert len(events) == 2  # the costlier branch's, and the scan body's first iteration
+
+
+def test_ops_a_pass_may_retype_declare_their_shape_parameters():
+    from xla_strategies.passes.ir.traits import result_shape_param
+
+    # the block rewrite runs reshapes and broadcasts on blocks: the lowering must know
+    # which of their parameters to give the block's shape
+    assert result_shape_param("jax.reshape") == "new_sizes"
+    assert result_shape_param("jax.broadcast_in_dim") == "shape"
+    assert result_shape_param("jax.add") is None  # elementwise: no shape parameter
