@@ -22,7 +22,7 @@ from xla_strategies.mirrored import MirroredStrategy
 from xla_strategies.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
 from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.parameter_server import ParameterServerStrategy
-from xla_strategies.passes.bridge.capture import UnknownAxisError
+from xla_strategies.passes.bridge.axis_names import UnknownAxisError
 from xla_strategies.passes.transforms.insert_reductions import MirroredOutputError
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager

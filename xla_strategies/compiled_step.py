@@ -34,7 +34,8 @@ from xla_strategies.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
 from xla_strategies.errors import StoppedAfterCompile
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
-from xla_strategies.passes.bridge.lowering import input_shardings, lower, replica_spec
+from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
+from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp

@@ -24,7 +24,7 @@ import jax
 
 from xla_strategies.compile_program import compile_lowered
 from xla_strategies.compiled_report import compiled_report, summary_text
-from xla_strategies.passes.bridge.lowering import input_shardings
+from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.cost.ledger import LedgerRecorder
 from xla_strategies.passes.cost.timeline import chrome_trace
 from xla_strategies.passes.dump import IRDumper, IRPrinter

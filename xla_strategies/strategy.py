@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
-from xla_strategies.passes.bridge.lowering import replica_spec
+from xla_strategies.passes.bridge.layouts import replica_spec
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.distributed_dataset import (

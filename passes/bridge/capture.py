@@ -15,7 +15,6 @@ carries its equation for the lowering. Only this module, `trace_hooks` and
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,23 +23,31 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from xla_strategies.passes.bridge.lowering import replica_spec
+from xla_strategies.passes.bridge.axis_names import (
+    AxisRenamer,
+    diagnose_unknown_axis,
+)
+from xla_strategies.passes.bridge.equations import (
+    RESHAPING,
+    axis_names,
+    ir_value,
+    jsonable,
+    policy_name,
+    user_frames,
+    user_source,
+)
+from xla_strategies.passes.bridge.layouts import replica_spec
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
     marking_gradient_scales,
     tagging_autodiff_reductions,
-    varying_axes,
 )
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Value
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
 _REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 _SMALL_CONSTANT = 8  # constants up to this many elements print their value in the IR
-
-
-class UnknownAxisError(ValueError):
-    """The step uses a collective over an axis the strategy's mesh does not have."""
 
 
 def capture(
@@ -84,12 +91,12 @@ def capture(
         with tagging_autodiff_reductions(), marking_gradient_scales():
             jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:
-        _diagnose_unknown_axis(
+        diagnose_unknown_axis(
             lambda: jax.make_jaxpr(traced)(*flat_args), tuple(mesh.axis_names), exc
         )
         raise
     closed = box["jaxpr"]
-    importer = _Importer(_AxisRenamer(rename or {}))
+    importer = _Importer(AxisRenamer(rename or {}))
     graph = importer.graph(closed.jaxpr, closed.consts, name)
     for value, label in zip(graph.inputs, input_names, strict=False):
         value.name = label
@@ -98,142 +105,10 @@ def capture(
     return graph
 
 
-class _AxisRenamer:
-    """Maps the capture mesh's axis names to the strategy's, in IR values, collective
-    attributes and the parameters of foreign equations (`axis_index`, grouped `psum`)."""
-
-    _PARAM_KEYS = ("axes", "axis_name")
-
-    def __init__(self, rename: Mapping[str, Sequence[str]]) -> None:
-        self._rename = {k: tuple(v) for k, v in rename.items()}
-
-    def names(self, names: Sequence[str]) -> list[str]:
-        out: list[str] = []
-        for n in names:
-            out.extend(a for a in self._rename.get(n, (n,)) if a not in out)
-        return out
-
-    def value(self, value: Value) -> Value:
-        if self._rename and value.varying_axes:
-            value.varying_axes = frozenset(self.names(sorted(value.varying_axes)))
-        return value
-
-    def equation(self, eqn: jex.JaxprEqn) -> jex.JaxprEqn:
-        if not self._rename:
-            return eqn
-        changes = {}
-        for key in self._PARAM_KEYS:
-            names = eqn.params.get(key)
-            if isinstance(names, str) and names in self._rename:
-                renamed = self._rename[names]
-                changes[key] = renamed[0] if len(renamed) == 1 else renamed
-            elif isinstance(names, tuple) and any(n in self._rename for n in names):
-                changes[key] = tuple(self.names(names))
-        return eqn.replace(params={**eqn.params, **changes}) if changes else eqn
-
-
-def _diagnose_unknown_axis(
-    retrace: Callable[[], Any], axes: tuple[str, ...], original: Exception
-) -> None:
-    """JAX reports an unbound collective axis as a bare assertion. Trace again with JAX's
-    traceback filtering off, find the collective's axis names in its frames, and name the
-    unknown one. Returns quietly when the failure is something else."""
-    from jax._src import config
-
-    try:
-        with config.traceback_filtering("off"):
-            retrace()
-    except (AssertionError, NameError) as exc:
-        _raise_if_unknown_axis(exc, axes, original)
-
-
-def _raise_if_unknown_axis(exc: BaseException, axes: tuple[str, ...], original: Exception) -> None:
-    tb = exc.__traceback__
-    while tb is not None:
-        local = tb.tb_frame.f_locals
-        for key in ("axis_name", "axes", "names"):
-            names = local.get(key)
-            names = (names,) if isinstance(names, str) else names
-            if isinstance(names, tuple) and all(isinstance(n, str) for n in names):
-                unknown = [n for n in names if n not in axes]
-                if unknown:
-                    raise UnknownAxisError(
-                        f"the step uses a collective over axis {unknown[0]!r}, but the strategy's "
-                        f"mesh has only the axes {list(axes)}; name the replica axis with "
-                        f"compile(axis_name={unknown[0]!r}), or use "
-                        "xs.get_replica_context().all_reduce(...)"
-                    ) from original
-        tb = tb.tb_next
-
-
-def _value(aval: Any) -> Value:
-    varying = varying_axes(aval)
-    dtype = str(getattr(aval, "dtype", "token"))
-    return Value(tuple(getattr(aval, "shape", ())), dtype, frozenset(varying))
-
-
-def _policy_name(policy: Callable[..., Any]) -> str:
-    """A rematerialisation policy by its name in `jax.checkpoint_policies`, so the text
-    form keeps it; `custom` for one made by a policy factory or by hand."""
-    named = {
-        name: value
-        for name, value in vars(jax.checkpoint_policies).items()
-        if not name.startswith("_") and value is policy
-    }
-    return next(iter(named), "custom")
-
-
-def _jsonable(value: Any) -> Any:
-    """Params that print well in the IR (ints, strings, nested tuples); None otherwise."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        items = [_jsonable(v) for v in value]
-        return (
-            None
-            if any(i is None and v is not None for i, v in zip(items, value, strict=True))
-            else items
-        )
-    if isinstance(value, np.dtype):
-        return str(value)
-    return None
-
-
-def _axes(params: dict[str, Any]) -> list[str]:
-    names = params.get("axes", params.get("axis_name"))
-    return [names] if isinstance(names, str) else list(names)
-
-
-# Primitives that only reshape or recast one value: a parameter a frontend reshapes before
-# using it (torchax reshapes every bias) is still that parameter in the dumps.
-_RESHAPING = frozenset(
-    {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims", "transpose"}
-)
-
-
-def _frames(eqn: jex.JaxprEqn) -> tuple[tuple[str, int], ...]:
-    """The equation's call stack outside JAX: the same for a parameter's use (its pvary)
-    and for the reduction of its gradient (pvary's transpose)."""
-    frames = getattr(eqn.source_info.traceback, "frames", None) or ()
-    return tuple(
-        (f.file_name, f.line_num) for f in frames if f"{os.sep}jax{os.sep}" not in f.file_name
-    )
-
-
-def _source(eqn: jex.JaxprEqn) -> str | None:
-    """`file.py:line` of the user code behind an equation."""
-    from jax._src import source_info_util
-
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    return f"{os.path.basename(frame.file_name)}:{frame.start_line}" if frame else None
-
-
 class _Importer:
     """Turns a jaxpr into IR, one region per nested loop or branch body."""
 
-    def __init__(self, renamer: _AxisRenamer) -> None:
+    def __init__(self, renamer: AxisRenamer) -> None:
         self._renamer = renamer
         # call stack -> (parameter, the value made varying there: it or a reshape of it)
         self._uses: dict[tuple, list[tuple[Value, Value]]] = {}
@@ -241,17 +116,17 @@ class _Importer:
         self._reductions: list[tuple[tuple, Node]] = []
 
     def value(self, aval: Any) -> Value:
-        return self._renamer.value(_value(aval))
+        return self._renamer.value(ir_value(aval))
 
     def axes(self, params: dict[str, Any]) -> list[str]:
-        return self._renamer.names(_axes(params))
+        return self._renamer.names(axis_names(params))
 
     def name_parameters(self) -> None:
         """Give each autodiff reduction the pytree path of its parameter, when exactly one
         step input of its size was made varying at the same call stack."""
-        for frames, node in self._reductions:
+        for stack, node in self._reductions:
             size = node.inputs[0].size  # the gradient of what was made varying
-            uses = self._uses.get(frames, [])
+            uses = self._uses.get(stack, [])
             names = {root.name for root, used in uses if root.name and used.size == size}
             if len(names) == 1:
                 node.attrs["param"] = names.pop()
@@ -283,7 +158,7 @@ class _Importer:
         return [read(v) for v in jaxpr.outvars]
 
     def constant(self, graph: Graph, value: Any, aval: Any) -> Value:
-        out = _value(aval)
+        out = ir_value(aval)
         array = np.asarray(value)
         shown = (
             array.tolist()
@@ -301,10 +176,10 @@ class _Importer:
         outputs = [self.value(v.aval) for v in eqn.outvars]
         node = self.known_node(eqn, inputs, outputs) or self.region_node(eqn, inputs, outputs)
         if node is None:
-            attrs = {k: j for k, v in params.items() if (j := _jsonable(v)) is not None}
+            attrs = {k: j for k, v in params.items() if (j := jsonable(v)) is not None}
             node = Node("jax." + prim, inputs, outputs, attrs, payload=self._renamer.equation(eqn))
         graph.nodes.append(node)
-        if prim in _RESHAPING and len(inputs) == 1:
+        if prim in RESHAPING and len(inputs) == 1:
             self._roots[outputs[0]] = self._roots.get(inputs[0], inputs[0])
         return outputs
 
@@ -318,12 +193,12 @@ class _Importer:
             autodiff = AUTODIFF_SCOPE in str(eqn.source_info.name_stack)
             origin = Origin.AUTODIFF if autodiff else Origin.USER
             attrs = {"axes": self.axes(params), "reduce_op": _REDUCE[prim], "origin": origin}
-            source = _source(eqn)
+            source = user_source(eqn)
             if source:
                 attrs["source"] = source
             node = Node("all_reduce", inputs, outputs, attrs)
             if origin is Origin.AUTODIFF and len(inputs) == 1:
-                self._reductions.append((_frames(eqn), node))
+                self._reductions.append((user_frames(eqn), node))
             return node
         if prim == "mul" and (marked := GRADIENT_AXES.search(str(eqn.source_info.name_stack))):
             axes = self._renamer.names(marked.group(1).split(","))
@@ -333,7 +208,7 @@ class _Importer:
             return Node("axis_index", inputs, outputs, {"axes": self.axes(params)})
         if prim == "pvary":
             uses = [(self._roots.get(v, v), v) for v in inputs]
-            self._uses.setdefault(_frames(eqn), []).extend(uses)
+            self._uses.setdefault(user_frames(eqn), []).extend(uses)
             return Node("pvary", inputs, outputs, {"axes": self.axes(params)})
         if prim == "all_gather" and params.get("tiled"):
             attrs = {"axes": self.axes(params), "dimension": params["all_gather_dimension"]}
@@ -346,7 +221,7 @@ class _Importer:
             }
             return Node("reduce_scatter", inputs, outputs, attrs)
         if prim == "ppermute":
-            attrs = {"axes": self.axes(params), "perm": _jsonable(params["perm"])}
+            attrs = {"axes": self.axes(params), "perm": jsonable(params["perm"])}
             return Node("collective_permute", inputs, outputs, attrs)
         if prim == "all_to_all" and params.get("tiled"):
             attrs = {
@@ -374,9 +249,9 @@ class _Importer:
             bodies = [jex.ClosedJaxpr(params["jaxpr"], ())]
         else:
             return None
-        attrs = {k: _jsonable(params[k]) for k in keys}
+        attrs = {k: jsonable(params[k]) for k in keys}
         if prim == "remat2" and params.get("policy") is not None:
-            attrs["policy"] = _policy_name(params["policy"])
+            attrs["policy"] = policy_name(params["policy"])
         regions = [
             self.graph(body.jaxpr, body.consts, f"{prim}.region{i}")
             for i, body in enumerate(bodies)

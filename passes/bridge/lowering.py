@@ -9,87 +9,24 @@ on a new leading replica axis; mirrored outputs come back replicated.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from xla_strategies.passes.bridge import tree_collectives
-from xla_strategies.passes.ir.graph import Graph, Node, Split, Value
-from xla_strategies.passes.ir.traits import result_shape_param
-
-
-class LoweringError(RuntimeError):
-    """The graph cannot be turned into a JAX program."""
-
-
-def replica_spec(mesh: Mesh) -> PartitionSpec:
-    """Dim 0 split (or stacked) over all of `mesh`'s axes: a per-replica value's spec."""
-    axes = tuple(mesh.axis_names)
-    return PartitionSpec(axes if len(axes) > 1 else axes[0])
-
-
-def value_spec(value: Value, mesh: Mesh, split: Split | None = None) -> PartitionSpec:
-    """The `shard_map` spec of a graph input or output: varying values are split (or
-    stacked) on dim 0 over the replica axes; a value held sharded is split on its dimension
-    over its axes, in its order; invariant ones are whole."""
-    if split is not None:
-        return split_spec(split, mesh, mesh)
-    return replica_spec(mesh) if value.varying_axes else PartitionSpec()
-
-
-def split_spec(split: Split, graph_mesh: Mesh, mesh: Mesh) -> PartitionSpec:
-    """The spec of a `Split` value on `mesh`, a mesh over the same devices as the graph's
-    whose axes may carry other names (the sharded mesh's `sharded:` prefix)."""
-    names = dict(zip(graph_mesh.axis_names, mesh.axis_names, strict=True))
-    axes = tuple(names[a] for a in split.axes)
-    return PartitionSpec(*[None] * split.dim, axes if len(axes) > 1 else axes[0])
-
-
-def input_shardings(
-    graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None, sharded_mesh: Mesh | None = None
-) -> list[Any]:
-    """The global sharding of each graph input: stacked inputs live on `stacked_mesh`,
-    inputs held sharded on `sharded_mesh`, the rest on `mesh`."""
-    meshes = (mesh, stacked_mesh, sharded_mesh)
-    return [
-        _global_sharding(v, i in graph.stacked_inputs, graph.sharded_inputs.get(i), meshes)
-        for i, v in enumerate(graph.inputs)
-    ]
-
-
-def output_shardings(
-    graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None, sharded_mesh: Mesh | None = None
-) -> list[Any]:
-    """The global sharding of each graph output: varying outputs come back stacked, those
-    the graph holds sharded come back sharded."""
-    meshes = (mesh, stacked_mesh, sharded_mesh)
-    return [
-        _global_sharding(v, _comes_back_stacked(graph, i), graph.sharded_outputs.get(i), meshes)
-        for i, v in enumerate(graph.outputs)
-    ]
-
-
-def _comes_back_stacked(graph: Graph, index: int) -> bool:
-    return bool(graph.outputs[index].varying_axes) and index not in graph.sharded_outputs
-
-
-def _global_sharding(
-    value: Value, stacked: bool, split: Split | None, meshes: tuple[Mesh, ...]
-) -> NamedSharding:
-    mesh, stacked_mesh, sharded_mesh = meshes
-    if stacked:
-        target = stacked_mesh or mesh
-        return NamedSharding(target, replica_spec(target))
-    if split is not None:
-        target = sharded_mesh or mesh
-        return NamedSharding(target, split_spec(split, mesh, target))
-    return NamedSharding(mesh, value_spec(value, mesh))
+from xla_strategies.passes.bridge.layouts import (
+    comes_back_stacked,
+    input_shardings,
+    output_shardings,
+    value_spec,
+)
+from xla_strategies.passes.bridge.replay import LoweringError, bind_foreign
+from xla_strategies.passes.ir.graph import Graph, Node, Value
 
 
 def lower(
@@ -116,7 +53,7 @@ def lower(
         value_spec(v, mesh, graph.sharded_outputs.get(i)) for i, v in enumerate(graph.outputs)
     )
     stacked_in = [i in graph.stacked_inputs for i in range(len(graph.inputs))]
-    stacked_out = [_comes_back_stacked(graph, i) for i in range(len(graph.outputs))]
+    stacked_out = [comes_back_stacked(graph, i) for i in range(len(graph.outputs))]
 
     def body(*flat):
         flat = [x[0] if s else x for x, s in zip(flat, stacked_in, strict=True)]
@@ -145,7 +82,7 @@ def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
             results = (
                 rule(node, [env[v] for v in node.inputs])
                 if rule
-                else _bind_foreign(node, [env[v] for v in node.inputs])
+                else bind_foreign(node, [env[v] for v in node.inputs])
             )
         except LoweringError:
             raise
@@ -154,73 +91,6 @@ def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
             raise
         env.update(zip(node.outputs, results, strict=True))
     return [env[v] for v in graph.outputs]
-
-
-def _bind_foreign(node: Node, args: list[Any]) -> list[Any]:
-    if node.payload is None:
-        raise LoweringError(
-            f"cannot lower foreign node {node.op}: it has no captured JAX equation "
-            "(graphs parsed from text can be optimised and printed, not run)"
-        )
-    eqn = node.payload
-    with _user_source(eqn), _equation_context(eqn.ctx) as params:
-        bound = _resized(node, params(eqn.params))
-        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(bound))
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _resized(node: Node, params: dict) -> dict:
-    """A pass may give a foreign node other shapes than it was captured with (one replica's
-    block of an elementwise update); the parameter the op table declares names its result's
-    shape then gets the node's."""
-    name = result_shape_param(node.op)
-    if name is None or tuple(params[name]) == node.outputs[0].shape:
-        return params
-    return {**params, name: node.outputs[0].shape}
-
-
-def _user_source(eqn: Any) -> Any:
-    """The user's source line and name stack for what `eqn` lowers to, as
-    `jax.core.eval_jaxpr` keeps them, so XLA's HLO metadata names the user's code."""
-    from jax._src import source_info_util
-
-    info = eqn.source_info
-    name_stack = source_info_util.current_name_stack() + info.name_stack
-    return source_info_util.user_context(info.traceback, name_stack=name_stack)
-
-
-@contextlib.contextmanager
-def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
-    """The captured equation's context, moved to the mesh being lowered to, and a function
-    that moves its parameters' shardings there too. A step compiled with `axis_name=` was
-    traced on a mesh of that name, and its equations remember it. Inside the fully manual
-    `shard_map` body a sharding's spec names no mesh axis, so only its mesh changes."""
-    from jax._src import core
-    from jax._src import mesh as mesh_lib
-
-    current = mesh_lib.get_abstract_mesh()
-    if ctx.cur_abstract_mesh == current:
-        with ctx.manager:
-            yield lambda params: params
-        return
-    moved = core.JaxprEqnContext._create(
-        ctx.compute_type,
-        ctx.threefry_partitionable,
-        current,
-        ctx.remove_size_one_mesh_axis,
-        ctx.xla_metadata,
-    )
-
-    def move(params: dict) -> dict:
-        return {
-            k: NamedSharding(current, v.spec)
-            if isinstance(v, NamedSharding) and v.mesh == ctx.cur_abstract_mesh
-            else v
-            for k, v in params.items()
-        }
-
-    with moved.manager:
-        yield move
 
 
 def _constant(node: Node, args: list[Any]) -> list[Any]:

@@ -1,0 +1,85 @@
+"""Replaying a foreign node: its captured JAX equation bound again, in its captured
+context moved to the mesh being lowered to, with the user's source line kept for XLA's
+metadata and a re-typed result's shape passed where the op table says."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from jax.sharding import NamedSharding
+
+from xla_strategies.passes.ir.graph import Node
+from xla_strategies.passes.ir.traits import result_shape_param
+
+
+class LoweringError(RuntimeError):
+    """The graph cannot be turned into a JAX program."""
+
+
+def bind_foreign(node: Node, args: list[Any]) -> list[Any]:
+    if node.payload is None:
+        raise LoweringError(
+            f"cannot lower foreign node {node.op}: it has no captured JAX equation "
+            "(graphs parsed from text can be optimised and printed, not run)"
+        )
+    eqn = node.payload
+    with _user_source(eqn), _equation_context(eqn.ctx) as params:
+        bound = _resized(node, params(eqn.params))
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(bound))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _resized(node: Node, params: dict) -> dict:
+    """A pass may give a foreign node other shapes than it was captured with (one replica's
+    block of an elementwise update); the parameter the op table declares names its result's
+    shape then gets the node's."""
+    name = result_shape_param(node.op)
+    if name is None or tuple(params[name]) == node.outputs[0].shape:
+        return params
+    return {**params, name: node.outputs[0].shape}
+
+
+def _user_source(eqn: Any) -> Any:
+    """The user's source line and name stack for what `eqn` lowers to, as
+    `jax.core.eval_jaxpr` keeps them, so XLA's HLO metadata names the user's code."""
+    from jax._src import source_info_util
+
+    info = eqn.source_info
+    name_stack = source_info_util.current_name_stack() + info.name_stack
+    return source_info_util.user_context(info.traceback, name_stack=name_stack)
+
+
+@contextlib.contextmanager
+def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
+    """The captured equation's context, moved to the mesh being lowered to, and a function
+    that moves its parameters' shardings there too. A step compiled with `axis_name=` was
+    traced on a mesh of that name, and its equations remember it. Inside the fully manual
+    `shard_map` body a sharding's spec names no mesh axis, so only its mesh changes."""
+    from jax._src import core
+    from jax._src import mesh as mesh_lib
+
+    current = mesh_lib.get_abstract_mesh()
+    if ctx.cur_abstract_mesh == current:
+        with ctx.manager:
+            yield lambda params: params
+        return
+    moved = core.JaxprEqnContext._create(
+        ctx.compute_type,
+        ctx.threefry_partitionable,
+        current,
+        ctx.remove_size_one_mesh_axis,
+        ctx.xla_metadata,
+    )
+
+    def move(params: dict) -> dict:
+        return {
+            k: NamedSharding(current, v.spec)
+            if isinstance(v, NamedSharding) and v.mesh == ctx.cur_abstract_mesh
+            else v
+            for k, v in params.items()
+        }
+
+    with moved.manager:
+        yield move
