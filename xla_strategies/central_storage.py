@@ -72,6 +72,10 @@ class CentralStorageStrategy(Strategy):
             leave_out=frozenset({ShardParameters.name, ShardWeightUpdates.name}),
         )
 
+    def sub_strategy(self, replicas: int) -> CentralStorageStrategy:
+        """The first `replicas` compute devices, with the same parameter device."""
+        return CentralStorageStrategy(self.devices[:replicas], self.parameter_device)
+
     @property
     def compute_devices(self) -> tuple[Any, ...]:
         return self.devices

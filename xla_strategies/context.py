@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -61,6 +62,28 @@ class ReplicaContext:
 
 
 _DEFAULT_REPLICA_CONTEXT = ReplicaContext((), 1)
+
+
+ScopeHook = Callable[["Strategy"], AbstractContextManager[Any]]
+# What a frontend does while a strategy's scope is active (Keras: models compiled there
+# belong to the strategy), registered by the frontend when it is imported, so the strategy
+# itself knows no frontend.
+_SCOPE_HOOKS: list[ScopeHook] = []
+
+
+def register_scope_hook(hook: ScopeHook) -> None:
+    """Enter `hook(strategy)` around every `strategy.scope()` (once per hook)."""
+    if hook not in _SCOPE_HOOKS:
+        _SCOPE_HOOKS.append(hook)
+
+
+@contextlib.contextmanager
+def user_scope(strategy: Strategy) -> Iterator[Strategy]:
+    """`strategy.scope()`: the strategy in scope, with every frontend's hook."""
+    with strategy_scope(strategy), contextlib.ExitStack() as hooks:
+        for hook in _SCOPE_HOOKS:
+            hooks.enter_context(hook(strategy))
+        yield strategy
 
 
 @contextlib.contextmanager

@@ -20,3 +20,6 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices: Sequence[Any] | None = None) -> None:
         super().__init__(resolve_devices(devices))
+
+    def sub_strategy(self, replicas: int) -> MirroredStrategy:
+        return MirroredStrategy(self.devices[:replicas])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import jax
@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
-from xla_strategies.context import strategy_scope
+from xla_strategies.context import user_scope
 from xla_strategies.passes.bridge.layouts import replica_spec
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.reduce_op import ReduceOp
@@ -175,14 +175,19 @@ class Strategy:
 
     # tf.distribute's API
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Inside it, `xs.get_strategy()` returns this strategy, and a Keras model
         compiled there trains, evaluates and predicts on it (`xla_strategies.keras`)."""
-        from xla_strategies.keras import models_compiled_in
+        return user_scope(self)
 
-        with strategy_scope(self), models_compiled_in(self):
-            yield self
+    def sub_strategy(self, replicas: int) -> Strategy:
+        """A strategy of this kind on this one's first `replicas` replicas, for a batch
+        too small to split over all of them (Keras' last batch)."""
+        raise ValueError(
+            f"{type(self).__name__} cannot run a step on {replicas} of its "
+            f"{self.num_replicas_in_sync} replicas; give every step a batch that splits over "
+            "all of them (drop or pad the last batch)"
+        )
 
     @property
     def compile_only(self) -> bool:

@@ -72,6 +72,13 @@ class TPUStrategy(Strategy):
     def topology(self) -> Topology:
         return self._topology
 
+    def sub_strategy(self, replicas: int) -> Strategy:
+        """Part of a slice is no torus of its own: its first `replicas` chips run the
+        batch as a `MirroredStrategy`."""
+        from xla_strategies.mirrored import MirroredStrategy
+
+        return MirroredStrategy(self.devices[:replicas])
+
     def pipeline_changes(self) -> PipelineChanges:
         """Reductions are decomposed along the ICI and DCN axes."""
         return PipelineChanges(add=(DecomposeAllReduces(),))

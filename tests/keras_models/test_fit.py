@@ -363,3 +363,40 @@ def test_predict_with_several_steps_per_execution_and_a_last_batch_that_does_not
     np.testing.assert_allclose(predicted, expected, rtol=1e-6, atol=1e-7)
     for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_batch_that_does_not_divide_runs_on_a_sub_strategy_of_the_models_kind():
+    x, y = _data(rows=37)
+    reference = _compiled(sequential)
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    strategy = xs.CentralStorageStrategy()
+    part = strategy.sub_strategy(5)
+    assert type(part) is xs.CentralStorageStrategy and part.num_replicas_in_sync == 5
+    assert part.parameter_device == strategy.parameter_device
+    with strategy.scope():
+        model = _compiled(sequential)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)  # 32 rows, then 5
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=32, verbose=0),
+        reference.predict(x, batch_size=32, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_the_strategy_imports_no_frontend():
+    import ast
+    import inspect
+
+    import xla_strategies.strategy
+
+    tree = ast.parse(inspect.getsource(xla_strategies.strategy))
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [m for m in imported if "keras" in m or "torch" in m]

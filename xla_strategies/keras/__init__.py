@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from xla_strategies.context import register_scope_hook
 from xla_strategies.patching import patched
 
 if TYPE_CHECKING:
@@ -74,3 +75,6 @@ def _backend(keras) -> str:  # noqa: ANN001
         return keras.backend.backend()
     except AttributeError:  # keras still initialising
         return os.environ.get("KERAS_BACKEND", "")
+
+
+register_scope_hook(models_compiled_in)

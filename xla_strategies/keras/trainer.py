@@ -144,16 +144,15 @@ class _Trainer:
         return value
 
     def _strategy_for(self, data: Any) -> Any:
-        """The strategy whose replicas split this batch evenly: this one, or its first
-        gcd(rows, replicas) devices for a batch that does not divide."""
+        """The strategy whose replicas split this batch evenly: this one, or its
+        sub-strategy on its first gcd(rows, replicas) replicas for a batch that does not
+        divide."""
         rows = _rows(data)
         replicas = math.gcd(rows, self.strategy.num_replicas_in_sync) if rows else 1
         if replicas == self.strategy.num_replicas_in_sync:
             return self.strategy
         if replicas not in self._sub_strategies:
-            from xla_strategies.mirrored import MirroredStrategy
-
-            self._sub_strategies[replicas] = MirroredStrategy(self.strategy.devices[:replicas])
+            self._sub_strategies[replicas] = self.strategy.sub_strategy(replicas)
         return self._sub_strategies[replicas]
 
     # Keras' steps, per replica, with the cross-replica parts
