@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import strategy_scope
+from xla_strategies.extended import StrategyExtended
 from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.bridge.lowering import replica_spec
 from xla_strategies.passes.pipeline import PassPipeline, fill_options
@@ -44,6 +45,7 @@ from xla_strategies.runtime.distributed_dataset import (
 )
 from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.trees import abstract_like, copy_to, map_arrays
+from xla_strategies.values import distribute_values_from_function
 
 
 class Strategy:
@@ -55,6 +57,8 @@ class Strategy:
     pipeline_label: ClassVar[str] = "strategy"
     #: Whether every replica updates the weights, so the update can be sharded.
     shards_weight_updates: ClassVar[bool] = True
+    #: The cluster's resolver, as tf.distribute has it: None for strategies of one host.
+    cluster_resolver: Any = None
 
     def __init__(self, devices: Any, axis_names: tuple[str, ...] = ("replica",)) -> None:
         """`devices`: a sequence (one axis) or an array with one dimension per axis name."""
@@ -269,6 +273,16 @@ class Strategy:
             for i in range(len(local))
         )
 
+    def experimental_distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
+        """`value_fn(xs.experimental.ValueContext)` for each replica, stacked per leaf on
+        the replica axis: a step reads its own replica's value (`xla_strategies.values`)."""
+        return distribute_values_from_function(self, value_fn)
+
+    @functools.cached_property
+    def extended(self) -> StrategyExtended:
+        """tf.distribute's `StrategyExtended` (`xla_strategies.extended`)."""
+        return StrategyExtended(self)
+
     def experimental_distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
     ) -> DistributedDataset:
@@ -308,17 +322,7 @@ class Strategy:
     def _reduce_leaf(self, op: ReduceOp, array: Any, axis: int | None, where: str) -> Any:
         stacked = self._stacked(array)
         x = jnp.asarray(array) if stacked is None else stacked
-        per_replica_ndim = x.ndim - (stacked is not None)
-        if axis is not None:
-            _check_axis(axis, per_replica_ndim, where)
-        axes = ([0] if stacked is not None else []) + (
-            [axis % per_replica_ndim + (stacked is not None)] if axis is not None else []
-        )
-        if op is ReduceOp.SUM:
-            total = jnp.sum(x, axis=tuple(axes)) if axes else x
-            return total if stacked is not None else total * self.num_replicas_in_sync
-        reducer = {ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}[op]
-        return reducer(x, axis=tuple(axes)) if axes else x
+        return reduce_replicas(op, x, stacked is not None, axis, self.num_replicas_in_sync, where)
 
     def _local_parts(self, array: Any, devices: list[jax.Device]) -> list[Any]:
         if not isinstance(array, jax.Array):
@@ -342,6 +346,24 @@ def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
     return mesh is reference or (
         mesh.axis_names == reference.axis_names and np.array_equal(mesh.devices, reference.devices)
     )
+
+
+def reduce_replicas(
+    op: ReduceOp, x: Any, stacked: bool, axis: int | None, num_replicas: int, where: str
+) -> Any:
+    """`reduce(op, ...)` of one leaf: `x` is `[replicas, ...]` when `stacked`, else the
+    one value every replica holds; with `axis`, each replica's value is reduced along it."""
+    per_replica_ndim = x.ndim - stacked
+    if axis is not None:
+        _check_axis(axis, per_replica_ndim, where)
+    axes = ([0] if stacked else []) + (
+        [axis % per_replica_ndim + stacked] if axis is not None else []
+    )
+    if op is ReduceOp.SUM:
+        total = jnp.sum(x, axis=tuple(axes)) if axes else x
+        return total if stacked else total * num_replicas
+    reducer = {ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}[op]
+    return reducer(x, axis=tuple(axes)) if axes else x
 
 
 def _check_axis(axis: int, ndim: int, where: str) -> None:
