@@ -8,19 +8,9 @@ from typing import Any
 import jax
 from jax.sharding import SingleDeviceSharding
 
+from xla_strategies.cross_device_ops import reduce_to_one_pipeline
 from xla_strategies.devices import resolve_device, resolve_devices
-from xla_strategies.passes import (
-    DEFAULT_PIPELINE,
-    CombineAllReduces,
-    PassPipeline,
-    ReduceToOneDevice,
-)
-from xla_strategies.passes.pipeline import parse_spec
-from xla_strategies.passes.transforms.shard_parameters import ShardParameters
-from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.strategy import Strategy
-
-BUCKET_BYTES = 32 << 20
 
 
 class CentralStorageStrategy(Strategy):
@@ -60,22 +50,8 @@ class CentralStorageStrategy(Strategy):
         # The replica that receives the gradients and computes the update.
         self.update_device = chosen if chosen in devices else devices[0]
         self.root = devices.index(self.update_device)
-        # The default pipeline, with the reductions rewritten before bucketing, so any
-        # broadcasts are bucketed too. Big buckets: XLA combines all-reduces but not
-        # collective permutes, and every bucket costs log2(N) rounds (one bucket: 79.8 ms
-        # a step, 64 KiB buckets: 85.5 ms, benchmarks/README.md).
-        before_combine = [
-            p
-            for p in parse_spec(DEFAULT_PIPELINE)
-            if not isinstance(p, CombineAllReduces | ShardParameters | ShardWeightUpdates)
-        ]
-        self.default_pipeline = PassPipeline(
-            passes=(
-                *before_combine,
-                ReduceToOneDevice(root=self.root, broadcast_outputs=False),
-                CombineAllReduces(threshold_bytes=BUCKET_BYTES),
-            )
-        )
+        # The default pipeline, the gradients reduced to the update device.
+        self.default_pipeline = reduce_to_one_pipeline(self.root, broadcast_outputs=False)
 
     @property
     def compute_devices(self) -> tuple[Any, ...]:

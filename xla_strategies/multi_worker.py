@@ -10,36 +10,18 @@ from __future__ import annotations
 
 import atexit
 import math
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from xla_strategies.cluster import SimpleClusterResolver, TFConfigClusterResolver
+from xla_strategies.cross_device_ops import CommunicationOptions, implementation_pipeline
 from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.pipeline import PassPipeline, fill_options
 from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduces
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
-
-
-@dataclass(frozen=True)
-class CommunicationOptions:
-    """Attributes:
-    timeout_seconds: bounds start-up (waiting for every worker) and the heartbeats that
-        detect a dead peer, so a lost worker becomes an error, never a hang.
-    bytes_per_pack: the combine-all-reduces bucket size; 0 keeps the strategy's choice.
-    """
-
-    timeout_seconds: float | None = None
-    bytes_per_pack: int = 0
-
-    def __post_init__(self) -> None:
-        if self.timeout_seconds is not None and self.timeout_seconds <= 0:
-            raise ValueError(f"timeout_seconds must be positive, got {self.timeout_seconds}")
-        if self.bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack must not be negative, got {self.bytes_per_pack}")
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -59,6 +41,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         grid = np.asarray(devices, dtype=object).reshape(jax.process_count(), -1)
         super().__init__(grid, ("host", "local"))
+        self.default_pipeline = implementation_pipeline(
+            self.default_pipeline, self.communication_options.implementation, devices[0].platform
+        )
 
     def pipeline(
         self, gradient_reduction: ReduceOp | None, spec: str | PassPipeline | None = None
