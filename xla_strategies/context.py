@@ -87,12 +87,22 @@ class ReplicaContext:
     ) -> Any:
         """Run `merge_fn(strategy, *args, **kwargs)` once, in a cross-replica view of the
         replicas' values, and give its result to every replica (see `merge_call.py`)."""
-        from xla_strategies.merge_call import merge_call
-
-        return merge_call(self, merge_fn, args, kwargs or {})
+        strategy = strategy_in_scope() or _default_strategy()
+        return strategy.merge_in_step(self, merge_fn, args, kwargs or {})
 
 
 _DEFAULT_REPLICA_CONTEXT = ReplicaContext((), 1)
+
+
+def _default_strategy() -> Strategy:
+    """The default context's one-device strategy, once `default_strategy.py` (imported by
+    the package) has registered it: this module depends on no strategy class."""
+    raise RuntimeError("no default strategy is registered; import xla_strategies")
+
+
+def register_default_strategy(make: Callable[[], Strategy]) -> None:
+    global _default_strategy
+    _default_strategy = make
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from xla_strategies.context import scope_depth, strategy_in_scope
+from xla_strategies.context import register_default_strategy, scope_depth, strategy_in_scope
 from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.strategy import Strategy
 
@@ -22,6 +22,9 @@ def get_strategy() -> Strategy:
 @functools.cache
 def _default_strategy() -> OneDeviceStrategy:
     return OneDeviceStrategy()
+
+
+register_default_strategy(_default_strategy)  # the default replica context's strategy
 
 
 _set_scopes = threading.local()

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from xla_strategies.context import cross_replica_scope, strategy_in_scope
+from xla_strategies.context import cross_replica_scope
 from xla_strategies.extended import StrategyExtended
 from xla_strategies.passes.bridge.trace_hooks import varying_axes
-from xla_strategies.reduce_op import ReduceOp
-from xla_strategies.strategy import reduce_replicas
+from xla_strategies.reduce_op import ReduceOp, reduce_replicas
 
 if TYPE_CHECKING:
     from xla_strategies.context import ReplicaContext
@@ -36,16 +35,17 @@ if TYPE_CHECKING:
 
 
 def merge_call(
-    context: ReplicaContext, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
+    strategy: Strategy,
+    context: ReplicaContext,
+    merge_fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
 ) -> Any:
     if not callable(merge_fn):
         raise TypeError(f"merge_fn must be callable, got {type(merge_fn).__name__}")
-    strategy = strategy_in_scope()
-    if strategy is None or context.num_replicas_in_sync == 1:
-        from xla_strategies.default_strategy import get_strategy
-
+    if context.num_replicas_in_sync == 1:
         with cross_replica_scope():  # one replica: its values are the per-replica values
-            return merge_fn(strategy or get_strategy(), *args, **kwargs)
+            return merge_fn(strategy, *args, **kwargs)
     replica = context.replica_id_in_sync_group
     stacked: dict[int, Any] = {}
 

@@ -38,7 +38,7 @@ from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.bridge.lowering import replica_spec
 from xla_strategies.passes.pipeline import PassPipeline, fill_options
 from xla_strategies.passes.transforms.insert_reductions import InsertReductions
-from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.runtime.distributed_dataset import (
     DistributedDataset,
     DistributedDatasetFromFunction,
@@ -257,7 +257,7 @@ class Strategy:
 
         def leaf(a: Any, where: str) -> Any:
             parts = self._per_replica_parts(a)
-            _check_axis(axis, parts[0].ndim, where)
+            check_axis(axis, parts[0].ndim, where)
             return jnp.concatenate(parts, axis=axis)
 
         return map_arrays(leaf, value, "gather(value)")
@@ -277,6 +277,14 @@ class Strategy:
         """`value_fn(xs.experimental.ValueContext)` for each replica, stacked per leaf on
         the replica axis: a step reads its own replica's value (`xla_strategies.values`)."""
         return distribute_values_from_function(self, value_fn)
+
+    def merge_in_step(
+        self, context: Any, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """`ReplicaContext.merge_call` inside this strategy's step (`merge_call.py`)."""
+        from xla_strategies.merge_call import merge_call
+
+        return merge_call(self, context, merge_fn, args, kwargs)
 
     @functools.cached_property
     def extended(self) -> StrategyExtended:
@@ -346,29 +354,3 @@ def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
     return mesh is reference or (
         mesh.axis_names == reference.axis_names and np.array_equal(mesh.devices, reference.devices)
     )
-
-
-def reduce_replicas(
-    op: ReduceOp, x: Any, stacked: bool, axis: int | None, num_replicas: int, where: str
-) -> Any:
-    """`reduce(op, ...)` of one leaf: `x` is `[replicas, ...]` when `stacked`, else the
-    one value every replica holds; with `axis`, each replica's value is reduced along it."""
-    per_replica_ndim = x.ndim - stacked
-    if axis is not None:
-        _check_axis(axis, per_replica_ndim, where)
-    axes = ([0] if stacked else []) + (
-        [axis % per_replica_ndim + stacked] if axis is not None else []
-    )
-    if op is ReduceOp.SUM:
-        total = jnp.sum(x, axis=tuple(axes)) if axes else x
-        return total if stacked else total * num_replicas
-    reducer = {ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}[op]
-    return reducer(x, axis=tuple(axes)) if axes else x
-
-
-def _check_axis(axis: int, ndim: int, where: str) -> None:
-    if not -ndim <= axis < ndim:
-        raise ValueError(
-            f"axis={axis} is out of range for {where}, "
-            f"whose per-replica value has {ndim} dimensions"
-        )
