@@ -16,8 +16,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from xla_strategies.errors import OutOfRangeError
 from xla_strategies.runtime.host_batch import SKIP, HostBatch, prepare
-from xla_strategies.runtime.input_options import InputContext, InputOptions
+from xla_strategies.runtime.input_options import InputContext, InputOptions, InputReplicationMode
 from xla_strategies.runtime.prefetch import Producer
 from xla_strategies.trees import abstract_like
 
@@ -36,6 +37,11 @@ class DistributedDataset:
             raise TypeError(f"dataset must be iterable, got {type(dataset).__name__}")
         self._dataset = dataset
         self._options = options or InputOptions()
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            raise ValueError(
+                "InputReplicationMode.PER_REPLICA needs a function to call per replica: use "
+                "strategy.distribute_datasets_from_function(dataset_fn, options)"
+            )
         self._sharding = NamedSharding(strategy.mesh, strategy.input_spec(True))
         self._divisor = strategy.num_replicas_in_sync
         self._abstract = strategy.compile_only
@@ -51,9 +57,12 @@ class DistributedDataset:
         return jax.make_array_from_callback(array.shape, self._sharding, lambda index: array[index])
 
 
-class DistributedDatasetFromFunction:
+class DistributedDatasetFromFunction(DistributedDataset):
     """`strategy.distribute_datasets_from_function(dataset_fn)`: `dataset_fn` runs once per
-    host with its `InputContext` and returns that host's part of each global batch."""
+    host with its `InputContext` and returns that host's part of each global batch. With
+    `InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)` it runs
+    once per local replica instead, with that replica as its input pipeline, and returns
+    that replica's part; the host's part is the replicas' parts in replica order."""
 
     def __init__(
         self,
@@ -61,17 +70,16 @@ class DistributedDatasetFromFunction:
         dataset_fn: Callable[[InputContext], Iterable[Any]],
         options: InputOptions | None = None,
     ) -> None:
+        self._options = options or InputOptions()
         self._context = InputContext(
             num_input_pipelines=jax.process_count(),
             input_pipeline_id=jax.process_index(),
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
-        self._dataset = dataset_fn(self._context)
-        if not isinstance(self._dataset, Iterable):
-            raise TypeError(
-                f"dataset_fn must return an iterable, got {type(self._dataset).__name__}"
-            )
-        self._options = options or InputOptions()
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            self._dataset = _per_replica_datasets(strategy, dataset_fn)
+        else:
+            self._dataset = _called(dataset_fn, self._context)
         self._sharding = NamedSharding(strategy.mesh, strategy.input_spec(True))
 
     @property
@@ -86,6 +94,34 @@ class DistributedDatasetFromFunction:
     def _place(self, array: np.ndarray) -> jax.Array:
         global_shape = (array.shape[0] * self._context.num_input_pipelines, *array.shape[1:])
         return jax.make_array_from_process_local_data(self._sharding, array, global_shape)
+
+
+def _called(dataset_fn: Callable[[InputContext], Iterable[Any]], context: InputContext) -> Any:
+    dataset = dataset_fn(context)
+    if not isinstance(dataset, Iterable):
+        raise TypeError(f"dataset_fn must return an iterable, got {type(dataset).__name__}")
+    return dataset
+
+
+class _Concatenated:
+    """The local replicas' datasets as one: each element is their elements concatenated
+    on axis 0, in replica order (a host's part of a global batch)."""
+
+    def __init__(self, datasets: list[Iterable[Any]]) -> None:
+        self._datasets = datasets
+
+    def __iter__(self) -> Iterator[Any]:
+        for parts in zip(*self._datasets, strict=False):
+            yield jax.tree.map(
+                lambda *leaves: np.concatenate([np.asarray(x) for x in leaves]), *parts
+            )
+
+
+def _per_replica_datasets(strategy: Strategy, dataset_fn: Callable[..., Any]) -> _Concatenated:
+    """`dataset_fn` once per local replica, each replica its own input pipeline."""
+    n = strategy.num_replicas_in_sync
+    local = [i for i, d in enumerate(strategy.devices) if d.process_index == jax.process_index()]
+    return _Concatenated([_called(dataset_fn, InputContext(n, i, n)) for i in local])
 
 
 class DistributedIterator:
@@ -117,26 +153,61 @@ class DistributedIterator:
         self._stages: list[Producer] = []
         self._source: Iterator[Any] | None = None
         self._closed = False
+        self._peeked: tuple[int, Any, Any] | None = None
 
     def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
+        position, value, state = self._peek()
+        self._peeked = None
+        self._position, self._source_state = position, state
+        self._returned += 1
+        return value
+
+    def _peek(self) -> tuple[int, Any, Any]:
+        """The next (position, batch, source state), fetched once and kept until returned."""
+        if self._peeked is not None:
+            return self._peeked
         if self._closed:
             raise StopIteration
         if not self._stages and self._source is None:
             self._start()
         try:
             if self._stages:
-                position, value, state = self._stages[-1].get()
+                self._peeked = self._stages[-1].get()
             else:
-                position, value, state = self._place(self._next_prepared())
+                self._peeked = self._place(self._next_prepared())
         except BaseException:
             self.close()
             raise
-        self._position, self._source_state = position, state
-        self._returned += 1
-        return value
+        return self._peeked
+
+    # tf.distribute's iterator API
+
+    def get_next(self) -> Any:
+        """The next batch; at the end `xs.errors.OutOfRangeError`, as in tf.distribute."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence: the distributed dataset is exhausted") from None
+
+    def get_next_as_optional(self) -> OptionalValue:
+        """The next batch in an `OptionalValue`, empty at the end (never raises there)."""
+        try:
+            return OptionalValue(next(self), True)
+        except StopIteration:
+            return OptionalValue(None, False)
+
+    @property
+    def element_spec(self) -> Any:
+        """The next batch's structure as `jax.ShapeDtypeStruct`s with their shardings
+        (global shapes; with `partial_batch="pad"`, a `(batch, mask)` pair). Fetches the
+        next batch if needed, which the next `get_next` then returns."""
+        batch = self._peek()[1]
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), batch
+        )
 
     def _start(self) -> None:
         source = iter(self._dataset)
@@ -178,10 +249,11 @@ class DistributedIterator:
         self._position, self._returned = state["position"], state["batches"]
         self._source_state = state["source"]
         self._stages, self._source, self._closed = [], None, False
+        self._peeked = None
 
     def close(self) -> None:
         """Stop the background threads and drop prefetched batches. Idempotent."""
-        self._closed = True
+        self._closed, self._peeked = True, None
         for stage in self._stages:  # upstream first, so the next stage sees its end
             stage.close()
 
@@ -197,6 +269,25 @@ class DistributedIterator:
                 stage.close()
         except Exception:  # noqa: BLE001 - at interpreter exit the modules may be gone
             pass
+
+
+class OptionalValue:
+    """A value or nothing, as `tf.experimental.Optional` (what `get_next_as_optional`
+    returns): `has_value()`, then `get_value()`."""
+
+    def __init__(self, value: Any, present: bool) -> None:
+        self._value, self._present = value, present
+
+    def has_value(self) -> bool:
+        return self._present
+
+    def get_value(self) -> Any:
+        if not self._present:
+            raise ValueError("get_value(): this optional is empty (the iterator is exhausted)")
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"OptionalValue({'a value' if self._present else 'empty'})"
 
 
 def _numbered(source: Iterator[Any], start: int) -> Iterator[tuple[int, Any, Any]]:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 PARTIAL_BATCH_POLICIES = ("error", "drop", "pad")
+
+
+class InputReplicationMode(enum.Enum):
+    """Who calls `distribute_datasets_from_function`'s `dataset_fn`, as in tf.distribute:
+    once per worker (host) for that worker's part of each batch, or once per replica for
+    that replica's part."""
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
 
 
 @dataclass(frozen=True)
@@ -21,14 +31,27 @@ class InputOptions:
             replicas (typically the last one): ``"error"`` (default) raises naming the
             sizes, ``"drop"`` skips it, ``"pad"`` pads it with zeros to the next multiple
             and yields ``(batch, mask)`` for every batch, `mask` a boolean per example.
+
+    tf.distribute's names are accepted too, and set the fields above:
+    `experimental_fetch_to_device` is `prefetch_to_device`,
+    `experimental_per_replica_buffer_size` is `buffer_size` (batches, each holding every
+    replica's part), `experimental_replication_mode` says who calls
+    `distribute_datasets_from_function`'s `dataset_fn` (`InputReplicationMode`).
+    `experimental_place_dataset_on_device=True` has no meaning here (batches are made on
+    the host, by Python) and is an error.
     """
 
     prefetch_to_device: bool = True
     buffer_size: int = 2
     host_buffer_size: int = 2
     partial_batch: str = "error"
+    experimental_fetch_to_device: bool | None = None
+    experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int | None = None
 
     def __post_init__(self) -> None:
+        self._take_tf_names()
         if self.buffer_size < 1:
             raise ValueError(f"InputOptions.buffer_size must be at least 1, got {self.buffer_size}")
         if self.host_buffer_size < 1:
@@ -40,6 +63,35 @@ class InputOptions:
                 f"InputOptions.partial_batch must be one of {PARTIAL_BATCH_POLICIES}, "
                 f"got {self.partial_batch!r}"
             )
+
+    def _take_tf_names(self) -> None:
+        """Set our fields from tf.distribute's names, where given (None: not given)."""
+        mode = self.experimental_replication_mode
+        try:
+            object.__setattr__(self, "experimental_replication_mode", InputReplicationMode(mode))
+        except ValueError:
+            raise ValueError(
+                "InputOptions.experimental_replication_mode must be an InputReplicationMode, "
+                f"got {mode!r}"
+            ) from None
+        if self.experimental_place_dataset_on_device:
+            raise ValueError(
+                "InputOptions.experimental_place_dataset_on_device=True: batches are made "
+                "on the host by Python, so there is no dataset to place on a device; "
+                "prefetch_to_device (experimental_fetch_to_device) copies them ahead instead"
+            )
+        for ours, theirs, default in (
+            ("prefetch_to_device", "experimental_fetch_to_device", True),
+            ("buffer_size", "experimental_per_replica_buffer_size", 2),
+        ):
+            given, mine = getattr(self, theirs), getattr(self, ours)
+            if given is not None and mine not in (default, given):
+                raise ValueError(
+                    f"InputOptions: {ours}={mine!r} and {theirs}={given!r} disagree; "
+                    "they are the same setting, give one of them"
+                )
+            if given is not None:
+                object.__setattr__(self, ours, given)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -31,6 +32,26 @@ if TYPE_CHECKING:
 PREEMPTION_EXIT_CODE = 42
 
 
+@dataclass(frozen=True)
+class TerminationConfig:
+    """How a platform announces a termination, as
+    `tf.distribute.experimental.TerminationConfig`.
+
+    Attributes:
+        termination_watcher_fn: called after every step; True means "about to be taken
+            away", as a signal does (for platforms that announce it some other way).
+        exit_fn: called after the save instead of exiting.
+        grace_period: seconds between the notice and the termination. Kept for reading
+            back: the save always starts after the step in flight, whatever the grace.
+        save_fn: called (no arguments) instead of the checkpoint manager's save.
+    """
+
+    termination_watcher_fn: Callable[[], bool] | None = None
+    exit_fn: Callable[[], Any] | None = None
+    grace_period: float | None = None
+    save_fn: Callable[[], Any] | None = None
+
+
 class PreemptionCheckpointHandler:
     """Save a checkpoint and exit when any worker is told to stop.
 
@@ -42,6 +63,8 @@ class PreemptionCheckpointHandler:
         signals: the signals that mean "preempted" (SIGTERM by default).
         exit_fn: called instead of `sys.exit(exit_code)` after the save, e.g. in a
             notebook that must not exit.
+        termination_config: tf.distribute's `TerminationConfig`; its `exit_fn` is used
+            when `exit_fn` is not given.
     """
 
     def __init__(
@@ -52,9 +75,12 @@ class PreemptionCheckpointHandler:
         exit_code: int = PREEMPTION_EXIT_CODE,
         signals: tuple[int, ...] = (signal.SIGTERM,),
         exit_fn: Callable[[], Any] | None = None,
+        termination_config: TerminationConfig | None = None,
     ) -> None:
         if not signals:
             raise ValueError("signals must name at least one signal")
+        self.termination_config = termination_config or TerminationConfig()
+        exit_fn = exit_fn or self.termination_config.exit_fn
         self.strategy = strategy
         self.checkpoint_manager = checkpoint_manager
         self.dataset_iterator = dataset_iterator
@@ -105,12 +131,18 @@ class PreemptionCheckpointHandler:
         self.preempted_at = step = self.total_run_calls
         manager = self.checkpoint_manager
         manager.wait_until_finished()
-        if step not in manager.all_steps():  # a periodic save may have written it already
+        save_fn = self.termination_config.save_fn
+        if save_fn is not None:
+            save_fn()
+        elif step not in manager.all_steps():  # a periodic save may have written it already
             manager.save(step, state, self.dataset_iterator, force=True)
             manager.wait_until_finished()
         self._exit_fn()
 
     def _any_worker_signalled(self) -> bool:
+        watcher = self.termination_config.termination_watcher_fn
+        if watcher is not None and watcher():
+            self._signalled = True
         if jax.process_count() == 1:
             return self._signalled
         # Every process calls this after the same step, so all of them see the same answer.

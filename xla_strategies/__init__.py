@@ -6,8 +6,7 @@ strategy = xs.MirroredStrategy()
 def train_step(params, opt_state, batch): ...   # per-replica view
 """
 
-from xla_strategies import cluster as cluster_resolver
-from xla_strategies import errors, partitioners
+from xla_strategies import cluster_resolver, errors, experimental, partitioners
 from xla_strategies import keras as _keras_scope_hook  # noqa: F401  (registers it; imports no Keras)
 from xla_strategies.central_storage import CentralStorageStrategy
 from xla_strategies.compiled_step import CompiledStep
@@ -17,8 +16,15 @@ from xla_strategies.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from xla_strategies.default_strategy import get_strategy
+from xla_strategies.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from xla_strategies.default_strategy import experimental_set_strategy, get_strategy
 from xla_strategies.devices import emulate_cpu_devices
+from xla_strategies.extended import StrategyExtended
 from xla_strategies.mirrored import MirroredStrategy
 from xla_strategies.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
 from xla_strategies.one_device import OneDeviceStrategy
@@ -27,7 +33,8 @@ from xla_strategies.passes.bridge.axis_names import UnknownAxisError
 from xla_strategies.passes.transforms.insert_reductions import MirroredOutputError
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager
-from xla_strategies.runtime.input_options import InputContext, InputOptions
+from xla_strategies.runtime.distributed_dataset import DistributedDataset, DistributedIterator
+from xla_strategies.runtime.input_options import InputContext, InputOptions, InputReplicationMode
 from xla_strategies.runtime.parameter_server.coordinator import ClusterCoordinator, RemoteValue
 from xla_strategies.runtime.preemption import PREEMPTION_EXIT_CODE, PreemptionCheckpointHandler
 from xla_strategies.strategy import Strategy
@@ -47,6 +54,16 @@ __all__ = [
     "CheckpointManager",
     "CommunicationOptions",
     "CompiledStep",
+    "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedIterator",
+    "HierarchicalCopyAllReduce",
+    "InputReplicationMode",
+    "NcclAllReduce",
+    "ReductionToOneDevice",
+    "StrategyExtended",
+    "experimental",
+    "experimental_set_strategy",
     "MultiWorkerMirroredStrategy",
     "cluster_resolver",
     "InputContext",

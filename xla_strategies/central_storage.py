@@ -8,17 +8,10 @@ from typing import Any
 import jax
 from jax.sharding import SingleDeviceSharding
 
+from xla_strategies.cross_device_ops import reduce_to_one_changes
 from xla_strategies.devices import resolve_device, resolve_devices
-from xla_strategies.passes import (
-    CombineAllReduces,
-    ReduceToOneDevice,
-    ShardParameters,
-    ShardWeightUpdates,
-)
 from xla_strategies.step_pipeline import PipelineChanges
 from xla_strategies.strategy import Strategy
-
-BUCKET_BYTES = 32 << 20
 
 
 class CentralStorageStrategy(Strategy):
@@ -60,17 +53,9 @@ class CentralStorageStrategy(Strategy):
         self.root = devices.index(self.update_device)
 
     def pipeline_changes(self) -> PipelineChanges:
-        """The reductions go to the update device (before bucketing, so any broadcasts
-        are bucketed too), in big buckets: XLA combines all-reduces but not collective
-        permutes, and every bucket costs log2(N) rounds (one bucket: 79.8 ms a step, 64 KiB
-        buckets: 85.5 ms, benchmarks/README.md). Nothing is sharded: one device updates."""
-        return PipelineChanges(
-            add=(
-                ReduceToOneDevice(root=self.root, broadcast_outputs=False),
-                CombineAllReduces(threshold_bytes=BUCKET_BYTES),
-            ),
-            leave_out=frozenset({ShardParameters.name, ShardWeightUpdates.name}),
-        )
+        """The gradients reduced to the update device; nothing sharded (one device
+        updates)."""
+        return reduce_to_one_changes(self.root, broadcast_outputs=False)
 
     def sub_strategy(self, replicas: int) -> CentralStorageStrategy:
         """The first `replicas` compute devices, with the same parameter device."""

@@ -43,6 +43,11 @@ class ReplicaContext:
         self.num_replicas_in_sync = num_replicas
 
     @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The mesh axes the step's replicas run over (what `lax.psum` needs)."""
+        return self._axes
+
+    @property
     def replica_id_in_sync_group(self) -> Any:
         """This replica's index, 0 .. num_replicas_in_sync - 1 (a traced int32)."""
         return lax.axis_index(self._axes) if self._axes else 0
@@ -59,6 +64,32 @@ class ReplicaContext:
             ReduceOp.MIN: lax.pmin,
         }[op]
         return jax.tree.map(lambda leaf: reducer(leaf, self._axes), value)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenate every leaf of `value` across replicas along `axis`, in replica
+        order; every replica gets the result (`lax.all_gather(..., tiled=True)`).
+        `options` (CommunicationOptions) is accepted for tf.distribute's signature."""
+        del options
+        if not self._axes:
+            return value
+
+        def gather(leaf: Any) -> Any:
+            ndim = jax.numpy.ndim(leaf)
+            if not -ndim <= axis < ndim:
+                raise ValueError(
+                    f"all_gather: axis={axis} is out of range for a value of rank {ndim}"
+                )
+            return lax.all_gather(leaf, self._axes, axis=axis % ndim, tiled=True)
+
+        return jax.tree.map(gather, value)
+
+    def merge_call(
+        self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        """Run `merge_fn(strategy, *args, **kwargs)` once, in a cross-replica view of the
+        replicas' values, and give its result to every replica (see `merge_call.py`)."""
+        strategy = strategy_in_scope() or _default_strategy()
+        return strategy.merge_in_step(self, merge_fn, args, kwargs or {})
 
 
 _DEFAULT_REPLICA_CONTEXT = ReplicaContext((), 1)
@@ -86,6 +117,17 @@ def user_scope(strategy: Strategy) -> Iterator[Strategy]:
         yield strategy
 
 
+def _default_strategy() -> Strategy:
+    """The default context's one-device strategy, once `default_strategy.py` (imported by
+    the package) has registered it: this module depends on no strategy class."""
+    raise RuntimeError("no default strategy is registered; import xla_strategies")
+
+
+def register_default_strategy(make: Callable[[], Strategy]) -> None:
+    global _default_strategy
+    _default_strategy = make
+
+
 @contextlib.contextmanager
 def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
     stack = _stack("strategies")
@@ -107,10 +149,28 @@ def replica_scope(strategy: Strategy, context: ReplicaContext) -> Iterator[Repli
             stack.pop()
 
 
+@contextlib.contextmanager
+def cross_replica_scope() -> Iterator[None]:
+    """Inside a step, a stretch in cross-replica context (`merge_call`'s merge_fn):
+    `get_replica_context()` is None there, as in tf.distribute."""
+    stack = _stack("replicas")  # the same list: replica_scope pops from it
+    saved = stack[:]
+    stack.clear()
+    try:
+        yield
+    finally:
+        stack[:] = saved
+
+
 def strategy_in_scope() -> Strategy | None:
     """The innermost strategy whose scope is active, or None (see `xs.get_strategy`)."""
     stack = _stack("strategies")
     return stack[-1] if stack else None
+
+
+def scope_depth() -> int:
+    """How many strategy scopes are open in this thread."""
+    return len(_stack("strategies"))
 
 
 def has_strategy() -> bool:

@@ -7,8 +7,9 @@ depends on no strategy class.
 from __future__ import annotations
 
 import functools
+import threading
 
-from xla_strategies.context import strategy_in_scope
+from xla_strategies.context import register_default_strategy, scope_depth, strategy_in_scope
 from xla_strategies.one_device import OneDeviceStrategy
 from xla_strategies.strategy import Strategy
 
@@ -21,3 +22,29 @@ def get_strategy() -> Strategy:
 @functools.cache
 def _default_strategy() -> OneDeviceStrategy:
     return OneDeviceStrategy()
+
+
+register_default_strategy(_default_strategy)  # the default replica context's strategy
+
+
+_set_scopes = threading.local()
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Make `strategy` current in this thread without a `with strategy.scope():` block, as
+    `tf.distribute.experimental_set_strategy` does; `None` clears it. Replaces the
+    strategy an earlier call set, and must not be called inside a strategy's scope."""
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be a Strategy or None, got {type(strategy).__name__}")
+    previous = getattr(_set_scopes, "scope", None)
+    if scope_depth() > (previous is not None):
+        raise RuntimeError(
+            "experimental_set_strategy must not be called inside a strategy's scope; "
+            "leave the `with strategy.scope():` block first"
+        )
+    if previous is not None:
+        _set_scopes.scope = None
+        previous.__exit__(None, None, None)
+    if strategy is not None:
+        _set_scopes.scope = strategy.scope()
+        _set_scopes.scope.__enter__()

@@ -11,6 +11,10 @@ class CancelledError(RuntimeError):
     """A scheduled function never ran: an earlier one failed and the queue was cancelled."""
 
 
+class OutOfRangeError(IndexError):
+    """A distributed iterator's `get_next()` was called after its last batch."""
+
+
 class StoppedAfterCompile(BaseException):  # noqa: N818 - a signal, like KeyboardInterrupt
     """Raised once a step has compiled when `XLA_STRATEGIES_STOP_AFTER_COMPILE` is set.
 

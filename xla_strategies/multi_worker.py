@@ -10,34 +10,16 @@ from __future__ import annotations
 
 import atexit
 import math
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from xla_strategies.cluster import SimpleClusterResolver, TFConfigClusterResolver
+from xla_strategies.cross_device_ops import CommunicationOptions, implementation_decomposes
 from xla_strategies.passes import CombineAllReduces, DecomposeAllReduces
 from xla_strategies.step_pipeline import PipelineChanges, Setting
 from xla_strategies.strategy import Strategy
 from xla_strategies.topology import Topology
-
-
-@dataclass(frozen=True)
-class CommunicationOptions:
-    """Attributes:
-    timeout_seconds: bounds start-up (waiting for every worker) and the heartbeats that
-        detect a dead peer, so a lost worker becomes an error, never a hang.
-    bytes_per_pack: the combine-all-reduces bucket size; 0 keeps the strategy's choice.
-    """
-
-    timeout_seconds: float | None = None
-    bytes_per_pack: int = 0
-
-    def __post_init__(self) -> None:
-        if self.timeout_seconds is not None and self.timeout_seconds <= 0:
-            raise ValueError(f"timeout_seconds must be positive, got {self.timeout_seconds}")
-        if self.bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack must not be negative, got {self.bytes_per_pack}")
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -56,10 +38,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         grid = np.asarray(devices, dtype=object).reshape(jax.process_count(), -1)
         super().__init__(grid, ("host", "local"))
+        self._decomposes = implementation_decomposes(
+            self.communication_options.implementation, devices[0].platform
+        )
 
     def pipeline_changes(self) -> PipelineChanges:
-        """Reductions are decomposed over the host and local axes."""
-        return PipelineChanges(add=(DecomposeAllReduces(),))
+        """Reductions are decomposed over the host and local axes, unless
+        `CommunicationOptions(implementation=RING or NCCL)` asks for one flat collective."""
+        return PipelineChanges(add=(DecomposeAllReduces(),) if self._decomposes else ())
 
     def pipeline_settings(self) -> tuple[Setting, ...]:
         pack = self.communication_options.bytes_per_pack

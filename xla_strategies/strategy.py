@@ -33,9 +33,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import user_scope
+from xla_strategies.extended import StrategyExtended
 from xla_strategies.passes.bridge.layouts import replica_spec
 from xla_strategies.passes.pipeline import PassPipeline
-from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.runtime.distributed_dataset import (
     DistributedDataset,
     DistributedDatasetFromFunction,
@@ -44,6 +45,7 @@ from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.step_pipeline import PipelineChanges, PipelineOptions, Setting, step_pipeline
 from xla_strategies.topology import Topology
 from xla_strategies.trees import abstract_like, copy_to, map_arrays
+from xla_strategies.values import distribute_values_from_function
 
 
 class Strategy:
@@ -53,6 +55,8 @@ class Strategy:
     pipeline_label: ClassVar[str] = "strategy"
     #: Whether every replica updates the weights, so the update can be sharded.
     shards_weight_updates: ClassVar[bool] = True
+    #: The cluster's resolver, as tf.distribute has it: None for strategies of one host.
+    cluster_resolver: Any = None
 
     def __init__(self, devices: Any, axis_names: tuple[str, ...] = ("replica",)) -> None:
         """`devices`: a sequence (one axis) or an array with one dimension per axis name."""
@@ -260,7 +264,7 @@ class Strategy:
 
         def leaf(a: Any, where: str) -> Any:
             parts = self._per_replica_parts(a)
-            _check_axis(axis, parts[0].ndim, where)
+            check_axis(axis, parts[0].ndim, where)
             return jnp.concatenate(parts, axis=axis)
 
         return map_arrays(leaf, value, "gather(value)")
@@ -275,6 +279,24 @@ class Strategy:
             )
             for i in range(len(local))
         )
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
+        """`value_fn(xs.experimental.ValueContext)` for each replica, stacked per leaf on
+        the replica axis: a step reads its own replica's value (`xla_strategies.values`)."""
+        return distribute_values_from_function(self, value_fn)
+
+    def merge_in_step(
+        self, context: Any, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """`ReplicaContext.merge_call` inside this strategy's step (`merge_call.py`)."""
+        from xla_strategies.merge_call import merge_call
+
+        return merge_call(self, context, merge_fn, args, kwargs)
+
+    @functools.cached_property
+    def extended(self) -> StrategyExtended:
+        """tf.distribute's `StrategyExtended` (`xla_strategies.extended`)."""
+        return StrategyExtended(self)
 
     def experimental_distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
@@ -315,17 +337,7 @@ class Strategy:
     def _reduce_leaf(self, op: ReduceOp, array: Any, axis: int | None, where: str) -> Any:
         stacked = self._stacked(array)
         x = jnp.asarray(array) if stacked is None else stacked
-        per_replica_ndim = x.ndim - (stacked is not None)
-        if axis is not None:
-            _check_axis(axis, per_replica_ndim, where)
-        axes = ([0] if stacked is not None else []) + (
-            [axis % per_replica_ndim + (stacked is not None)] if axis is not None else []
-        )
-        if op is ReduceOp.SUM:
-            total = jnp.sum(x, axis=tuple(axes)) if axes else x
-            return total if stacked is not None else total * self.num_replicas_in_sync
-        reducer = {ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}[op]
-        return reducer(x, axis=tuple(axes)) if axes else x
+        return reduce_replicas(op, x, stacked is not None, axis, self.num_replicas_in_sync, where)
 
     def _local_parts(self, array: Any, devices: list[jax.Device]) -> list[Any]:
         if not isinstance(array, jax.Array):
@@ -349,11 +361,3 @@ def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
     return mesh is reference or (
         mesh.axis_names == reference.axis_names and np.array_equal(mesh.devices, reference.devices)
     )
-
-
-def _check_axis(axis: int, ndim: int, where: str) -> None:
-    if not -ndim <= axis < ndim:
-        raise ValueError(
-            f"axis={axis} is out of range for {where}, "
-            f"whose per-replica value has {ndim} dimensions"
-        )

@@ -18,6 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from xla_strategies.logical_devices import (
+    assign_to_logical_device,
+    check_device_assignment,
+    replicate_to_logical_devices,
+    split_to_logical_devices,
+)
 from xla_strategies.passes import DecomposeAllReduces
 from xla_strategies.step_pipeline import PipelineChanges
 from xla_strategies.strategy import Strategy
@@ -36,6 +42,11 @@ class TPUStrategy(Strategy):
             `lower(...).compile()` returns a TPU executable, and calling it is an error.
             `xla-strategies aot --topology NAME` makes every TPUStrategy of a script
             compile-only for NAME (the environment variable `AOT_TOPOLOGY`).
+        tpu_cluster_resolver: kept as `cluster_resolver` (`xs.cluster_resolver.TPUClusterResolver`).
+        experimental_device_assignment: None, or one core per replica
+            (`xla_strategies.logical_devices` says why a replica is one core).
+        experimental_spmd_xla_partitioning: kept for tf.distribute's signature; with one
+            core per replica there is nothing within a replica to partition.
     """
 
     pipeline_label = "tpu"
@@ -45,7 +56,14 @@ class TPUStrategy(Strategy):
         topology: Topology | str | None = None,
         emulate: bool = False,
         compile_only: bool = False,
+        *,
+        tpu_cluster_resolver: Any = None,
+        experimental_device_assignment: Any = None,
+        experimental_spmd_xla_partitioning: bool = False,
     ) -> None:
+        check_device_assignment(experimental_device_assignment)
+        self.cluster_resolver = tpu_cluster_resolver
+        self.experimental_spmd_xla_partitioning = experimental_spmd_xla_partitioning
         if os.environ.get(AOT_TOPOLOGY):  # `xla-strategies aot`: the script's own topology
             topology, emulate, compile_only = os.environ[AOT_TOPOLOGY], False, True
         if isinstance(topology, str):
@@ -67,6 +85,19 @@ class TPUStrategy(Strategy):
     @property
     def compile_only(self) -> bool:
         return self._compile_only
+
+    # tf.distribute's logical devices: one per replica (`xla_strategies.logical_devices`)
+
+    def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:
+        return assign_to_logical_device(tensor, logical_device_id)
+
+    def experimental_split_to_logical_devices(
+        self, tensor: Any, partition_dimensions: list[int]
+    ) -> Any:
+        return split_to_logical_devices(tensor, partition_dimensions)
+
+    def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
+        return replicate_to_logical_devices(tensor)
 
     @property
     def topology(self) -> Topology:

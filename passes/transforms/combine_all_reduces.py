@@ -79,17 +79,28 @@ class CombineAllReduces(Pass):
         first bucket); 0 (default) takes 1/16 of the threshold with a topology (DDP's
         1 MiB against 25 MiB), and the threshold without one (its collectives are
         synchronous: nothing overlaps them).
+    num_packs: instead of a threshold, split each kind's reductions into this many
+        buckets of about equal bytes, in schedule order (tf.distribute's
+        `NcclAllReduce(num_packs=k)`; a tensor is never split, so a bucket may run over
+        its share, and fewer buckets result when there are fewer tensors); 0: off.
     """
 
     name = "combine-all-reduces"
     threshold_bytes: int = 0
     first_bucket_bytes: int = 0
+    num_packs: int = 0
 
     def __post_init__(self) -> None:
-        if self.threshold_bytes < 0 or self.first_bucket_bytes < 0:
+        if self.threshold_bytes < 0 or self.first_bucket_bytes < 0 or self.num_packs < 0:
             raise ValueError(
-                "combine-all-reduces: threshold-bytes and first-bucket-bytes must not be "
-                f"negative, got {self.threshold_bytes} and {self.first_bucket_bytes}"
+                "combine-all-reduces: threshold-bytes, first-bucket-bytes and num-packs must "
+                f"not be negative, got {self.threshold_bytes}, {self.first_bucket_bytes} and "
+                f"{self.num_packs}"
+            )
+        if self.num_packs and (self.threshold_bytes or self.first_bucket_bytes):
+            raise ValueError(
+                "combine-all-reduces: num-packs sizes the buckets itself; drop threshold-bytes "
+                "and first-bucket-bytes"
             )
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
@@ -102,8 +113,10 @@ class CombineAllReduces(Pass):
             0 if ctx.topology is None else max(1, threshold // FIRST_BUCKET_FRACTION)
         )
         for region in graph.graphs():
+            # Packs are fixed before any bucket is made: combining removes their members.
+            packs = _pack_of(region, self.num_packs) if self.num_packs else {}
             # One bucket at a time, then look again: combining moves nodes.
-            while bucket := self._next_bucket(region, threshold, first):
+            while bucket := self._next_bucket(region, threshold, first, packs):
                 op = bucket.members[0].op
                 if op in BLOCK_COLLECTIVES:
                     tile = getattr(ctx.topology, "collective_block_tile", None)
@@ -118,13 +131,18 @@ class CombineAllReduces(Pass):
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         return bool(sizes)
 
-    def _next_bucket(self, graph: Graph, threshold: int, first: int) -> _Bucket | None:
-        buckets = self._buckets(graph, threshold, first)
+    def _next_bucket(
+        self, graph: Graph, threshold: int, first: int, packs: dict[Node, int]
+    ) -> _Bucket | None:
+        buckets = self._buckets(graph, threshold, first, packs)
         return next((b for b in buckets if len(b.members) > 1), None)
 
-    def _buckets(self, graph: Graph, threshold: int, first_limit: int) -> list[_Bucket]:
-        """Greedy buckets in schedule order. A reduction whose operand is computed from a
-        member's result closes that bucket: the two cannot be one collective."""
+    def _buckets(
+        self, graph: Graph, threshold: int, first_limit: int, packs: dict[Node, int]
+    ) -> list[_Bucket]:
+        """Greedy buckets in schedule order (by `packs`, when given). A reduction whose
+        operand is computed from a member's result closes that bucket: the two cannot be
+        one collective."""
         open_buckets: dict[tuple, _Bucket] = {}
         done: list[_Bucket] = []
         started = {_key(n) for n in graph.nodes if _is_combined(n)}
@@ -139,7 +157,12 @@ class CombineAllReduces(Pass):
             key, size = _key(node), node.whole_bytes
             limit = first_limit if first_limit and key not in started else threshold
             bucket = open_buckets.get(key)
-            if bucket is None or bucket in tainting or bucket.nbytes + size > limit:
+            full = (
+                packs[node] != packs[bucket.members[-1]]
+                if packs and bucket is not None
+                else bucket is not None and bucket.nbytes + size > limit
+            )
+            if bucket is None or bucket in tainting or full:
                 if bucket is not None:
                     done.append(bucket)
                     started.add(key)
@@ -158,6 +181,23 @@ _KEPT_ATTRS = ("axes", "reduce_op", "origin", "root", "size")
 
 def _combinable(node: Node) -> bool:
     return node.op in COMBINABLE and len(node.inputs) == 1 and not _is_combined(node)
+
+
+def _pack_of(graph: Graph, num_packs: int) -> dict[Node, int]:
+    """Each combinable reduction's pack, 0 .. num_packs - 1: the share of its kind's bytes
+    (in schedule order) in which the middle of its own bytes falls."""
+    members = [n for n in graph.nodes if _combinable(n)]
+    totals: dict[tuple, int] = {}
+    for node in members:
+        totals[_key(node)] = totals.get(_key(node), 0) + node.whole_bytes
+    offsets: dict[tuple, int] = {}
+    packs: dict[Node, int] = {}
+    for node in members:
+        key, size = _key(node), node.whole_bytes
+        middle = offsets.get(key, 0) + size / 2
+        packs[node] = min(num_packs - 1, int(num_packs * middle / max(totals[key], 1)))
+        offsets[key] = offsets.get(key, 0) + size
+    return packs
 
 
 def _threshold_for(ctx: PassContext) -> int:

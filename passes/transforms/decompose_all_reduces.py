@@ -41,6 +41,9 @@ class DecomposeAllReduces(Pass):
     """Options:
     force: use this algorithm ("ordered" or "rotated") wherever possible instead of the
         cost model's choice (for tests and experiments); "" lets the cost model decide.
+        Without a topology only "ordered" can be forced, with the mesh's axes from the
+        last (innermost: a host's own devices) to the first, as tf.distribute's
+        `HierarchicalCopyAllReduce` reduces within a group of devices before across groups.
     """
 
     name = "decompose-all-reduces"
@@ -54,9 +57,14 @@ class DecomposeAllReduces(Pass):
             )
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
-        if ctx.topology is None:
+        if ctx.topology is None and not self.force:
             ctx.remarks.append(f"{self.name}: no topology, nothing decomposed")
             return False
+        if ctx.topology is None and self.force != "ordered":
+            raise ValueError(
+                f"decompose-all-reduces{{force={self.force}}} needs a topology to plan "
+                "with; without one only force=ordered can be used"
+            )
         decisions: list[dict] = []
         for region in graph.graphs():
             for node in [n for n in region.nodes if self._candidate(n, ctx)]:
@@ -77,8 +85,16 @@ class DecomposeAllReduces(Pass):
 
     def _decide(self, graph: Graph, node: Node, ctx: PassContext) -> dict:
         axes = tuple(node.attrs["axes"])
-        links = ctx.topology.axis_links(axes)
         nbytes = node.inputs[0].nbytes
+        if ctx.topology is None:  # forced ordered: innermost mesh axis first
+            order = sorted(axes, key=list(ctx.mesh_axes).index, reverse=True)
+            ctx.remarks.append(
+                f"{self.name}: all_reduce of {nbytes:,} bytes over {list(axes)}: ordered "
+                f"(forced, no topology: {order})"
+            )
+            _rewrite(graph, node, [order], {a: ctx.mesh_axes[a] for a in axes}, self.name)
+            return {"bytes": nbytes, "axes": list(axes), "algorithm": "ordered", "estimates_s": {}}
+        links = ctx.topology.axis_links(axes)
         choice, estimates = cost_model.best_algorithm("all_reduce", nbytes, links)
         if self.force:
             choice = self.force
@@ -98,6 +114,10 @@ class DecomposeAllReduces(Pass):
     def _decide_chain(self, graph: Graph, node: Node, ctx: PassContext) -> dict:
         """A reduce-scatter or all-gather: flat, or one axis at a time in its order."""
         axes = tuple(node.attrs["axes"])
+        if ctx.topology is None:  # forced ordered
+            nbytes = node.whole_bytes
+            _chain_block_collective(graph, node, ctx.mesh_axes, self.name)
+            return {"bytes": nbytes, "axes": list(axes), "algorithm": "ordered", "estimates_s": {}}
         links = {a.name: a for a in ctx.topology.axis_links(axes)}
         ordered = [links[a] for a in axes]
         nbytes = node.whole_bytes

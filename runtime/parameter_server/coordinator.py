@@ -21,7 +21,7 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +101,25 @@ class PerWorkerIterator:
         if self.id not in worker.iterators:  # first use, or a restarted worker
             worker.iterators[self.id] = iter(self.dataset_fn())
         return worker.iterators[self.id]
+
+
+class PerWorkerValues:
+    """One value per worker, as `tf.distribute.experimental.coordinator.PerWorkerValues`:
+    a scheduled function that is passed it gets the value of the worker it runs on."""
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        return self._values
+
+    def local(self, worker: Any) -> Any:
+        if not 0 <= worker.index < len(self._values):
+            raise IndexError(
+                f"PerWorkerValues holds {len(self._values)} values; worker {worker.index} has none"
+            )
+        return self._values[worker.index]
 
 
 # A worker that fails this many closures in a row without running one is given up on.
