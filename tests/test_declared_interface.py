@@ -93,7 +93,7 @@ def test_state_is_found_wherever_the_step_returns_it(mirrored):
     assert params["w"].is_deleted()  # the moments were copied to their split layout
     assert mirrored.is_held_sharded(new_opt[0].mu["w"])
     assert mirrored.is_held_sharded(new_opt[0].nu["w"])
-    assert step.graph(new_params, new_opt, x).state_outputs == {1: 0, 2: 1, 3: 2, 4: 3}
+    assert step.graph(new_params, new_opt, x).io.state_pairs() == {1: 0, 2: 1, 3: 2, 4: 3}
     step(new_params, new_opt, x)
     assert new_params["w"].is_deleted() and new_opt[0].mu["w"].is_deleted()
 

@@ -76,7 +76,7 @@ def test_stacked_state_of_a_batch_shape_is_not_split(mirrored):
     batch = next(iter(mirrored.experimental_distribute_dataset([np.ones((R, R), np.float32)])))
     graph = step.graph(state, batch)
     assert [v.shape for v in graph.inputs] == [(R,), (1, R)]
-    assert graph.stacked_inputs == frozenset({0})
+    assert [i for i, a in enumerate(graph.io.inputs) if a.stacked] == [0]
     *_, again = step(state, batch)
     np.testing.assert_array_equal(np.asarray(again), np.eye(R))
 
@@ -129,7 +129,7 @@ def test_declared_aggregation_reduces_inside_the_step_in_the_gradient_bucket(mir
     stats = mirrored.replicate(np.zeros(R, np.float32))
 
     captured = step.graph(w, stats, batch)
-    assert captured.output_aggregation == {1: "mean"}
+    assert [a.aggregation for a in captured.io.outputs][1] == "mean"
     inserted = step.graph(w, stats, batch, after="insert-reductions")
     aggregations = [n for n in inserted.walk() if n.attrs.get("origin") == "aggregation"]
     assert len(aggregations) == 1 and aggregations[0].attrs["output"] == "output[1]"

@@ -156,11 +156,10 @@ class CompiledStep:
         if pacer is not None:
             pacer.before_dispatch()
         outs = executable.run(*self._place(flat, executable))
-        if executable.graph.rooted_outputs:  # only the root replica's copy is right
-            outs = [
-                self.strategy.root_copy(o) if i in executable.graph.rooted_outputs else o
-                for i, o in enumerate(outs)
-            ]
+        rooted = [a.rooted for a in executable.graph.io.outputs]
+        if any(rooted):  # only the root replica's copy is right
+            pairs = zip(outs, rooted, strict=True)
+            outs = [self.strategy.root_copy(o) if r else o for o, r in pairs]
         if pacer is not None:
             pacer.after_dispatch(outs)
         return executable.outputs.join(outs)
@@ -284,9 +283,14 @@ class CompiledStep:
             input_names=argument_paths(signature),
             name=self.name,
         )
-        graph.output_names = list(outputs.names)  # known once the step has been traced
+        io = graph.io
+        for attrs, name in zip(io.outputs, outputs.names, strict=True):
+            attrs.name = name  # known once the step has been traced
         state = state_pairs(self.declared_state, signature, outputs, graph)
-        graph.state_outputs, graph.donated_inputs = state.outputs, state.donated
+        for out, arg in state.outputs.items():
+            io.outputs[out].state_of = arg
+        for arg in state.donated:
+            io.inputs[arg].donated = True
         if state.unreturned:
             warnings.warn(
                 f"{self.name}: donated {', '.join(state.unreturned)}, but no output has "
@@ -295,9 +299,9 @@ class CompiledStep:
                 stacklevel=4,
             )
         if self.mirrored_outputs is not None:
-            declared = declared_outputs(self.mirrored_outputs, outputs)
-            graph.declared_mirrored = frozenset(i for i, op in declared.items() if op is None)
-            graph.output_aggregation = {i: op for i, op in declared.items() if op is not None}
+            for index, op in declared_outputs(self.mirrored_outputs, outputs).items():
+                io.outputs[index].mirrored = op is None
+                io.outputs[index].aggregation = op
         return graph, outputs
 
     def _build(self, signature: Signature) -> Executable:

@@ -177,13 +177,14 @@ def donated_state(graph: Graph) -> tuple[int, ...]:
     """The donated argument positions whose next value the optimised graph still hands
     back in the layout it takes it (a pass that holds state sharded holds its next value
     sharded), so XLA can write it in place."""
+    io = graph.io
     return tuple(
         sorted(
             arg
-            for out, arg in graph.state_outputs.items()
-            if arg in graph.donated_inputs
+            for out, arg in io.state_pairs().items()
+            if io.inputs[arg].donated
             and _same_type(graph.inputs[arg], graph.outputs[out])
-            and graph.sharded_inputs.get(arg) == graph.sharded_outputs.get(out)
+            and io.inputs[arg].sharded == io.outputs[out].sharded
         )
     )
 

@@ -43,7 +43,15 @@ from xla_strategies.passes.bridge.trace_hooks import (
     marking_gradient_scales,
     tagging_autodiff_reductions,
 )
-from xla_strategies.passes.ir.graph import Graph, Node, Origin, Value
+from xla_strategies.passes.ir.graph import (
+    Graph,
+    InputAttrs,
+    Interface,
+    Node,
+    Origin,
+    OutputAttrs,
+    Value,
+)
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
 _REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
@@ -101,7 +109,9 @@ def capture(
     for value, label in zip(graph.inputs, input_names, strict=False):
         value.name = label
     importer.name_parameters()
-    graph.stacked_inputs = frozenset(i for i, s in enumerate(squeeze) if s)
+    graph.interface = Interface(
+        [InputAttrs(stacked=s) for s in squeeze], [OutputAttrs() for _ in graph.outputs]
+    )
     return graph
 
 

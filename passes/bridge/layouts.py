@@ -40,8 +40,8 @@ def input_shardings(
     inputs held sharded on `sharded_mesh`, the rest on `mesh`."""
     meshes = (mesh, stacked_mesh, sharded_mesh)
     return [
-        _global_sharding(v, i in graph.stacked_inputs, graph.sharded_inputs.get(i), meshes)
-        for i, v in enumerate(graph.inputs)
+        _global_sharding(v, a.stacked, a.sharded, meshes)
+        for v, a in zip(graph.inputs, graph.io.inputs, strict=True)
     ]
 
 
@@ -52,13 +52,13 @@ def output_shardings(
     the graph holds sharded come back sharded."""
     meshes = (mesh, stacked_mesh, sharded_mesh)
     return [
-        _global_sharding(v, comes_back_stacked(graph, i), graph.sharded_outputs.get(i), meshes)
+        _global_sharding(v, comes_back_stacked(graph, i), graph.io.outputs[i].sharded, meshes)
         for i, v in enumerate(graph.outputs)
     ]
 
 
 def comes_back_stacked(graph: Graph, index: int) -> bool:
-    return bool(graph.outputs[index].varying_axes) and index not in graph.sharded_outputs
+    return bool(graph.outputs[index].varying_axes) and graph.io.outputs[index].sharded is None
 
 
 def _global_sharding(

@@ -46,13 +46,14 @@ def lower(
     their sharding tells them apart from a split batch; values the graph holds sharded
     (weight-update sharding) live on `sharded_mesh` for the same reason.
     """
+    io = graph.io
     in_specs = tuple(
-        value_spec(v, mesh, graph.sharded_inputs.get(i)) for i, v in enumerate(graph.inputs)
+        value_spec(v, mesh, a.sharded) for v, a in zip(graph.inputs, io.inputs, strict=True)
     )
     out_specs = tuple(
-        value_spec(v, mesh, graph.sharded_outputs.get(i)) for i, v in enumerate(graph.outputs)
+        value_spec(v, mesh, a.sharded) for v, a in zip(graph.outputs, io.outputs, strict=True)
     )
-    stacked_in = [i in graph.stacked_inputs for i in range(len(graph.inputs))]
+    stacked_in = [a.stacked for a in io.inputs]
     stacked_out = [comes_back_stacked(graph, i) for i in range(len(graph.outputs))]
 
     def body(*flat):

@@ -178,45 +178,83 @@ class Split:
         return f"{self.dim}{{{','.join(self.axes)}}}"
 
 
+@dataclass
+class InputAttrs:
+    """What the step's interface says of one input (MLIR's argument attributes).
+
+    `stacked`: it holds one value per replica (stacked on a leading replica axis outside
+    the step), not a split batch. `donated`: its buffer may be reused (declared with
+    `donate_argnums`; only state). `sharded`: a mirrored value held split across the
+    replicas between steps, whose type in the graph is the per-replica block."""
+
+    stacked: bool = False
+    donated: bool = False
+    sharded: Split | None = None
+
+
+@dataclass
+class OutputAttrs:
+    """What the step's interface says of one output (MLIR's result attributes).
+
+    `name`: its pytree path. `state_of`: the input it is the next value of (a step's
+    state: `params, opt_state = ...`). `sharded`: held split between steps, like the input.
+    `mirrored`: declared mirrored, so a pass must reject it if it still varies.
+    `aggregation`: declared aggregated by this reduction (`sum`, `mean`, `max`, `min`),
+    which makes it mirrored. `rooted`: only the root replica holds it correctly
+    (reduce-to-one-device); the runtime keeps the root's copy."""
+
+    name: str | None = None
+    state_of: int | None = None
+    sharded: Split | None = None
+    mirrored: bool = False
+    aggregation: str | None = None
+    rooted: bool = False
+
+
+@dataclass
+class Interface:
+    """A program's interface: the attributes of each input and output, position by
+    position. Only the program's graph has one; a region's inputs and outputs are its
+    parent op's business."""
+
+    inputs: list[InputAttrs]
+    outputs: list[OutputAttrs]
+
+    @classmethod
+    def plain(cls, inputs: int, outputs: int) -> Interface:
+        return cls([InputAttrs() for _ in range(inputs)], [OutputAttrs() for _ in range(outputs)])
+
+    def state_pairs(self) -> dict[int, int]:
+        """Output position -> the input position it is the next value of."""
+        return {i: a.state_of for i, a in enumerate(self.outputs) if a.state_of is not None}
+
+    def state_inputs(self) -> list[int]:
+        """The state inputs' positions, in order."""
+        return sorted(set(self.state_pairs().values()))
+
+
 @dataclass(eq=False)
 class Graph:
-    """A program (or a region of one).
-
-    `output_names` gives each output position its pytree path; `declared_mirrored` holds
-    the output positions the user declared mirrored, which a pass must reject if they still
-    vary across replicas; `output_aggregation` maps output positions the user declared
-    aggregated to the reduction (`sum`, `mean`, `max`, `min`) that makes them mirrored;
-    `rooted_outputs` those only the root replica holds correctly. `stacked_inputs` are the
-    input positions that hold one value per replica (stacked on a leading replica axis
-    outside the step) rather than a split batch. `state_outputs` maps an output position to
-    the input position it is the next value of (a step's state: `params, opt_state = ...`),
-    and `donated_inputs` are the state inputs whose buffers the step may reuse (declared
-    with `donate_argnums`).
-    `sharded_inputs` and `sharded_outputs` map positions to the `Split` of a mirrored value
-    held split across all replicas between steps (weight-update sharding); such a value's
-    type is the per-replica block.
-    """
+    """A program (or a region of one): its inputs, nodes in schedule order and outputs,
+    and, for the program, its `Interface`."""
 
     inputs: list[Value]
     nodes: list[Node]
     outputs: list[Value]
     name: str = "main"
-    output_names: list[str | None] = field(default_factory=list)
-    declared_mirrored: frozenset[int] = frozenset()
-    output_aggregation: dict[int, str] = field(default_factory=dict)
-    stacked_inputs: frozenset[int] = frozenset()
-    # Outputs correct on the root replica only (reduce-to-one-device); the runtime keeps
-    # the root's copy.
-    rooted_outputs: frozenset[int] = frozenset()
-    state_outputs: dict[int, int] = field(default_factory=dict)
-    donated_inputs: frozenset[int] = frozenset()
-    sharded_inputs: dict[int, Split] = field(default_factory=dict)
-    sharded_outputs: dict[int, Split] = field(default_factory=dict)
+    interface: Interface | None = None
+
+    @property
+    def io(self) -> Interface:
+        """The program's interface (a region has none)."""
+        if self.interface is None:
+            raise ValueError(f"@{self.name} is a region or has no interface")
+        return self.interface
 
     def output_name(self, index: int) -> str:
         """The pytree path of output `index`, or a positional fallback."""
-        names = self.output_names
-        return (names[index] if index < len(names) else None) or f"output #{index}"
+        name = self.interface.outputs[index].name if self.interface else None
+        return name or f"output #{index}"
 
     def walk(self) -> Iterator[Node]:
         """Every node, nested regions included, in schedule order (pre-order)."""

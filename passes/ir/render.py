@@ -40,7 +40,7 @@ def to_json(graph: Graph) -> dict[str, Any]:
             "outputs": [ids[v] for v in g.outputs],
         }
 
-    return {"name": graph.name, **body(graph), "output_names": graph.output_names}
+    return {"name": graph.name, **body(graph), "output_names": _output_names(graph)}
 
 
 def to_dot(graph: Graph) -> str:
@@ -90,3 +90,7 @@ def _escape(text: str) -> str:
 
 def to_json_text(graph: Graph) -> str:
     return json.dumps(to_json(graph), indent=1) + "\n"
+
+
+def _output_names(graph: Graph) -> list[str | None]:
+    return [a.name for a in graph.interface.outputs] if graph.interface else []

@@ -27,7 +27,17 @@ import json
 import re
 from dataclasses import dataclass
 
-from xla_strategies.passes.ir.graph import Graph, Node, Split, Value, long_dtype, short_dtype
+from xla_strategies.passes.ir.graph import (
+    Graph,
+    InputAttrs,
+    Interface,
+    Node,
+    OutputAttrs,
+    Split,
+    Value,
+    long_dtype,
+    short_dtype,
+)
 
 _INDENT = "  "
 
@@ -71,30 +81,36 @@ class _Printer:
                 self.lines.append(f"{pad}{_INDENT}region ({params}) {{")
                 self.body(region, depth + 2)
                 self.lines.append(f"{pad}{_INDENT}}}")
-        returns = []
-        for index, value in enumerate(graph.outputs):
-            flag = " mirrored" if index in graph.declared_mirrored else ""
-            if index in graph.output_aggregation:
-                flag += f" aggregate={graph.output_aggregation[index]}"
-            flag += " rooted" if index in graph.rooted_outputs else ""
-            if index in graph.state_outputs:
-                flag += f" state=%{graph.state_outputs[index]}"
-            if index in graph.sharded_outputs:
-                flag += f" sharded={graph.sharded_outputs[index]}"
-            name = graph.output_names[index] if index < len(graph.output_names) else None
-            returns.append(f"{self.use(value)}{flag}{_loc(name)}")
+        attrs = graph.interface.outputs if graph.interface else [None] * len(graph.outputs)
+        returns = [
+            f"{self.use(value)}{_output_flags(a)}{_loc(a.name if a else None)}"
+            for value, a in zip(graph.outputs, attrs, strict=True)
+        ]
         self.lines.append(f"{pad}return {', '.join(returns)}".rstrip())
+
+
+def _output_flags(a: OutputAttrs | None) -> str:
+    if a is None:
+        return ""
+    return (
+        (" mirrored" if a.mirrored else "")
+        + (f" aggregate={a.aggregation}" if a.aggregation else "")
+        + (" rooted" if a.rooted else "")
+        + (f" state=%{a.state_of}" if a.state_of is not None else "")
+        + (f" sharded={a.sharded}" if a.sharded else "")
+    )
 
 
 def _printed(graph: Graph) -> _Printer:
     printer = _Printer()
+    attrs = graph.interface.inputs if graph.interface else [InputAttrs()] * len(graph.inputs)
     params = ", ".join(
         printer.define(v)
-        + (" stacked" if i in graph.stacked_inputs else "")
-        + (f" sharded={graph.sharded_inputs[i]}" if i in graph.sharded_inputs else "")
-        + (" donated" if i in graph.donated_inputs else "")
+        + (" stacked" if a.stacked else "")
+        + (f" sharded={a.sharded}" if a.sharded else "")
+        + (" donated" if a.donated else "")
         + _loc(v.name)
-        for i, v in enumerate(graph.inputs)
+        for v, a in zip(graph.inputs, attrs, strict=True)
     )
     printer.lines.append(f"func @{graph.name}({params}) {{")
     printer.body(graph, 1)
@@ -222,29 +238,24 @@ class _Parser:
         self.cur.expect(")")
         return name
 
-    def params(
-        self, scope: dict[str, Value]
-    ) -> tuple[list[Value], frozenset[int], dict[int, Split], frozenset[int]]:
-        """The values a function or region takes, which of them are `stacked`, the
-        dimension of each `sharded` one, and which are `donated`."""
+    def params(self, scope: dict[str, Value]) -> tuple[list[Value], list[InputAttrs]]:
+        """The values a function or region takes, and what each is (`stacked`,
+        `sharded=D{axes}`, `donated`)."""
         self.cur.expect("(")
         values: list[Value] = []
-        stacked: set[int] = set()
-        donated: set[int] = set()
-        sharded: dict[int, Split] = {}
+        attrs: list[InputAttrs] = []
         while not self.cur.accept(")"):
             if values:
                 self.cur.expect(",")
             value = self.define(scope)
-            if self.cur.accept("stacked"):
-                stacked.add(len(values))
+            a = InputAttrs(stacked=self.cur.accept("stacked"))
             if self.cur.accept("sharded="):
-                sharded[len(values)] = self.split()
-            if self.cur.accept("donated"):
-                donated.add(len(values))
+                a.sharded = self.split()
+            a.donated = self.cur.accept("donated")
             value.name = self.loc()
             values.append(value)
-        return values, frozenset(stacked), sharded, frozenset(donated)
+            attrs.append(a)
+        return values, attrs
 
     def integer(self, what: str) -> int:
         return int(self.cur.match(_INT, what).group(0))
@@ -264,44 +275,38 @@ class _Parser:
         self.cur.expect("@")
         name = self.cur.match(_IDENT, "a function name").group(0)
         scope: dict[str, Value] = {}
-        inputs, stacked, sharded, donated = self.params(scope)
-        graph = self.body(inputs, scope, name)
-        graph.stacked_inputs, graph.sharded_inputs = stacked, sharded
-        graph.donated_inputs = donated
+        inputs, input_attrs = self.params(scope)
+        graph, output_attrs = self.body(inputs, scope, name)
+        graph.interface = Interface(input_attrs, output_attrs)
         self.cur.skip()
         if self.cur.pos != len(self.cur.text):
             raise self.cur.error("unexpected text after the function")
         return graph
 
-    def body(self, inputs: list[Value], scope: dict[str, Value], name: str) -> Graph:
+    def body(
+        self, inputs: list[Value], scope: dict[str, Value], name: str
+    ) -> tuple[Graph, list[OutputAttrs]]:
         self.cur.expect("{")
         graph = Graph(inputs=inputs, nodes=[], outputs=[], name=name)
         while not self.cur.peek("return"):
             graph.nodes.append(self.node(scope))
         self.cur.expect("return")
-        mirrored: set[int] = set()
-        rooted: set[int] = set()
+        attrs: list[OutputAttrs] = []
         while not self.cur.accept("}"):
             if graph.outputs:
                 self.cur.expect(",")
             graph.outputs.append(self.use(scope))
-            if self.cur.accept("mirrored"):
-                mirrored.add(len(graph.outputs) - 1)
+            a = OutputAttrs(mirrored=self.cur.accept("mirrored"))
             if self.cur.accept("aggregate="):
-                op = self.cur.match(_IDENT, "a reduction such as mean").group(0)
-                graph.output_aggregation[len(graph.outputs) - 1] = op
-            if self.cur.accept("rooted"):
-                rooted.add(len(graph.outputs) - 1)
+                a.aggregation = self.cur.match(_IDENT, "a reduction such as mean").group(0)
+            a.rooted = self.cur.accept("rooted")
             if self.cur.accept("state=%"):
-                graph.state_outputs[len(graph.outputs) - 1] = self.integer("an input number")
+                a.state_of = self.integer("an input number")
             if self.cur.accept("sharded="):
-                graph.sharded_outputs[len(graph.outputs) - 1] = self.split()
-            graph.output_names.append(self.loc())
-        graph.declared_mirrored = frozenset(mirrored)
-        graph.rooted_outputs = frozenset(rooted)
-        if not any(graph.output_names):
-            graph.output_names = []
-        return graph
+                a.sharded = self.split()
+            a.name = self.loc()
+            attrs.append(a)
+        return graph, attrs
 
     def node(self, scope: dict[str, Value]) -> Node:
         outputs: list[Value] = []
@@ -326,9 +331,9 @@ class _Parser:
         node = Node(op, inputs, outputs, attrs, created_by=created_by)
         while self.cur.accept("region"):
             region_scope: dict[str, Value] = {}
-            params, *_ = self.params(region_scope)
+            params, _ = self.params(region_scope)
             name = f"{op}.region{len(node.regions)}"
-            node.regions.append(self.body(params, region_scope, name))
+            node.regions.append(self.body(params, region_scope, name)[0])
         return node
 
 

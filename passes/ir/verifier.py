@@ -66,30 +66,46 @@ def _verify_region(
 
 
 def _check_interface(graph: Graph) -> list[str]:
-    """The step's interface (per-input and per-output attributes) names real positions
-    and donates only state."""
-    problems: list[str] = []
-    inputs, outputs = range(len(graph.inputs)), range(len(graph.outputs))
-    tables = {
-        "stacked_inputs": (graph.stacked_inputs, inputs),
-        "donated_inputs": (graph.donated_inputs, inputs),
-        "sharded_inputs": (graph.sharded_inputs, inputs),
-        "declared_mirrored": (graph.declared_mirrored, outputs),
-        "output_aggregation": (graph.output_aggregation, outputs),
-        "rooted_outputs": (graph.rooted_outputs, outputs),
-        "sharded_outputs": (graph.sharded_outputs, outputs),
-        "state_outputs": (graph.state_outputs, outputs),
-    }
-    for table, (positions, valid) in tables.items():
-        bad = sorted(p for p in positions if p not in valid)
-        if bad:
-            problems.append(f"@{graph.name} {table} names positions {bad} it does not have")
-    missing = sorted(arg for arg in graph.state_outputs.values() if arg not in inputs)
+    """The program's interface has one attribute set per input and output, state pairs
+    name real inputs, only state is donated, a value held split is split on one of its
+    dimensions, and regions have no interface (their parent op gives their meaning)."""
+    problems = [
+        f"@{region.name} is a region but has an interface"
+        for region in graph.graphs()[1:]
+        if region.interface is not None
+    ]
+    io = graph.interface
+    if io is None:
+        return problems
+    where = f"@{graph.name}"
+    if len(io.inputs) != len(graph.inputs) or len(io.outputs) != len(graph.outputs):
+        return [
+            *problems,
+            f"{where} interface has {len(io.inputs)} inputs and {len(io.outputs)} outputs, "
+            f"the graph {len(graph.inputs)} and {len(graph.outputs)}",
+        ]
+    state = io.state_pairs()
+    missing = sorted(arg for arg in state.values() if not 0 <= arg < len(graph.inputs))
     if missing:
-        problems.append(f"@{graph.name} state_outputs name missing inputs {missing}")
-    undonatable = sorted(graph.donated_inputs - set(graph.state_outputs.values()))
-    if undonatable:
-        problems.append(f"@{graph.name} donates inputs {undonatable}, which are not state")
+        problems.append(f"{where} outputs are the state of inputs {missing} it does not have")
+    donated = {i for i, a in enumerate(io.inputs) if a.donated}
+    if donated - set(state.values()):
+        problems.append(
+            f"{where} donates inputs {sorted(donated - set(state.values()))}, which are not state"
+        )
+    for kind, values, attrs in (
+        ("input", graph.inputs, io.inputs),
+        ("output", graph.outputs, io.outputs),
+    ):
+        for index, (value, a) in enumerate(zip(values, attrs, strict=True)):
+            if a.sharded is not None and a.sharded.dim >= len(value.shape):
+                problems.append(
+                    f"{where} {kind} {index} is held split on dimension {a.sharded.dim} of "
+                    f"{format_type(value)}"
+                )
+    both = [i for i, a in enumerate(io.outputs) if a.mirrored and a.aggregation]
+    if both:
+        problems.append(f"{where} outputs {both} are declared both mirrored and aggregated")
     return problems
 
 

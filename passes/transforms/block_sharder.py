@@ -238,22 +238,22 @@ class BlockSharder:
     def finish_outputs(self, graph: Graph) -> None:
         """State read only by the update comes back sharded, as it is taken next step;
         every other output that is still a block is gathered."""
-        users = graph.users()
+        users, io = graph.users(), graph.io
         for index, value in enumerate(graph.outputs):
-            arg = graph.state_outputs.get(index)
-            if value not in self.blocks and arg in graph.sharded_inputs and not value.varying_axes:
+            arg = io.outputs[index].state_of
+            taken_split = io.inputs[arg].sharded if arg is not None else None
+            if value not in self.blocks and taken_split and not value.varying_axes:
                 # state taken split whose next value is computed whole (running statistics):
                 # returned as its block (a local slice), so the next step takes it as is
-                split = graph.sharded_inputs[arg]
-                graph.outputs[index] = self.slice(value, split.dim)
-                graph.sharded_outputs[index] = split
+                graph.outputs[index] = self.slice(value, taken_split.dim)
+                io.outputs[index].sharded = taken_split
                 continue
             if value not in self.blocks:
                 continue
             block, dim = self.blocks[value]
             if arg is not None and self.hold_sharded(graph, arg, dim, users):
                 graph.outputs[index] = block
-                graph.sharded_outputs[index] = Split(dim, tuple(self.axes))
+                io.outputs[index].sharded = Split(dim, tuple(self.axes))
                 self.stats["sharded_state"] += 1
                 self.stats["sharded_state_bytes"] += value.nbytes
             elif value not in self.gathered:
@@ -263,8 +263,9 @@ class BlockSharder:
         """Take input `arg` as this replica's block if all that reads it is its slice on
         `dim`; that slice's result becomes the input."""
         value, split = graph.inputs[arg], Split(dim, tuple(self.axes))
-        if arg in graph.sharded_inputs:
-            return graph.sharded_inputs[arg] == split
+        attrs = graph.io.inputs[arg]
+        if attrs.sharded:
+            return attrs.sharded == split
         readers = users.get(value, [])
         block = self.slices.get((value, dim))
         if (
@@ -272,13 +273,13 @@ class BlockSharder:
             or len(readers) != 1
             or value in graph.outputs
             or value.varying_axes
-            or arg in graph.stacked_inputs
+            or attrs.stacked
         ):
             return False
         self.nodes.remove(readers[0])
         block.name = value.name
         graph.inputs[arg] = block
-        graph.sharded_inputs[arg] = split
+        attrs.sharded = split
         return True
 
     # building blocks

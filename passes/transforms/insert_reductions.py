@@ -98,7 +98,8 @@ class InsertReductions(Pass):
 
 
 def _check_declared_mirrored(graph: Graph) -> None:
-    varying = [i for i in sorted(graph.declared_mirrored) if graph.outputs[i].varying_axes]
+    declared = [i for i, a in enumerate(graph.io.outputs) if a.mirrored]
+    varying = [i for i in declared if graph.outputs[i].varying_axes]
     if varying:
         names = ", ".join(
             f"{graph.output_name(i)} (varies over {sorted(graph.outputs[i].varying_axes)})"
@@ -112,11 +113,12 @@ def _check_declared_mirrored(graph: Graph) -> None:
 
 def _aggregate_outputs(graph: Graph, ctx: PassContext, created_by: str) -> bool:
     """Reduce each output declared aggregated, right after its value is computed."""
-    if not graph.output_aggregation:
+    declared = {i: a.aggregation for i, a in enumerate(graph.io.outputs) if a.aggregation}
+    if not declared:
         return False
     made: dict[tuple[Value, str], Value] = {}
     producers = graph.producers()  # node objects: still right after insertions
-    for index, op in sorted(graph.output_aggregation.items()):
+    for index, op in declared.items():
         value = graph.outputs[index]
         if (value, op) not in made:
             nodes = _aggregation(value, op, ctx, created_by)
@@ -126,7 +128,7 @@ def _aggregate_outputs(graph: Graph, ctx: PassContext, created_by: str) -> bool:
             graph.nodes[at:at] = nodes
             made[value, op] = nodes[-1].outputs[0] if nodes else value
         graph.outputs[index] = made[value, op]
-    graph.output_aggregation = {}
+        graph.io.outputs[index].aggregation = None  # aggregated: mirrored from here on
     return True
 
 

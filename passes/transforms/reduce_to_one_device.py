@@ -99,9 +99,8 @@ class ReduceToOneDevice(Pass):
         else:
             # Every mirrored output: the state computed without the gradients (Adam's step
             # count) belongs on the parameter device with the rest of it.
-            graph.rooted_outputs = frozenset(
-                i for i, v in enumerate(graph.outputs) if not v.varying_axes
-            )
+            for value, attrs in zip(graph.outputs, graph.io.outputs, strict=True):
+                attrs.rooted = not value.varying_axes
         graph.nodes = nodes
         return len(made)
 

@@ -108,7 +108,7 @@ def _memory_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
             "compile(shard_parameters=True) turns it on"
         )
         return {"on": False, "reason": "no chip memory size"}
-    state = sum(graph.inputs[k].nbytes for k in set(graph.state_outputs.values()))
+    state = sum(graph.inputs[k].nbytes for k in graph.io.state_inputs())
     gradients = _gradient_bytes(graph)
     on = state + gradients > STATE_SHARE_OF_HBM * hbm
     ctx.remarks.append(
@@ -149,9 +149,9 @@ class _Splitter:
 
     def split_state(self, graph: Graph) -> None:
         scanned = {v for n in graph.nodes if n.has(Trait.COUNTED_LOOP) for v in _xs(n)}
-        for arg in sorted(set(graph.state_outputs.values())):
-            value = graph.inputs[arg]
-            if value.varying_axes or arg in graph.stacked_inputs or arg in graph.sharded_inputs:
+        for arg in graph.io.state_inputs():
+            value, attrs = graph.inputs[arg], graph.io.inputs[arg]
+            if value.varying_axes or attrs.stacked or attrs.sharded:
                 continue
             skip = 1 if value in scanned else 0  # a stack's layer dimension stays whole
             dim = shard_dimension(value.shape[skip:], self.replicas)
@@ -175,7 +175,7 @@ class _Splitter:
             block = self.block_of(value, dim + skip)
             block.name = value.name
             graph.inputs[arg] = block
-            graph.sharded_inputs[arg] = Split(dim + skip, tuple(self.axes))
+            attrs.sharded = Split(dim + skip, tuple(self.axes))
             self.stats["split_state"] += 1
             self.stats["split_state_bytes"] += value.nbytes
             self.hold_split(graph, value, block, dim + skip)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xla_strategies.passes import IRParseError, VerificationError, parse, print_graph, verify
-from xla_strategies.passes.ir.graph import Graph, Node, Split, Value
+from xla_strategies.passes.ir.graph import Graph, Node, OutputAttrs, Split, Value
 
 MESH = {"replica": 8}
 
@@ -28,8 +28,8 @@ func @step(%0: f32[4,3] loc("args[0]['w']"), %1: f32[2,4]{replica} loc("args[1]"
 def test_round_trip_is_exact():
     graph = parse(LOOP)
     assert print_graph(graph) == LOOP
-    assert graph.declared_mirrored == {0}
-    assert graph.output_names == ["output[0]", "output[1]", None]
+    assert [a.mirrored for a in graph.io.outputs] == [True, False, False]
+    assert [a.name for a in graph.io.outputs] == ["output[0]", "output[1]", None]
     assert graph.inputs[0].name == "args[0]['w']"
     assert graph.nodes[1].created_by == "insert-reductions"
     verify(graph, MESH)
@@ -44,9 +44,11 @@ func @step(%0: f32[16,4] loc("w"), %1: f32[2,4]{x,y} sharded=0{y,x} donated loc(
 """
     graph = parse(text)
     assert print_graph(graph) == text
-    assert graph.state_outputs == {0: 0, 1: 1}
-    assert graph.donated_inputs == {1}
-    assert graph.sharded_inputs == graph.sharded_outputs == {1: Split(0, ("y", "x"))}
+    assert graph.io.state_pairs() == {0: 0, 1: 1}
+    assert [a.donated for a in graph.io.inputs] == [False, True]
+    split = Split(0, ("y", "x"))
+    assert [a.sharded for a in graph.io.inputs] == [a.sharded for a in graph.io.outputs]
+    assert [a.sharded for a in graph.io.inputs] == [None, split]
     verify(graph)
 
 
@@ -60,11 +62,20 @@ func @step(%0: f32[4] donated loc("w"), %1: f32[4] loc("x")) {
     )
     with pytest.raises(VerificationError, match=r"donates inputs \[0\], which are not state"):
         verify(graph)
-    graph.donated_inputs, graph.state_outputs = frozenset(), {0: 7}
-    with pytest.raises(VerificationError, match=r"state_outputs name missing inputs \[7\]"):
+    graph.io.inputs[0].donated, graph.io.outputs[0].state_of = False, 7
+    with pytest.raises(VerificationError, match=r"the state of inputs \[7\] it does not have"):
         verify(graph)
-    graph.state_outputs, graph.rooted_outputs = {}, frozenset({3})
-    with pytest.raises(VerificationError, match=r"rooted_outputs names positions \[3\]"):
+    graph.io.outputs[0].state_of = None
+    graph.io.outputs.append(OutputAttrs(rooted=True))  # a pass that adds no output
+    with pytest.raises(VerificationError, match="interface has 2 inputs and 2 outputs"):
+        verify(graph)
+    graph.io.outputs.pop()
+    graph.io.inputs[1].sharded = Split(1, ("x",))  # f32[4] has no dimension 1
+    with pytest.raises(VerificationError, match="input 1 is held split on dimension 1"):
+        verify(graph)
+    graph.io.inputs[1].sharded = None
+    graph.io.outputs[0].mirrored, graph.io.outputs[0].aggregation = True, "mean"
+    with pytest.raises(VerificationError, match="declared both mirrored and aggregated"):
         verify(graph)
 
 

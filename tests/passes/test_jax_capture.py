@@ -34,7 +34,7 @@ def test_mlp_has_one_autodiff_reduction_per_parameter():
     # gelu is a custom_jvp function: inlined, not kept as an opaque call
     assert not any(n.op.startswith("jax.custom") or n.op == "jax.jit" for n in graph.walk())
     assert graph.inputs[0].name.startswith("args[0]")
-    assert graph.output_names[-1] == "output[2]"
+    assert graph.io.outputs[-1].name == "output[2]"
     verify(graph, {"replica": 8})
     assert print_graph(parse(print_graph(graph))) == print_graph(graph)
 

@@ -243,8 +243,7 @@ def test_every_collective_and_slice_numbers_blocks_in_one_axis_order():
         for n in graph.nodes
         if n.op in ("reduce_scatter", "replica_slice", "all_gather")
     }
-    orders |= {split.axes for split in graph.sharded_outputs.values()}
-    orders |= {split.axes for split in graph.sharded_inputs.values()}
+    orders |= {a.sharded.axes for a in graph.io.outputs + graph.io.inputs if a.sharded}
     assert len(orders) == 1
     (order,) = orders
     assert order[-1] == "dcn" and sorted(order) == sorted(axes)
