@@ -102,6 +102,14 @@ class _Declared:
     value: Any
 
 
+def is_stacked(array: Any) -> bool:
+    """Whether `array` holds per-replica values stacked on a leading replica axis, for
+    any strategy: it lives on a stacked mesh (every axis named `STACKED_PREFIX...`). Whether
+    it is stacked over a given strategy's replicas is `Strategy.layout`'s question."""
+    axes = getattr(getattr(getattr(array, "sharding", None), "mesh", None), "axis_names", ())
+    return bool(axes) and all(str(a).startswith(STACKED_PREFIX) for a in axes)
+
+
 def fold_stacked(values: Any, where: str) -> Any:
     """Per-replica values (stacked on a leading replica axis) as one value, as
     tf.distribute reads a `SyncOnRead` variable: a floating value's mean over the replicas,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from xla_strategies.arguments import Layout, fold_stacked
+from xla_strategies.arguments import fold_stacked, is_stacked
 from xla_strategies.context import get_replica_context
 from xla_strategies.keras.loss_reduction import replica_losses
 from xla_strategies.reduce_op import ReduceOp
@@ -138,8 +138,7 @@ class _Trainer:
 
     def _mirrored(self, value: Any) -> Any:
         """A stacked per-replica value folded to one (`fold_stacked`); others as they are."""
-        strategies = (self.strategy, *self._sub_strategies.values())
-        if any(s.layout(value) is Layout.STACKED for s in strategies):
+        if is_stacked(value):  # by this model's strategy or one of its sub-strategies
             return fold_stacked(value, f"a Keras variable of shape {value.shape[1:]}")
         return value
 

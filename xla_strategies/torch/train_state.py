@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torchax.ops import mappings
 
-from xla_strategies.arguments import STACKED_PREFIX, fold_stacked
+from xla_strategies.arguments import fold_stacked, is_stacked
 
 _CHILDREN = ("params", "buffers", "opt_state", "rng")
 
@@ -227,8 +227,6 @@ def _hashable(value: Any) -> Any:
 
 def _folded(array: Any, key: str) -> Any:
     """A per-replica (stacked) value as one value (`fold_stacked`); others as they are."""
-    sharding = getattr(array, "sharding", None)
-    axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
-    if not axes or not all(str(a).startswith(STACKED_PREFIX) for a in axes):
+    if not is_stacked(array):
         return array
     return fold_stacked(array, key)
