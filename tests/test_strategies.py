@@ -292,3 +292,18 @@ def test_stop_after_compile_raises_instead_of_exiting(mirrored, monkeypatch, tmp
             step(mirrored.replicate(np.ones((4, 2), np.float32)), _batch(mirrored))
         except Exception:  # a script's own handler must not swallow it
             pytest.fail("StoppedAfterCompile was caught as an Exception")
+
+
+def test_an_all_gather_declared_mirrored_comes_back_replicated(mirrored):
+    from jax import lax
+
+    def step(x):
+        gathered = lax.all_gather(x, "replica", tiled=True)
+        return gathered * 2.0 + 1.0, jnp.sum(gathered)
+
+    data = np.arange(16, dtype=np.float32).reshape(8, 2)
+    x = next(iter(mirrored.experimental_distribute_dataset([data])))
+    scaled, total = mirrored.compile(step, mirrored_outputs=True)(x)
+    np.testing.assert_array_equal(np.asarray(scaled), data * 2.0 + 1.0)
+    assert float(total) == data.sum()
+    assert scaled.sharding.is_fully_replicated

@@ -189,6 +189,7 @@ def _slice(node: Node, args: list[Any]) -> list[Any]:
 _RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
     "constant": _constant,
     "pvary": lambda node, args: list(args),
+    "pinvariant": lambda node, args: list(args),  # under check_vma=False, types are ours
     "axis_index": lambda n, a: [lax.axis_index(tuple(n.attrs["axes"]))],
     "all_reduce": _all_reduce,
     "reduce_to_one": _reduce_to_one,

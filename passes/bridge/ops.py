@@ -73,6 +73,7 @@ declare_all(
     ),
     Trait.ELEMENTWISE,
 )
+declare("jax.all_gather", Trait.GATHERS)
 declare("jax.scan", Trait.COUNTED_LOOP)
 declare("jax.while", Trait.WHILE_LOOP)
 declare("jax.remat2", Trait.CALL_ONCE)

@@ -31,6 +31,9 @@ class Trait(enum.Enum):
     # places its operand's dimensions at `broadcast_dimensions` of a result of `shape`
     BROADCAST_IN_DIM = "broadcast-in-dim"
     RESHAPE = "reshape"  # the same elements in row-major order, in its result's shape
+    # a collective whose result every replica of its axes (`axes` or `axis_name`) holds
+    # alike, whatever its type says (an all-gather)
+    GATHERS = "gathers"
 
 
 _TRAITS: dict[str, frozenset[Trait]] = {}
@@ -91,12 +94,15 @@ REGION_TRAITS = frozenset({Trait.COUNTED_LOOP, Trait.WHILE_LOOP, Trait.CALL_ONCE
 # The IR's own ops.
 declare_all(("all_reduce", "reduce_to_one"), Trait.COLLECTIVE, Trait.REDUCES)
 declare("reduce_scatter", Trait.COLLECTIVE, Trait.REDUCES)
-declare_all(("all_gather", "all_to_all", "collective_permute", "broadcast"), Trait.COLLECTIVE)
+declare("all_gather", Trait.COLLECTIVE, Trait.GATHERS)
+declare_all(("all_to_all", "collective_permute", "broadcast"), Trait.COLLECTIVE)
 declare("reshape", Trait.LINEAR, Trait.RESHAPE)
 declare("transpose", Trait.LINEAR)
 declare("scale", Trait.LINEAR, Trait.ELEMENTWISE)
 declare("add", Trait.ADDING, Trait.ELEMENTWISE)
 declare("convert", Trait.ELEMENTWISE)
 declare_all(("concatenate", "slice", "constant", "pvary", "axis_index"))
+# a varying-typed value proven the same on every replica, typed invariant: pvary's inverse
+declare("pinvariant")
 # this replica's block of a mirrored value along `dimension`: all_gather's inverse, no traffic
 declare("replica_slice")

@@ -239,6 +239,7 @@ _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
     "reshape": _check_same_size,
     "convert": _check_same_size,
     "pvary": _check_same_size,
+    "pinvariant": _check_same_size,
     "add": _check_elementwise,
     "scale": _check_elementwise,
     "slice": _check_slice,

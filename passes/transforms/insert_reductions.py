@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Value
+from xla_strategies.passes.ir.replica_identical import replica_identical
 
 
 class MirroredOutputError(ValueError):
@@ -88,7 +89,7 @@ class InsertReductions(Pass):
                 "jax.vjp, so none was scaled: they are sums over the replicas"
             )
         changed |= _aggregate_outputs(graph, ctx, self.name)
-        _check_declared_mirrored(graph)
+        changed |= _type_declared_mirrored(graph, ctx, self.name)
         per_replica = sum(1 for v in graph.outputs if v.varying_axes)
         ctx.stats[self.name] = {
             "mirrored_outputs": len(graph.outputs) - per_replica,
@@ -97,9 +98,14 @@ class InsertReductions(Pass):
         return changed
 
 
-def _check_declared_mirrored(graph: Graph) -> None:
+def _type_declared_mirrored(graph: Graph, ctx: PassContext, created_by: str) -> bool:
+    """Outputs declared mirrored that are varying-typed but the same on every replica (an
+    all-gather's result) are typed invariant (`pinvariant`); any other varying one is an
+    error."""
     declared = [i for i, a in enumerate(graph.io.outputs) if a.mirrored]
-    varying = [i for i in declared if graph.outputs[i].varying_axes]
+    typed_varying = [i for i in declared if graph.outputs[i].varying_axes]
+    identical = replica_identical(graph, ctx.mesh_axes) if typed_varying else set()
+    varying = [i for i in typed_varying if graph.outputs[i] not in identical]
     if varying:
         names = ", ".join(
             f"{graph.output_name(i)} (varies over {sorted(graph.outputs[i].varying_axes)})"
@@ -109,6 +115,15 @@ def _check_declared_mirrored(graph: Graph) -> None:
             f"outputs declared mirrored still differ across replicas: {names}. Reduce them "
             "in the step (e.g. xs.get_replica_context().all_reduce) or declare them per-replica."
         )
+    retyped: dict[Value, Value] = {}
+    for index in typed_varying:
+        value = graph.outputs[index]
+        if value not in retyped:
+            retyped[value] = Value(value.shape, value.dtype, frozenset(), value.name)
+            node = Node("pinvariant", [value], [retyped[value]], created_by=created_by)
+            graph.nodes.append(node)
+        graph.outputs[index] = retyped[value]
+    return bool(retyped)
 
 
 def _aggregate_outputs(graph: Graph, ctx: PassContext, created_by: str) -> bool:

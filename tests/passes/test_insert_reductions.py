@@ -97,3 +97,33 @@ def test_declared_aggregations_become_reductions_after_their_values():
         CHECK-NEXT: return %[[MEAN]] loc("output[0]"), %[[TIMES]] loc("output[1]"), %[[MAX]]
         """,
     )
+
+
+GATHERED = """\
+func @step(%0: f32[1,2]{replica} loc("args[0]")) {
+  %1: f32[8,1,2]{replica} = jax.all_gather(%0) {"all_gather_dimension": 0, "axis_name": ["replica"], "axis_size": 8, "tiled": false}
+  %2: f32[] = constant() {"value": 1.0}
+  %3: f32[]{replica} = pvary(%2) {"axes": ["replica"]}
+  %4: f32[8,1,2]{replica} = jax.add(%1, %3)
+  %5: i32[]{replica} = axis_index() {"axes": ["replica"]}
+  %6: f32[]{replica} = jax.convert_element_type(%5) {"new_dtype": "float32"}
+  %7: f32[8,1,2]{replica} = jax.add(%1, %6)
+  return %4 mirrored loc("output[0]"), %7 loc("output[1]")
+}
+"""
+
+
+def test_an_all_gathers_result_declared_mirrored_is_typed_invariant():
+    changed, after, _ = _run(GATHERED)
+    assert changed
+    filecheck(
+        after,
+        """
+        CHECK: %[[SUM:[0-9]+]]: f32[8,1,2]{replica} = jax.add
+        CHECK: %[[SAME:[0-9]+]]: f32[8,1,2] = pinvariant(%[[SUM]])
+        CHECK: return %[[SAME]] mirrored
+        """,
+    )
+    # what reads the replica's index differs across replicas, gathered or not
+    with pytest.raises(MirroredOutputError, match=r"output\[1\]"):
+        _run(GATHERED.replace('%7 loc("output[1]")', '%7 mirrored loc("output[1]")'))
