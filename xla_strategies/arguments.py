@@ -22,7 +22,7 @@ import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ import numpy as np
 from xla_strategies.trees import is_foreign_array, path_str
 
 #: Stacked per-replica values live on a mesh whose axis names carry this prefix.
+if TYPE_CHECKING:
+    from xla_strategies.in_place_state import WrittenState
+
 STACKED_PREFIX = "stacked:"
 #: Mirrored state a pass holds split across the replicas (weight-update sharding) lives on a
 #: mesh whose axis names carry this prefix, so it never looks like a split batch.
@@ -225,9 +228,14 @@ class Outputs:
     treedef: Any = None
     leaves: tuple[Any, ...] = ()  # a static value, or an ArraySpec-less marker (a key impl)
     names: tuple[str, ...] = ()  # the path of each traced output
+    # the argument leaves the step changed in place (NNX variables), returned after the
+    # result's traced outputs, with their key types
+    written: tuple[int, ...] = ()
+    written_keys: tuple[str | None, ...] = ()
 
-    def split(self, result: Any) -> list[Any]:
-        """Record `result`'s structure and static leaves; return its traced arrays."""
+    def split(self, result: Any, written: WrittenState | None = None) -> list[Any]:
+        """Record `result`'s structure and static leaves; return its traced arrays, then
+        the new values of what the step changed in place (`in_place_state`)."""
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(_equinox_numbers_static(result))
         traced, leaves, names = [], [], []
         for path, leaf in flat:
@@ -240,12 +248,21 @@ class Outputs:
                 names.append("output" + jax.tree_util.keystr(path))
             else:
                 leaves.append(leaf)
+        unwrapped = [_unwrap_key(jnp.asarray(v)) for v in written.values] if written else []
+        self.written = written.indices if written else ()
+        self.written_keys = tuple(impl for _, impl in unwrapped)
+        names += [f"{name} (in place)" for name in (written.names if written else ())]
         self.leaves, self.names = tuple(leaves), tuple(names)
-        return traced
+        return traced + [array for array, _ in unwrapped]
 
     def traced_indices(self) -> list[int]:
         """Leaf positions of the traced outputs, in order."""
         return [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, _TracedOutput)]
+
+    def in_place(self, arrays: Sequence[Any]) -> list[Any]:
+        """The new values of what the step changed in place (keys wrapped)."""
+        tail = arrays[len(arrays) - len(self.written) :] if self.written else []
+        return [_wrap_key(a, impl) for a, impl in zip(tail, self.written_keys, strict=True)]
 
     def join(self, arrays: Sequence[Any]) -> Any:
         """The step's result from its traced outputs: keys wrapped, static leaves put back."""

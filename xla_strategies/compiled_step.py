@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_strategies import in_place_state
 from xla_strategies.argument_declarations import declared_arguments
 from xla_strategies.arguments import (
     Layout,
@@ -162,6 +163,8 @@ class CompiledStep:
             outs = [self.strategy.root_copy(o) if r else o for o, r in pairs]
         if pacer is not None:
             pacer.after_dispatch(outs)
+        written = executable.outputs
+        in_place_state.write_back(written.written, written.in_place(outs), args, kwargs)
         return executable.outputs.join(outs)
 
     def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
@@ -270,8 +273,9 @@ class CompiledStep:
             before = snapshot(args, kwargs)
             with replica_scope(strategy, context):
                 result = self.fn(*args, **kwargs)
-            check_unchanged(self.name, before, args, kwargs, result)
-            return outputs.split(result)
+                written = in_place_state.collect(before, args, kwargs, context)
+            check_unchanged(self.name, before, args, kwargs, result, written.indices)
+            return outputs.split(result, written)
 
         graph = capture(
             step,
@@ -302,6 +306,8 @@ class CompiledStep:
             for index, op in declared_outputs(self.mirrored_outputs, outputs).items():
                 io.outputs[index].mirrored = op is None
                 io.outputs[index].aggregation = op
+        for attrs in io.outputs[len(io.outputs) - len(outputs.written) :]:
+            attrs.mirrored = True  # in-place state: the same everywhere, or an error
         return graph, outputs
 
     def _build(self, signature: Signature) -> Executable:

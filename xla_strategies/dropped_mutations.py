@@ -19,10 +19,16 @@ def snapshot(args: tuple, kwargs: dict) -> tuple[list[tuple[Any, Any]], Any]:
 
 
 def check_unchanged(
-    name: str, before: tuple[list[tuple[Any, Any]], Any], args: tuple, kwargs: dict, result: Any
+    name: str,
+    before: tuple[list[tuple[Any, Any]], Any],
+    args: tuple,
+    kwargs: dict,
+    result: Any,
+    written_back: tuple[int, ...] = (),
 ) -> None:
     """Raise if an argument's leaves (or structure) changed during the step and the new
-    values are not among what the step returns."""
+    values are neither among what the step returns nor written back (`written_back`:
+    leaf positions, NNX variables; `in_place_state`)."""
     leaves, treedef = before
     now, now_treedef = jax.tree_util.tree_flatten((args, kwargs))
     returned = {id(leaf) for leaf in jax.tree_util.tree_leaves(result)}
@@ -31,8 +37,8 @@ def check_unchanged(
     else:
         changed = [
             arg_path(path)
-            for (path, old), new in zip(leaves, now, strict=True)
-            if new is not old and id(new) not in returned
+            for index, ((path, old), new) in enumerate(zip(leaves, now, strict=True))
+            if new is not old and id(new) not in returned and index not in written_back
         ]
     if changed:
         shown = ", ".join(changed[:4]) + (
@@ -41,6 +47,6 @@ def check_unchanged(
         raise DroppedMutationError(
             f"{name} changed {shown} in place and did not return it. A compiled step works on "
             "copies of its arguments, as jax.jit does, so the change would be lost. Return "
-            "the changed objects (flax NNX: `return model, optimizer, metrics`, or "
-            "nnx.split/nnx.merge) and use what the step returns"
+            "the changed objects and use what the step returns (flax NNX variables changed "
+            "in place are written back, as nnx.jit does)"
         )
