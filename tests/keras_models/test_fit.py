@@ -400,3 +400,34 @@ def test_the_strategy_imports_no_frontend():
         for alias in node.names
     ]
     assert not [m for m in imported if "keras" in m or "torch" in m]
+
+
+def test_synchronized_batch_normalization_uses_the_global_batch():
+    """`BatchNormalization(synchronized=True)`, which Keras builds only on TensorFlow,
+    normalizes with the global batch's statistics: the same as one device's batch."""
+    x, y = _data(rows=64)
+
+    def normalized(synchronized):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8),
+                keras.layers.BatchNormalization(momentum=0.5, synchronized=synchronized),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    reference = normalized(synchronized=False)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = normalized(synchronized=True)
+    assert model.layers[1].synchronized
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="only supported with the TensorFlow backend"):
+        normalized(synchronized=True)  # outside a strategy's scope: Keras' own rule

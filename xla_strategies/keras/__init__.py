@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from xla_strategies.context import register_scope_hook
+from xla_strategies.keras.synchronized_batch_norm import accepting_synchronized
 from xla_strategies.patching import patched
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def models_compiled_in(strategy: Strategy) -> Iterator[None]:
         # Keras defines it: `keras.saving.load_model` compiles a loaded model only if its
         # class's `compile` is that one (otherwise it counts as a user's override)
         owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
-        with patched(owner, "compile", _attaching):
+        with patched(owner, "compile", _attaching), accepting_synchronized(keras):
             yield
     finally:
         stack.pop()

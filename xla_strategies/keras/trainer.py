@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from jax.sharding import NamedSharding
 from xla_strategies.arguments import fold_stacked, is_stacked
 from xla_strategies.context import get_replica_context
 from xla_strategies.keras.loss_reduction import replica_losses
+from xla_strategies.keras.synchronized_batch_norm import global_moments
 from xla_strategies.reduce_op import ReduceOp
 
 
@@ -160,7 +162,7 @@ class _Trainer:
         model = self.model
         seeds = _seed_states(model.non_trainable_variables)
         state = (state[0], _offset_seeds(state[1], seeds, +1), *state[2:])
-        with replica_losses(model):
+        with replica_losses(model), global_moments(sys.modules["keras"]):
             _, new_state = type(model).train_step(model, state, data)
         trainable, non_trainable, optimizer, metrics = new_state
         non_trainable = _offset_seeds(non_trainable, seeds, -1)
