@@ -223,3 +223,38 @@ def test_global_norm_clipping_sees_the_whole_gradient():
     sharded = strategy.compile(step, shard_weight_updates=True)(w, tx.init(w), x)
     replicated = strategy.compile(step, shard_weight_updates=False)(w, tx.init(w), x)
     assert_close_to_scale(sharded, replicated, 1e-6)
+
+
+def test_optax_multisteps_holds_its_accumulators_split_and_matches_one_device():
+    """MultiSteps picks accumulate-or-apply with a `cond` over the whole optimizer state:
+    its branches run on the blocks, so nothing is gathered for it."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        rng = np.random.default_rng(0)
+        params = {"w": rng.normal(size=(16, 8)), "b": np.zeros(8)}
+        tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+        batches = [rng.normal(size=(16, 16)) for _ in range(4)]
+
+        def step(params, opt_state, x):
+            grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        def train(strategy, **options):
+            state = strategy.replicate(params), strategy.replicate(tx.init(params))
+            compiled = strategy.compile(step, donate_argnums=(0, 1), **options)
+            for x in strategy.experimental_distribute_dataset(batches):
+                state = compiled(*state, x)
+            return state, compiled.executable(*state, x)
+
+        mirrored = xs.MirroredStrategy()
+        sharded, executable = train(mirrored, shard_weight_updates=True)
+        one, _ = train(xs.OneDeviceStrategy())
+        assert_close_to_scale(sharded, one, 1e-12)
+        report = executable.pass_stats["shard-weight-updates"]
+        assert report["gathered"] == []  # nothing read whole for the cond
+        assert report["sharded_state"] == 6  # the accumulators and Adam's two moments
+        assert mirrored.is_held_sharded(sharded[1].acc_grads["w"])
+        assert mirrored.is_held_sharded(sharded[1].inner_opt_state[0].mu["w"])
+    finally:
+        jax.config.update("jax_enable_x64", False)

@@ -28,6 +28,7 @@ from xla_strategies.passes.transforms.blocks import (
     sinks_to_blocks,
     unit_reshape_dim,
 )
+from xla_strategies.passes.transforms.branch_blocks import shard_branches
 
 DEFERRED = "deferred"
 
@@ -58,7 +59,7 @@ class BlockSharder:
     def __init__(self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str) -> None:
         """`axes`: the replica axes blocks are numbered over; a value is replicated across
         the other axes of `mesh_axes`, whose gradient sums run on the blocks."""
-        self.axes, self.created_by = axes, created_by
+        self.axes, self.mesh_axes, self.created_by = axes, mesh_axes, created_by
         self.replicas = math.prod(mesh_axes[a] for a in axes)
         self.all_axes = list(mesh_axes)
         self.across = [a for a in mesh_axes if a not in axes and mesh_axes[a] > 1]
@@ -156,6 +157,8 @@ class BlockSharder:
         """Rewrite `node` to work on blocks; False if no rule proves that right."""
         if node.has(Trait.ELEMENTWISE):
             return self.elementwise(node)
+        if node.has(Trait.BRANCHES):
+            return shard_branches(self, node)
         if len(node.inputs) != 1 or len(node.outputs) != 1:
             return False
         block, dim = self.blocks[node.inputs[0]]
