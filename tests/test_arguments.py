@@ -72,9 +72,10 @@ def test_non_array_leaves_are_static(mirrored):
 
 
 def test_unhashable_static_values_name_their_path(mirrored):
-    step = mirrored.compile(lambda x, cfg: x, static_argnums=1)
+    step = mirrored.compile(lambda x, cfg: x * len(cfg["a"]), static_argnums=1)
+    assert float(step(np.float32(1.0), {"a": [1, 2]})) == 2.0  # keyed by its hashable leaves
     with pytest.raises(TypeError, match=r"lambda> argument args\[1\] is declared static and"):
-        step(np.float32(1.0), {"a": [1]})
+        step(np.float32(1.0), {"a": [_Unhashable()]})
     plain = mirrored.compile(lambda x, cfg: x, name="plain")
     with pytest.raises(TypeError, match=r"plain argument args\[1\]\['s'\] is not an array"):
         plain(np.float32(1.0), {"s": _Unhashable()})

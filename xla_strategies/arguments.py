@@ -284,6 +284,8 @@ def _static(leaf: Any, where: Callable[[], str]) -> Static:
     try:
         hash(value)
     except TypeError as exc:
+        if (key := _tree_key(value)) is not None:  # as eqx.filter_jit keys a static part
+            return Static(key, leaf)
         kind = "declared static" if isinstance(leaf, _Declared) else "not an array, so static"
         raise TypeError(
             f"{where()} is {kind} and must be hashable (it is part of the compile cache key), "
@@ -291,6 +293,20 @@ def _static(leaf: Any, where: Callable[[], str]) -> Static:
             "hashable, or close over it in the step"
         ) from None
     return Static(_typed(value), leaf)
+
+
+def _tree_key(value: Any) -> Any:
+    """An unhashable pytree (an `eqx.partition` static part holding a list) keyed by its
+    structure and typed leaves, when those hash; None otherwise."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    if treedef.num_nodes == 1:  # a leaf itself: nothing to look inside
+        return None
+    key = (treedef, tuple(_typed(leaf) for leaf in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _typed(value: Any) -> Any:

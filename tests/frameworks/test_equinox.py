@@ -105,3 +105,24 @@ def test_modules_with_float_and_int_fields_are_static_as_under_filter_jit():
     (trained, _, _), _, _, step = _train(model, batches)
     assert trained.seq_len == 4 and trained.attention.dropout.p == 0.0
     assert step.cache_size == 1
+
+
+def test_a_static_part_holding_a_list_is_keyed_as_filter_jit_keys_it():
+    class Scaled(eqx.Module):
+        weight: jax.Array
+        sizes: list  # a list field: the module is unhashable
+
+        def __call__(self, x):
+            return (x @ self.weight) * len(self.sizes)
+
+    def loss(params, static, x):
+        return jnp.sum(eqx.combine(params, static)(x) ** 2)
+
+    strategy = xs.OneDeviceStrategy()
+    step = strategy.compile(loss, static_argnums=1)
+    x = jnp.arange(12.0).reshape(4, 3)
+    for sizes in ([1, 2], [1, 2], [1, 2, 3]):
+        params, static = eqx.partition(Scaled(jnp.ones((3, 2)), sizes), eqx.is_array)
+        want = eqx.filter_jit(loss)(params, static, x)
+        np.testing.assert_allclose(float(step(params, static, x)), float(want), rtol=1e-6)
+    assert step.cache_size == 2  # equal lists hit the cache; a longer one compiles again
