@@ -127,7 +127,7 @@ def test_a_killed_worker_is_retried_elsewhere_and_restarted(cluster):
     assert restarted != victim
     # the restarted worker takes closures again: on a loaded machine it may rejoin only
     # after the next few closures have gone to the other one
-    deadline, used = time.monotonic() + 120, set()
+    deadline, used = time.monotonic() + 300, set()
     while restarted not in used and time.monotonic() < deadline:
         more = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(30)]
         coordinator.join(timeout=120)
