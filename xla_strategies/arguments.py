@@ -109,8 +109,10 @@ def is_stacked(array: Any) -> bool:
     """Whether `array` holds per-replica values stacked on a leading replica axis, for
     any strategy: it lives on a stacked mesh (every axis named `STACKED_PREFIX...`). Whether
     it is stacked over a given strategy's replicas is `Strategy.layout`'s question."""
-    axes = getattr(getattr(getattr(array, "sharding", None), "mesh", None), "axis_names", ())
-    return bool(axes) and all(str(a).startswith(STACKED_PREFIX) for a in axes)
+    sharding = getattr(array, "sharding", None)
+    axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
+    stacked_mesh = bool(axes) and all(str(a).startswith(STACKED_PREFIX) for a in axes)
+    return stacked_mesh and bool(sharding.spec) and sharding.spec[0] is not None
 
 
 def fold_stacked(values: Any, where: str) -> Any:

@@ -273,7 +273,7 @@ class CompiledStep:
             before = snapshot(args, kwargs)
             with replica_scope(strategy, context):
                 result = self.fn(*args, **kwargs)
-                written = in_place_state.collect(before, args, kwargs, context)
+                written = in_place_state.collect(before, args, kwargs, result, context)
             check_unchanged(self.name, before, args, kwargs, result, written.indices)
             return outputs.split(result, written)
 

@@ -44,10 +44,13 @@ def collect(
     before: tuple[list[tuple[Any, Any]], Any],
     args: tuple,
     kwargs: dict,
+    result: Any,
     context: ReplicaContext,
 ) -> WrittenState:
-    """The NNX variables of the step's arguments that the step changed, with their new
-    values made the same on every replica. Call inside the replica scope, after the step."""
+    """The NNX variables of the step's arguments that the step changed and does not
+    return, with their new values made the same on every replica (a step that returns its
+    objects, functional style, is left as it was). Call inside the replica scope, after
+    the step."""
     variable_type = _variable_type()
     if variable_type is None:
         return WrittenState()
@@ -58,10 +61,11 @@ def collect(
     holders = jax.tree_util.tree_leaves(
         (args, kwargs), is_leaf=lambda x: isinstance(x, variable_type)
     )
+    returned = {id(leaf) for leaf in jax.tree_util.tree_leaves(result)}
     written = [
         (index, path, old, new, holder)
         for index, ((path, old), new, holder) in enumerate(zip(leaves, now, holders, strict=True))
-        if new is not old and isinstance(holder, variable_type)
+        if new is not old and id(new) not in returned and isinstance(holder, variable_type)
     ]
     return WrittenState(
         tuple(index for index, *_ in written),

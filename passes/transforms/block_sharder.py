@@ -23,14 +23,13 @@ from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait, dimension_reduction
 from xla_strategies.passes.transforms.blocks import (
+    DEFERRED,
     block_value,
     shard_dimension,
     sinks_to_blocks,
     unit_reshape_dim,
 )
 from xla_strategies.passes.transforms.branch_blocks import shard_branches
-
-DEFERRED = "deferred"
 
 
 def block_order(ctx: PassContext) -> list[str]:

@@ -9,6 +9,10 @@ from collections.abc import Iterable
 from xla_strategies.passes.ir.graph import Node, Value
 from xla_strategies.passes.ir.traits import Trait
 
+# The attribute of an all_gather a pass defers: the value is held split, and gathered only
+# where something reads it whole.
+DEFERRED = "deferred"
+
 
 def shard_dimension(shape: tuple[int, ...], replicas: int) -> int | None:
     """The dimension a tensor's update is split on: the first that divides by `replicas`

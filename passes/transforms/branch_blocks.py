@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.transforms.blocks import DEFERRED
 
 if TYPE_CHECKING:
     from xla_strategies.passes.transforms.block_sharder import BlockSharder
@@ -71,8 +72,6 @@ def _operand_blocks(sharder: BlockSharder, operands: list[Value]) -> dict[int, t
 def _rewrite_branch(sharder: BlockSharder, region: Graph, split: dict) -> dict[int, int]:
     """The branch on its blocks (each defined again by a deferred gather, so the rewrite
     gathers only where something reads it whole); returns the outputs left as blocks."""
-    from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder
-
     prologue = []
     for k, (_, dim) in sorted(split.items()):
         whole = region.inputs[k]
@@ -80,7 +79,7 @@ def _rewrite_branch(sharder: BlockSharder, region: Graph, split: dict) -> dict[i
         attrs = {"axes": sharder.axes, "dimension": dim, DEFERRED: True}
         prologue.append(Node("all_gather", [block], [whole], attrs, created_by=sharder.created_by))
     region.nodes[:0] = prologue
-    inner = BlockSharder(sharder.axes, sharder.mesh_axes, sharder.created_by)
+    inner = type(sharder)(sharder.axes, sharder.mesh_axes, sharder.created_by)
     returned = inner.rewrite_region(region, range(len(region.outputs)))
     for key in ("sharded_gradients", "replicated_gradients", "gathered_for_ops"):
         sharder.stats[key] += inner.stats[key]
