@@ -24,6 +24,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.lowering import replica_spec
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
@@ -361,8 +362,10 @@ class _Importer:
         self, eqn: jex.JaxprEqn, inputs: list[Value], outputs: list[Value]
     ) -> Node | None:
         prim, params = eqn.primitive.name, eqn.params
+        counts: dict[str, Any] = {}
         if prim == "scan":
-            keys = ("num_consts", "num_carry", "length", "reverse", "unroll")
+            counts = dict(zip(("num_consts", "num_carry"), jax_compat.scan_counts(params)))
+            keys = ("length", "reverse", "unroll")
             bodies = [params["jaxpr"]]
         elif prim == "while":
             keys = ("cond_nconsts", "body_nconsts")
@@ -374,7 +377,7 @@ class _Importer:
             bodies = [jex.ClosedJaxpr(params["jaxpr"], ())]
         else:
             return None
-        attrs = {k: _jsonable(params[k]) for k in keys}
+        attrs = {**counts, **{k: _jsonable(params[k]) for k in keys}}
         if prim == "remat2" and params.get("policy") is not None:
             attrs["policy"] = _policy_name(params["policy"])
         regions = [
