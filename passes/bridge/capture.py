@@ -9,8 +9,9 @@ the ones the user wrote, also inside loop bodies) and the gradients MEAN must sc
 Importing: collectives become first-class nodes, `pvary` a varying-type change, `jit` and
 custom_jvp/vjp calls are inlined (autodiff has already happened), `scan`, `while`, `cond`
 and `remat2` keep their bodies as regions, and everything else becomes a foreign node that
-carries its equation for the lowering. Only this module, `trace_hooks` and
-`lowering` (all in `passes/bridge/`) touch JAX internals.
+carries its equation for the lowering. Only this module, `trace_hooks`, `lowering` and
+`jax_compat` (all in `passes/bridge/`) touch JAX internals; what differs between the JAX
+releases the package supports is read in `jax_compat`.
 """
 
 from __future__ import annotations
