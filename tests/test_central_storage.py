@@ -18,7 +18,8 @@ from tests.filecheck import filecheck
 from tests.passes.pass_testing import run_pass
 from tests.test_equivalence import STEPS, TOLERANCES, _setup
 from xla_strategies.demo import models
-from xla_strategies.passes import ReduceToOneDevice, parse, print_graph, tree_collectives
+from xla_strategies.passes import ReduceToOneDevice, parse, print_graph
+from xla_strategies.passes.bridge import tree_collectives
 
 
 @pytest.mark.parametrize(("devices", "parameter_device"), [(8, None), (4, 3), (4, 7)])
