@@ -90,9 +90,9 @@ def capture(
             lambda: jax.make_jaxpr(traced)(*flat_args), tuple(mesh.axis_names), exc
         )
         raise
-    closed = box["jaxpr"]
+    jaxpr, consts = jax_compat.jaxpr_parts(box["jaxpr"])
     importer = _Importer(_AxisRenamer(rename or {}))
-    graph = importer.graph(closed.jaxpr, closed.consts, name)
+    graph = importer.graph(jaxpr, consts, name)
     for value, label in zip(graph.inputs, input_names, strict=False):
         value.name = label
     importer.name_parameters()
@@ -299,7 +299,7 @@ class _Importer:
         prim, params = eqn.primitive.name, eqn.params
         if prim in _INLINE:
             sub = params.get("jaxpr", params.get("call_jaxpr", params.get("fun_jaxpr")))
-            return self.emit(graph, sub.jaxpr, sub.consts, inputs)
+            return self.emit(graph, *jax_compat.jaxpr_parts(sub), inputs)
         outputs = [self.value(v.aval) for v in eqn.outvars]
         node = self.known_node(eqn, inputs, outputs) or self.region_node(eqn, inputs, outputs)
         if node is None:
@@ -365,7 +365,8 @@ class _Importer:
         prim, params = eqn.primitive.name, eqn.params
         counts: dict[str, Any] = {}
         if prim == "scan":
-            counts = dict(zip(("num_consts", "num_carry"), jax_compat.scan_counts(params)))
+            num_consts, num_carry = jax_compat.scan_counts(params)
+            counts = {"num_consts": num_consts, "num_carry": num_carry}
             keys = ("length", "reverse", "unroll")
             bodies = [params["jaxpr"]]
         elif prim == "while":
@@ -375,14 +376,14 @@ class _Importer:
             keys, bodies = (), list(params["branches"])
         elif prim == "remat2":
             keys = ("prevent_cse", "differentiated")
-            bodies = [jex.ClosedJaxpr(params["jaxpr"], ())]
+            bodies = [params["jaxpr"]]
         else:
             return None
         attrs = {**counts, **{k: _jsonable(params[k]) for k in keys}}
         if prim == "remat2" and params.get("policy") is not None:
             attrs["policy"] = _policy_name(params["policy"])
         regions = [
-            self.graph(body.jaxpr, body.consts, f"{prim}.region{i}")
+            self.graph(*jax_compat.jaxpr_parts(body), f"{prim}.region{i}")
             for i, body in enumerate(bodies)
         ]
         return Node("jax." + prim, inputs, outputs, attrs, regions=regions, payload=eqn)

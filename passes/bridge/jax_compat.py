@@ -6,8 +6,18 @@ lowering go through these; nothing else in the package looks at a JAX version.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def jaxpr_parts(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
+    """A (sub-)jaxpr as its open jaxpr and the values of its constants.
+
+    JAX 0.12 folded `ClosedJaxpr` into `Jaxpr`: `make_jaxpr` and the params of `jit`,
+    `scan`, `while` and `cond` give a `Jaxpr` that carries its constants (its `.jaxpr` is
+    itself, kept only for old callers). Before, those were `ClosedJaxpr`s wrapping an open
+    `Jaxpr`, and `remat2`'s param was an open `Jaxpr` with no constants."""
+    return getattr(jaxpr, "jaxpr", jaxpr), tuple(getattr(jaxpr, "consts", ()))
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
@@ -36,4 +46,3 @@ def vjp_bwd_view(
         grads, logs = result
         return out_avals, out_ct, grads, lambda marked: (marked, logs)
     return out_avals, out_ct, result, lambda marked: marked
-
