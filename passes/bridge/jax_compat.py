@@ -1,4 +1,4 @@
-"""The reads of JAX internals that differ between the supported JAX releases (0.10.2 to
+"""The reads of JAX internals that differ between the supported JAX releases (0.10.2 and
 0.12.x), each a small function that hides the difference. Capture, trace hooks and
 lowering go through these; nothing else in the package looks at a JAX version.
 """
