@@ -79,9 +79,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
 def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOptions) -> None:
     """Start `jax.distributed` once per process, with gloo collectives on CPU hosts."""
-    from jax._src import distributed
-
-    if distributed.global_state.client is not None:
+    if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout = max(1, math.ceil(options.timeout_seconds)) if options.timeout_seconds else 300

@@ -9,8 +9,9 @@ the ones the user wrote, also inside loop bodies) and the gradients MEAN must sc
 Importing: collectives become first-class nodes, `pvary` a varying-type change, `jit` and
 custom_jvp/vjp calls are inlined (autodiff has already happened), `scan`, `while`, `cond`
 and `remat2` keep their bodies as regions, and everything else becomes a foreign node that
-carries its equation for the lowering. Only this module, `trace_hooks` and
-`lowering` (all in `passes/bridge/`) touch JAX internals.
+carries its equation for the lowering. Only this module, `trace_hooks`, `lowering` and
+`jax_compat` (all in `passes/bridge/`) touch JAX internals; what differs between the JAX
+releases the package supports is read in `jax_compat`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.axis_names import (
     AxisRenamer,
     diagnose_unknown_axis,
@@ -103,9 +105,9 @@ def capture(
             lambda: jax.make_jaxpr(traced)(*flat_args), tuple(mesh.axis_names), exc
         )
         raise
-    closed = box["jaxpr"]
+    jaxpr, consts = jax_compat.jaxpr_parts(box["jaxpr"])
     importer = _Importer(AxisRenamer(rename or {}))
-    graph = importer.graph(closed.jaxpr, closed.consts, name)
+    graph = importer.graph(jaxpr, consts, name)
     for value, label in zip(graph.inputs, input_names, strict=False):
         value.name = label
     importer.name_parameters()
@@ -182,7 +184,7 @@ class _Importer:
         prim, params = eqn.primitive.name, eqn.params
         if prim in _INLINE:
             sub = params.get("jaxpr", params.get("call_jaxpr", params.get("fun_jaxpr")))
-            return self.emit(graph, sub.jaxpr, sub.consts, inputs)
+            return self.emit(graph, *jax_compat.jaxpr_parts(sub), inputs)
         outputs = [self.value(v.aval) for v in eqn.outvars]
         node = self.known_node(eqn, inputs, outputs) or self.region_node(eqn, inputs, outputs)
         if node is None:
@@ -246,8 +248,11 @@ class _Importer:
         self, eqn: jex.JaxprEqn, inputs: list[Value], outputs: list[Value]
     ) -> Node | None:
         prim, params = eqn.primitive.name, eqn.params
+        counts: dict[str, Any] = {}
         if prim == "scan":
-            keys = ("num_consts", "num_carry", "length", "reverse", "unroll")
+            num_consts, num_carry = jax_compat.scan_counts(params)
+            counts = {"num_consts": num_consts, "num_carry": num_carry}
+            keys = ("length", "reverse", "unroll")
             bodies = [params["jaxpr"]]
         elif prim == "while":
             keys = ("cond_nconsts", "body_nconsts")
@@ -256,14 +261,14 @@ class _Importer:
             keys, bodies = (), list(params["branches"])
         elif prim == "remat2":
             keys = ("prevent_cse", "differentiated")
-            bodies = [jex.ClosedJaxpr(params["jaxpr"], ())]
+            bodies = [params["jaxpr"]]
         else:
             return None
-        attrs = {k: jsonable(params[k]) for k in keys}
+        attrs = {**counts, **{k: jsonable(params[k]) for k in keys}}
         if prim == "remat2" and params.get("policy") is not None:
             attrs["policy"] = policy_name(params["policy"])
         regions = [
-            self.graph(body.jaxpr, body.consts, f"{prim}.region{i}")
+            self.graph(*jax_compat.jaxpr_parts(body), f"{prim}.region{i}")
             for i, body in enumerate(bodies)
         ]
         return Node("jax." + prim, inputs, outputs, attrs, regions=regions, payload=eqn)

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 from jax.sharding import NamedSharding
 
 from xla_strategies.passes.ir.graph import Node
@@ -57,7 +58,6 @@ def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
     that moves its parameters' shardings there too. A step compiled with `axis_name=` was
     traced on a mesh of that name, and its equations remember it. Inside the fully manual
     `shard_map` body a sharding's spec names no mesh axis, so only its mesh changes."""
-    from jax._src import core
     from jax._src import mesh as mesh_lib
 
     current = mesh_lib.get_abstract_mesh()
@@ -65,13 +65,6 @@ def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
         with ctx.manager:
             yield lambda params: params
         return
-    moved = core.JaxprEqnContext._create(
-        ctx.compute_type,
-        ctx.threefry_partitionable,
-        current,
-        ctx.remove_size_one_mesh_axis,
-        ctx.xla_metadata,
-    )
 
     def move(params: dict) -> dict:
         return {
@@ -81,5 +74,7 @@ def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
             for k, v in params.items()
         }
 
-    with moved.manager:
+    # the captured context, then the current mesh over it (JaxprEqnContext's constructor
+    # takes other fields in each JAX release, so no moved copy of it is built)
+    with ctx.manager, jax.sharding.use_abstract_mesh(current):
         yield move

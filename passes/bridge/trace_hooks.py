@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.patching import patched
 
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
@@ -74,16 +75,16 @@ def marking_gradient_scales() -> Any:
 
     def marking(original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any) -> Any:
-            grads = original(*args)
+            result = original(*args)
             if not getattr(_capturing, "depth", 0):
-                return grads
-            out_avals, out_ct = args[4], args[-1]
+                return result
+            out_avals, out_ct, grads, rebuild = jax_compat.vjp_bwd_view(original, args, result)
             # the cotangent takes the output's type (a Python 1.0 seed becomes per-replica)
             seed_axes = set().union(
                 *(set(varying_axes(a)) for a in out_avals),
                 *(_vma(c) for c in jax.tree.leaves(out_ct)),
             )
-            return jax.tree.map(lambda g: _mark(g, seed_axes), grads)
+            return rebuild(jax.tree.map(lambda g: _mark(g, seed_axes), grads))
 
         return backward
 

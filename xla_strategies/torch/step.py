@@ -122,8 +122,13 @@ def _drawing_from(key: Any) -> Iterator[None]:
     if context is not None and context.num_replicas_in_sync > 1:
         key = jax.random.fold_in(key, context.replica_id_in_sync_group)
     env = torchax.default_env()
-    # torchax keeps its key in a per-thread stack of properties; push ours for the trace
-    # and pop it after, so no traced key outlives the step.
+    if not isinstance(getattr(env._property, "content", []), list):
+        # torchax 0.0.13 keeps one property per thread and restores it after the override
+        with env.override_property(prng=key):
+            yield
+        return
+    # torchax 0.0.6 keeps its key in a per-thread stack of properties; push ours for the
+    # trace and pop it after, so no traced key outlives the step.
     if not getattr(env._property, "content", None):  # a thread torchax has not run in
         env._property.content = [torchax.tensor.RuntimeProperty(None, None, None)]
     stack = env._property.content

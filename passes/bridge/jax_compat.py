@@ -1,0 +1,48 @@
+"""The reads of JAX internals that differ between the supported JAX releases (0.10.2 and
+0.12.x), each a small function that hides the difference. Capture, trace hooks and
+lowering go through these; nothing else in the package looks at a JAX version.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def jaxpr_parts(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
+    """A (sub-)jaxpr as its open jaxpr and the values of its constants.
+
+    JAX 0.12 folded `ClosedJaxpr` into `Jaxpr`: `make_jaxpr` and the params of `jit`,
+    `scan`, `while` and `cond` give a `Jaxpr` that carries its constants (its `.jaxpr` is
+    itself, kept only for old callers). Before, those were `ClosedJaxpr`s wrapping an open
+    `Jaxpr`, and `remat2`'s param was an open `Jaxpr` with no constants."""
+    return getattr(jaxpr, "jaxpr", jaxpr), tuple(getattr(jaxpr, "consts", ()))
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(num_consts, num_carry) of a `scan` equation.
+
+    JAX 0.12 replaced scan's `num_consts`/`num_carry` params with `ft_in`/`ft_out`, flat
+    trees whose first two groups are the constants and the carry."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def vjp_bwd_view(
+    bwd: Callable[..., Any], args: tuple[Any, ...], result: Any
+) -> tuple[Any, Any, Any, Any]:
+    """What a gradient hook on `jax._src.api._vjp3_bwd` (JAX's own function, `bwd`) reads
+    from one call of it: the primal output avals, the output cotangent, the input
+    gradients, and a function that puts (marked) input gradients back into the result.
+
+    JAX 0.12 added a `want_logs` argument after `out_primal_avals`; when it is set the
+    result is `(gradients, logs)` rather than the gradients alone."""
+    names = list(inspect.signature(bwd).parameters)
+    out_avals, out_ct = args[names.index("out_primal_avals")], args[-1]
+    if "want_logs" in names and args[names.index("want_logs")]:
+        grads, logs = result
+        return out_avals, out_ct, grads, lambda marked: (marked, logs)
+    return out_avals, out_ct, result, lambda marked: marked
