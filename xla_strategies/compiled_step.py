@@ -39,6 +39,7 @@ from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.recompiles import warn_if_recompiling
 from xla_strategies.reduce_op import ReduceOp
 from xla_strategies.state import DeclaredState, declared_outputs, donated_state, state_pairs
 from xla_strategies.step_pipeline import (
@@ -132,6 +133,7 @@ class CompiledStep:
         )
         self.pipeline = step_pipeline(strategy, self.pipeline_options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
+        self._compiled = 0  # programs built, the evicted included
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -228,6 +230,10 @@ class CompiledStep:
         cached = self._cache.get(signature)
         if cached is None:
             cached = self._cache[signature] = self._build(signature)
+            self._compiled += 1
+            if len(self._cache) > 1:  # the last one used before this one
+                previous = list(self._cache)[-2]
+                warn_if_recompiling(self.name, self._compiled, previous, signature)
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(signature)

@@ -1,0 +1,34 @@
+"""A step that compiles again on every call says which value keeps changing."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import xla_strategies as xs
+from xla_strategies.recompiles import RECOMPILES_WARNED_AFTER
+
+
+def test_a_static_value_that_changes_every_call_is_named():
+    strategy = xs.OneDeviceStrategy()
+    step = strategy.compile(lambda x, scale: x * scale, static_argnums=1)
+    x = np.ones(3, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning before the limit
+        for k in range(RECOMPILES_WARNED_AFTER - 1):
+            step(x, float(k))
+    with pytest.warns(UserWarning, match=r"compiled 8 programs: the static value args\[1\]"):
+        step(x, 99.0)
+    np.testing.assert_allclose(np.asarray(step(x, 2.0)), 2.0)  # cached: no new program
+
+
+def test_a_traced_number_never_compiles_again():
+    strategy = xs.OneDeviceStrategy()
+    step = strategy.compile(lambda x, lr: x * lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(2 * RECOMPILES_WARNED_AFTER):
+            step(np.ones(3, np.float32), 0.1 * k)  # a Python float is traced
+    assert step.cache_size == 1
