@@ -89,3 +89,19 @@ def test_no_import_circle():
 
 def test_the_checker_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_every_package_is_in_the_wheel():
+    """A package folder missing from pyproject's list would be missing from a wheel,
+    while an editable install still finds it."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: Path(path) for package, path in setuptools["package-dir"].items()}
+    listed = set(setuptools["packages"])
+    for package, folder in folders.items():
+        for init in (root / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / folder).parts
+            assert ".".join((package, *parts)) in listed, init
