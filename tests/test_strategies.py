@@ -307,3 +307,20 @@ def test_an_all_gather_declared_mirrored_comes_back_replicated(mirrored):
     np.testing.assert_array_equal(np.asarray(scaled), data * 2.0 + 1.0)
     assert float(total) == data.sum()
     assert scaled.sharding.is_fully_replicated
+
+
+def test_loops_whose_carry_starts_mirrored_and_becomes_per_replica(mirrored):
+    from jax import lax
+
+    def step(x):
+        total = lax.fori_loop(0, 3, lambda i, carry: carry + x * i, jnp.zeros(x.shape))
+        doubled = lax.while_loop(
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] + x), (0, jnp.zeros(x.shape))
+        )
+        return total, doubled[1]
+
+    data = np.arange(16, dtype=np.float32).reshape(8, 2)
+    x = next(iter(mirrored.experimental_distribute_dataset([data])))
+    total, doubled = mirrored.compile(step)(x)
+    np.testing.assert_allclose(np.asarray(total).reshape(8, 2), data * 3)  # 0 + 1 + 2
+    np.testing.assert_allclose(np.asarray(doubled).reshape(8, 2), 2 * data)

@@ -44,6 +44,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
     GRADIENT_AXES,
     marking_gradient_scales,
     tagging_autodiff_reductions,
+    varying_loop_carries,
 )
 from xla_strategies.passes.ir.graph import (
     Graph,
@@ -98,7 +99,7 @@ def capture(
         body, mesh=mesh.abstract_mesh, in_specs=specs, out_specs=(), check_vma=True
     )
     try:
-        with tagging_autodiff_reductions(), marking_gradient_scales():
+        with tagging_autodiff_reductions(), marking_gradient_scales(), varying_loop_carries():
             jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:
         diagnose_unknown_axis(

@@ -13,6 +13,7 @@ Each is installed for the trace, reference-counted across threads, and restored 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 from collections.abc import Callable
@@ -111,3 +112,47 @@ def _mark(grad: Any, seed_axes: set[str]) -> Any:
         return grad
     with jax.named_scope(f"{GRADIENT_SCOPE}({','.join(sorted(axes))})"):
         return grad * np.ones((), grad.dtype)
+
+
+# A loop's carry argument: (keyword, position) per loop function of `jax.lax`.
+_LOOP_CARRIES = {"scan": ("init", 1), "while_loop": ("init_val", 2), "fori_loop": ("init_val", 3)}
+
+
+@contextlib.contextmanager
+def varying_loop_carries() -> Any:
+    """While a step is traced, a loop whose carry starts the same on every replica and
+    comes out varying (an RNN's zero state fed this replica's inputs) is traced again with
+    its initial carry made varying. pmap code never had to say so; JAX's varying-axes check
+    would reject it (`pcast(..., to='varying')` is what its error asks for)."""
+    with contextlib.ExitStack() as stack:
+        for name, (keyword, position) in _LOOP_CARRIES.items():
+            retrying = functools.partial(_retrying, keyword=keyword, position=position)
+            stack.enter_context(patched(jax.lax, name, retrying))
+        yield
+
+
+def _retrying(loop: Callable[..., Any], keyword: str, position: int) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return loop(*args, **kwargs)
+        except TypeError as exc:
+            if "carry input and carry output must have equal types" not in str(exc):
+                raise
+        if keyword in kwargs:
+            kwargs = {**kwargs, keyword: _varying(kwargs[keyword])}
+        else:
+            args = (*args[:position], _varying(args[position]), *args[position + 1 :])
+        return loop(*args, **kwargs)
+
+    return run
+
+
+def _varying(tree: Any) -> Any:
+    """Every array of `tree` varying over all of the mesh's axes."""
+    axes = frozenset(jax.sharding.get_abstract_mesh().axis_names)
+
+    def cast(leaf: Any) -> Any:
+        missing = tuple(sorted(axes - varying_axes(jax.typeof(leaf))))
+        return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(cast, tree)

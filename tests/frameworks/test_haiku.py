@@ -68,3 +68,40 @@ def test_transform_with_state_batchnorm():
         ref_params = optax.apply_updates(ref_params, updates)
     assert_trees_close(new_params, ref_params)
     assert_trees_close(new_state, jax.tree.map(lambda *s: np.stack(s), *states))
+
+
+def test_an_lstm_unrolled_from_a_zero_state_equals_jax_jit():
+    """haiku's docs unroll an LSTM from `initial_state`: zeros, the same on every replica,
+    which the first step makes this replica's own. pmap code never had to say so."""
+
+    def forward(x):
+        core = hk.LSTM(8)
+        out, _ = hk.dynamic_unroll(core, x, core.initial_state(x.shape[0]), time_major=False)
+        return hk.Linear(1)(out[:, -1])
+
+    net = hk.without_apply_rng(hk.transform(forward))
+    tx = optax.sgd(0.1)
+    rng = np.random.default_rng(0)
+    batches = [
+        (
+            rng.normal(size=(16, 5, 3)).astype(np.float32),
+            rng.normal(size=(16, 1)).astype(np.float32),
+        )
+        for _ in range(3)
+    ]
+    params = net.init(jax.random.key(0), batches[0][0])
+
+    def step(params, opt_state, x, y):
+        grads = jax.grad(lambda p: jnp.mean((net.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    strategy = xs.MirroredStrategy()
+    compiled = strategy.compile(step, donate_argnums=(0, 1))
+    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    for batch in strategy.experimental_distribute_dataset(batches):
+        state = compiled(*state, *batch)
+    expected = params, tx.init(params)
+    for x, y in batches:
+        expected = jax.jit(step)(*expected, x, y)
+    assert_trees_close(state[0], expected[0])
