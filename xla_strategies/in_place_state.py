@@ -58,14 +58,12 @@ def collect(
     now, now_treedef = jax.tree_util.tree_flatten((args, kwargs))
     if now_treedef != treedef:
         return WrittenState()  # a structural change is the caller's error to report
-    holders = jax.tree_util.tree_leaves(
-        (args, kwargs), is_leaf=lambda x: isinstance(x, variable_type)
-    )
+    holders = _variables_by_leaf((args, kwargs), variable_type)
     returned = {id(leaf) for leaf in jax.tree_util.tree_leaves(result)}
     written = [
         (index, path, old, new, holder)
         for index, ((path, old), new, holder) in enumerate(zip(leaves, now, holders, strict=True))
-        if new is not old and id(new) not in returned and isinstance(holder, variable_type)
+        if new is not old and id(new) not in returned and holder is not None
     ]
     return WrittenState(
         tuple(index for index, *_ in written),
@@ -78,12 +76,19 @@ def write_back(written: tuple[int, ...], values: list[Any], args: tuple, kwargs:
     """Set the caller's NNX variables at leaf positions `written` to `values`."""
     if not written:
         return
-    variable_type = _variable_type()
-    holders = jax.tree_util.tree_leaves(
-        (args, kwargs), is_leaf=lambda x: isinstance(x, variable_type)
-    )
+    holders = _variables_by_leaf((args, kwargs), _variable_type())
     for index, value in zip(written, values, strict=True):
         holders[index].set_value(value)
+
+
+def _variables_by_leaf(tree: Any, variable_type: type) -> list[Any]:
+    """For each leaf of `tree`, the NNX variable that holds it alone, else None (a plain
+    leaf, or a variable whose value has several leaves, which is not written back)."""
+    holders: list[Any] = []
+    for holder in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, variable_type)):
+        count = len(jax.tree_util.tree_leaves(holder)) if isinstance(holder, variable_type) else 1
+        holders += [holder] if isinstance(holder, variable_type) and count == 1 else [None] * count
+    return holders
 
 
 def _agreed(holder: Any, old: Any, new: Any, context: ReplicaContext) -> Any:
