@@ -20,9 +20,11 @@ if TYPE_CHECKING:
 
 
 def shard_branches(sharder: BlockSharder, node: Node) -> bool:
-    """Rewrite the branching `node` on blocks; False when its predicate is a block."""
+    """Rewrite the branching `node` on blocks; False when its predicate is a block or
+    differs across replicas (replicas in different branches would not meet in the
+    branches' collectives)."""
     predicate, operands = node.inputs[0], node.inputs[1:]
-    if predicate in sharder.blocks:
+    if predicate in sharder.blocks or predicate.varying_axes:
         return False
     split = _operand_blocks(sharder, operands)
     returned = [_rewrite_branch(sharder, region, split) for region in node.regions]
