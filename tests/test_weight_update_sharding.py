@@ -258,3 +258,25 @@ def test_optax_multisteps_holds_its_accumulators_split_and_matches_one_device():
         assert mirrored.is_held_sharded(sharded[1].inner_opt_state[0].mu["w"])
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+def test_a_cond_on_a_per_replica_predicate_is_read_whole():
+    """Replicas that take different branches would not meet in a branch's collectives,
+    so a cond on this replica's data keeps its operands whole."""
+
+    def step(params, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p) ** 2))(params)
+        new = params - 0.1 * grads
+        return jax.lax.cond(x.sum() > 0, lambda p: p * 2.0, lambda p: p * 0.5, new)
+
+    rng = np.random.default_rng(1)
+    params = rng.normal(size=(8, 8)).astype(np.float32)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    strategy = xs.MirroredStrategy()
+    batch = next(iter(strategy.experimental_distribute_dataset([x])))
+    step_fn = strategy.compile(step, shard_weight_updates=True)
+    got = step_fn(strategy.replicate(params), batch)
+    gathered = step_fn.executable(strategy.replicate(params), batch).pass_stats
+    assert gathered["shard-weight-updates"]["gathered"][0]["op"] == "jax.cond"
+    want = strategy.compile(step, shard_weight_updates=False)(strategy.replicate(params), batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
