@@ -8,6 +8,7 @@ retraces.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections import Counter, OrderedDict
@@ -75,6 +76,12 @@ class Executable:
     # name) and their remarks (what they left undone, and why), as the dump prints them
     pass_stats: dict[str, Any] = field(default_factory=dict)
     remarks: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def rooted(self) -> tuple[bool, ...]:
+        """Per output, whether only the root replica's copy is right (read once: every
+        call of the step asks)."""
+        return tuple(a.rooted for a in self.graph.io.outputs)
 
 
 class CompiledStep:
@@ -159,15 +166,14 @@ class CompiledStep:
         if pacer is not None:
             pacer.before_dispatch()
         outs = executable.run(*self._place(flat, executable))
-        rooted = [a.rooted for a in executable.graph.io.outputs]
-        if any(rooted):  # only the root replica's copy is right
-            pairs = zip(outs, rooted, strict=True)
+        if any(executable.rooted):  # only the root replica's copy is right
+            pairs = zip(outs, executable.rooted, strict=True)
             outs = [self.strategy.root_copy(o) if r else o for o, r in pairs]
         if pacer is not None:
             pacer.after_dispatch(outs)
-        written = executable.outputs
-        in_place_state.write_back(written.written, written.in_place(outs), args, kwargs)
-        return executable.outputs.join(outs)
+        outputs = executable.outputs
+        in_place_state.write_back(outputs.written, outputs.in_place(outs), args, kwargs)
+        return outputs.join(outs)
 
     def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
         """The lowered program for these arguments, as `jax.jit(...).lower` gives it:
