@@ -1,22 +1,33 @@
 # The two commands a newcomer runs: `make demo` and `make test`.
-PYTHON ?= python3
+# Two tested JAX releases, one environment each: the newest (JAX 0.12 on Python 3.12),
+# which every target below uses, and the oldest pyproject.toml allows (JAX 0.10.2 on
+# Python 3.11), which `make test-oldest-jax` runs the whole suite on.
+PYTHON ?= $(shell tools/find-python 3.12)
+OLDEST_PYTHON ?= $(shell tools/find-python 3.11)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+OLDEST_VENV := .venv-oldest-jax
+OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
+PYTEST := -m pytest -q -n 2 --dist loadfile
 
-.PHONY: demo test fuzz bench lint clean
+.PHONY: demo test test-oldest-jax fuzz bench lint clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+$(STAMP): pyproject.toml tools/make-venv
+	tools/make-venv $(VENV) "$(PYTHON)"
+
+$(OLDEST_STAMP): pyproject.toml tools/make-venv constraints/oldest-jax.txt
+	tools/make-venv $(OLDEST_VENV) "$(OLDEST_PYTHON)" -c constraints/oldest-jax.txt
 
 demo: $(STAMP)
 	$(BIN)/xla-strategies demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python $(PYTEST)
+
+# The whole suite again on the oldest supported JAX; CI runs it after `make test`.
+test-oldest-jax: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python $(PYTEST)
 
 # Differential fuzzing, long profile: 500 random programs per pipeline.
 fuzz: $(STAMP)
@@ -40,4 +51,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info
