@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies import in_place_state
+from xla_strategies import in_place_state, replica_rng_streams
 from xla_strategies.argument_declarations import declared_arguments
 from xla_strategies.arguments import (
     Layout,
@@ -284,7 +284,9 @@ class CompiledStep:
             args, kwargs = signature.rebuild(arrays)
             before = snapshot(args, kwargs)
             with replica_scope(strategy, context):
-                result = self.fn(*args, **kwargs)
+                with replica_rng_streams.drawn_per_replica(args, kwargs, context) as restore:
+                    result = self.fn(*args, **kwargs)
+                    restore(result)
                 written = in_place_state.collect(before, args, kwargs, result, context)
             check_unchanged(self.name, before, args, kwargs, result, written.indices)
             return outputs.split(result, written)

@@ -66,7 +66,8 @@ def test_nnx_split_merge_with_batchnorm_dropout_and_rngs():
     assert jnp.issubdtype(model_state["dropout"]["rngs"]["key"].value.dtype, jax.dtypes.prng_key)
     assert loss.shape == (R,)
 
-    # by hand: every replica merges the same state with its own statistics, on its slice
+    # by hand: every replica merges the same state with its own statistics, on its slice,
+    # and draws its dropout mask from the stream key folded with its replica id
     shared, stats = state, [None] * R
     for batch in batches:
         grads = []
@@ -75,8 +76,12 @@ def test_nnx_split_merge_with_batchnorm_dropout_and_rngs():
             model, optimizer = nnx.merge(graphdef, jax.tree.map(jnp.array, shared))
             if stats[r] is not None:
                 nnx.update(model, stats[r])
+            stream = model.dropout.rngs
+            key = stream.key[...]
+            stream.key[...] = jax.random.fold_in(key, r)
             grads.append(nnx.value_and_grad(loss_fn)(model, x, y)[1])
             stats[r] = nnx.state(model, nnx.BatchStat)
+            stream.key[...] = key
             if r == 0:
                 first = model, optimizer
         model, optimizer = first
