@@ -1,5 +1,5 @@
 """Saying when a step keeps compiling: a static value (a Python number in a static
-argument, a torch optimizer's learning rate that a scheduler changes) that differs on every
+argument, a torch optimizer setting that a scheduler changes) that differs on every
 call compiles a new program each time, which runs, but slowly; `jax.jit` is as silent."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def warn_if_recompiling(name: str, compiled: int, previous: Signature, new: Sign
     warnings.warn(
         f"{name} has compiled {compiled} programs: {_difference(previous, new)} changes "
         "between calls, and every new value compiles again. Pass a value that changes as an "
-        "array (a torch optimizer's learning rate: an optax schedule, or a constant lr)",
+        "array (a torch optimizer setting: SGD, Adam, AdamW, NAdam or RAdam trace the "
+        "learning rate; else an optax schedule)",
         stacklevel=4,
     )
 

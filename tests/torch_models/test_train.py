@@ -211,33 +211,6 @@ def test_optax_optimizer_matches_torch_sgd():
     _assert_params_match(state, reference)
 
 
-def test_lr_scheduler_changes_reach_the_compiled_step():
-    """A learning rate changed between steps is not baked into a stale program."""
-    torch.manual_seed(0)
-    model = Net()
-    batches = image_batches(3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
-    state, _, train_step = _train(
-        xs.MirroredStrategy(),
-        model,
-        optimizer,
-        classification_loss,
-        batches,
-        after_step=scheduler.step,
-    )
-
-    reference, _, _ = eager_data_parallel(
-        model,
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-        classification_loss,
-        batches,
-        make_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.1),
-    )
-    assert train_step.cache_size == 3  # one program per learning rate
-    _assert_params_match(state, reference)
-
-
 def test_apply_outside_a_step_takes_numpy_and_torch_inputs_as_eager_torch_does():
     torch.manual_seed(0)
     model = Net().eval()

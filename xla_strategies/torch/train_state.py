@@ -10,18 +10,24 @@ user's torch objects; the state only holds their values:
   state does, and the next step gives each replica its own row;
 - `opt_state`: a `torch.optim` optimizer's `state` keyed as in its `state_dict()` (the
   index of the parameter across `param_groups`), or an optax optimizer's state;
-- `rng`: the key torch's random operations (dropout) draw from inside a step.
+- `rng`: the key torch's random operations (dropout) draw from inside a step;
+- `hyperparams`: the `torch.optim` hyperparameters a step takes as inputs (the learning
+  rate; `traced_hyperparameters.py` says which), per param group. An lr_scheduler sets
+  them on the optimizer between steps, so a state read outside a step (entering one, or
+  saved) reads them from the optimizer as they are now; inside a step it holds the
+  traced values it was given.
 
 What the trace reads from the torch objects is part of the state's structure, so changing
 it compiles the step again instead of running a stale program: each module's `training`
-flag, each parameter's `requires_grad`, and every optimizer hyperparameter (a learning
-rate changed by `torch.optim.lr_scheduler` included).
+flag, each parameter's `requires_grad`, and every optimizer hyperparameter that is not
+traced (a new learning rate compiles again only for optimizers that read it in Python).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from functools import partial
 from typing import Any
 
 import jax
@@ -31,8 +37,9 @@ import torch
 from torchax.ops import mappings
 
 from xla_strategies.arguments import fold_stacked, is_stacked
+from xla_strategies.torch.traced_hyperparameters import current_values, without_traced
 
-_CHILDREN = ("params", "buffers", "opt_state", "rng")
+_CHILDREN = ("params", "buffers", "opt_state", "rng", "hyperparams")
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -46,6 +53,7 @@ class TrainState:
     buffers: dict[str, Any]
     opt_state: Any
     rng: Any
+    hyperparams: tuple = ()
 
     @classmethod
     def create(cls, module: torch.nn.Module, optimizer: Any = None, seed: int = 0) -> TrainState:
@@ -81,7 +89,9 @@ class TrainState:
     # pytree
 
     def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], Any]:
-        children = [(jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in _CHILDREN]
+        values = {n: getattr(self, n) for n in _CHILDREN}
+        values["hyperparams"] = _hyperparams(self)
+        children = [(jax.tree_util.GetAttrKey(n), values[n]) for n in _CHILDREN]
         return children, (self.module, self.optimizer, _traced_settings(self))
 
     @classmethod
@@ -210,9 +220,25 @@ def _traced_settings(state: TrainState) -> tuple:
     if isinstance(state.optimizer, torch.optim.Optimizer):
         groups = tuple(
             tuple(sorted((k, _hashable(v)) for k, v in group.items() if k != "params"))
-            for group in state.optimizer.param_groups
+            for group in map(partial(without_traced, state.optimizer), state.optimizer.param_groups)
         )
     return flags, groups
+
+
+def _hyperparams(state: TrainState) -> tuple:
+    """The traced hyperparameters to flatten: where the state holds concrete values (or
+    none), the optimizer's as they are now, since the optimizer is where a scheduler sets
+    them; anything else it holds (a step's traced values, `unflatten`'s placeholders) as
+    it is."""
+    held = jax.tree_util.tree_leaves(state.hyperparams)
+    concrete = all(_is_concrete(v) for v in held)
+    if concrete and isinstance(state.optimizer, torch.optim.Optimizer):
+        return current_values(state.optimizer)
+    return state.hyperparams
+
+
+def _is_concrete(value: Any) -> bool:
+    return isinstance(value, np.ndarray | jax.Array) and not isinstance(value, jax.core.Tracer)
 
 
 def _hashable(value: Any) -> Any:

@@ -1,0 +1,91 @@
+"""A `torch.optim.lr_scheduler` stepped every step, as torch's docs write it: the new
+learning rate reaches the compiled step, which compiles once where torch's optimizer reads
+the rate as a tensor (`traced_hyperparameters.py`), against eager torch's data-parallel
+training (tests/torch_models/models.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import xla_strategies as xs
+import xla_strategies.torch as xst
+from tests.frameworks.reference import TOL
+from tests.torch_models.models import Net, classification_loss, eager_data_parallel, image_batches
+from xla_strategies.torch.traced_hyperparameters import TRACED
+
+optim, S = torch.optim, torch.optim.lr_scheduler
+STEPS = 3
+
+# name: (optimizer, scheduler, programs compiled over STEPS steps). Two at least: Net's
+# BatchNorm statistics come back per replica from the first step, a new input layout.
+CASES = {
+    "sgd-steplr": (lambda m: optim.SGD(m.parameters(), lr=0.1), lambda o: S.StepLR(o, 1, 0.5), 2),
+    "sgd-momentum-lambdalr": (
+        lambda m: optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        lambda o: S.LambdaLR(o, lambda step: 1 / (1 + step)),
+        2,
+    ),
+    # OneCycleLR also cycles Adam's betas[0] every step
+    "adam-onecycle": (
+        lambda m: optim.Adam(m.parameters(), lr=1e-3),
+        lambda o: S.OneCycleLR(o, max_lr=1e-2, total_steps=STEPS),
+        2,
+    ),
+    "adamw-cosine": (
+        lambda m: optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+        lambda o: S.CosineAnnealingLR(o, T_max=STEPS),
+        2,
+    ),
+    "nadam-exponential": (
+        lambda m: optim.NAdam(m.parameters(), lr=1e-2),
+        lambda o: S.ExponentialLR(o, 0.5),
+        2,
+    ),
+    "radam-exponential": (
+        lambda m: optim.RAdam(m.parameters(), lr=1e-2),
+        lambda o: S.ExponentialLR(o, 0.5),
+        2,
+    ),
+    # RMSprop reads lr in Python (`addcdiv_(..., value=-lr)`): one program per rate
+    "rmsprop-steplr": (
+        lambda m: optim.RMSprop(m.parameters(), lr=1e-2),
+        lambda o: S.StepLR(o, 1, 0.5),
+        STEPS,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_scheduled_learning_rate_matches_eager_torch(case):
+    make_optimizer, make_scheduler, programs = CASES[case]
+    torch.manual_seed(0)
+    model = Net()
+    batches = image_batches(STEPS)
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer)
+    strategy = xs.MirroredStrategy()
+    state = xst.TrainState.create(model, optimizer)
+
+    @strategy.compile
+    def train_step(state, *batch):
+        return xst.train_step(state, classification_loss, *batch)
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        state, _ = train_step(state, *batch)
+        scheduler.step()
+
+    reference, _, _ = eager_data_parallel(
+        model, make_optimizer, classification_loss, batches, make_scheduler=make_scheduler
+    )
+    assert train_step.cache_size == programs
+    for name, param in reference.named_parameters():
+        np.testing.assert_allclose(
+            np.asarray(state.params[name]), param.detach().numpy(), **TOL, err_msg=name
+        )
+
+
+def test_every_traced_optimizer_is_tested():
+    tested = {type(make(torch.nn.Linear(1, 1))) for make, _, n in CASES.values() if n == 2}
+    assert tested == set(TRACED)
