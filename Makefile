@@ -9,7 +9,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OLDEST_VENV := .venv-oldest-jax
 OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
-PYTEST := -m pytest -q -n 2 --dist loadfile
+# The suite in two parts: most of it on two test workers, then the tests marked run_alone
+# (Ray's parameter-server tasks, which start slowly beside a busy worker) by themselves.
+SUITE = $(1) -m pytest -q -n 2 --dist loadfile -m "not run_alone" && $(1) -m pytest -q -m run_alone
 
 .PHONY: demo test test-oldest-jax fuzz bench lint clean
 
@@ -23,11 +25,11 @@ demo: $(STAMP)
 	$(BIN)/xla-strategies demo
 
 test: $(STAMP)
-	$(BIN)/python $(PYTEST)
+	$(call SUITE,$(BIN)/python)
 
 # The whole suite again on the oldest supported JAX; CI runs it after `make test`.
 test-oldest-jax: $(OLDEST_STAMP)
-	$(OLDEST_VENV)/bin/python $(PYTEST)
+	$(call SUITE,$(OLDEST_VENV)/bin/python)
 
 # Differential fuzzing, long profile: 500 random programs per pipeline.
 fuzz: $(STAMP)
