@@ -9,9 +9,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 OLDEST_VENV := .venv-oldest-jax
 OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
-# The suite in two parts: most of it on two test workers, then the tests marked run_alone
-# (Ray's parameter-server tasks, which start slowly beside a busy worker) by themselves.
-SUITE = $(1) -m pytest -q -n 2 --dist loadfile -m "not run_alone" && $(1) -m pytest -q -m run_alone
+# The suite in two parts: most of it on two test workers, then the parameter-server tests
+# by themselves (Ray's task processes start 5x slower beside a busy test worker).
+RUN_ALONE := tests/test_parameter_server.py
+SUITE = $(1) -m pytest -q -n 2 --dist loadfile --ignore=$(RUN_ALONE) && $(1) -m pytest -q $(RUN_ALONE)
 
 .PHONY: demo test test-oldest-jax fuzz bench lint clean
 

@@ -21,8 +21,6 @@ import pytest
 import xla_strategies as xs
 from xla_strategies.runtime.parameter_server.layout import Layout
 
-pytestmark = pytest.mark.run_alone  # see pyproject.toml
-
 ray = pytest.importorskip("ray")
 
 FEATURES = 16
