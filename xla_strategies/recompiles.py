@@ -22,8 +22,8 @@ def warn_if_recompiling(name: str, compiled: int, previous: Signature, new: Sign
     warnings.warn(
         f"{name} has compiled {compiled} programs: {_difference(previous, new)} changes "
         "between calls, and every new value compiles again. Pass a value that changes as an "
-        "array (a torch optimizer setting: SGD, Adam, AdamW, NAdam or RAdam trace the "
-        "learning rate; else an optax schedule)",
+        "array (a torch optimizer setting: README's PyTorch section lists the optimizers "
+        "whose scheduled learning rate compiles once)",
         stacklevel=4,
     )
 

@@ -48,11 +48,26 @@ CASES = {
         lambda o: S.ExponentialLR(o, 0.5),
         2,
     ),
-    # RMSprop reads lr in Python (`addcdiv_(..., value=-lr)`): one program per rate
-    "rmsprop-steplr": (
-        lambda m: optim.RMSprop(m.parameters(), lr=1e-2),
+    # OneCycleLR cycles SGD's momentum too
+    "sgd-momentum-onecycle": (
+        lambda m: optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        lambda o: S.OneCycleLR(o, max_lr=0.2, total_steps=STEPS),
+        2,
+    ),
+    "rmsprop-onecycle": (
+        lambda m: optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5, centered=True),
+        lambda o: S.OneCycleLR(o, max_lr=1e-2, total_steps=STEPS),
+        2,
+    ),
+    "adagrad-steplr": (
+        lambda m: optim.Adagrad(m.parameters(), lr=1e-2, lr_decay=0.1),
         lambda o: S.StepLR(o, 1, 0.5),
-        STEPS,
+        2,
+    ),
+    "adadelta-steplr": (
+        lambda m: optim.Adadelta(m.parameters(), lr=1.0),
+        lambda o: S.StepLR(o, 1, 0.5),
+        2,
     ),
 }
 

@@ -8,7 +8,7 @@ the user's optimizer object is as it was. Two of its switches are set for that c
 `foreach=False`, since torchax has no lowering of the `_foreach_*` kernels, and
 `capturable=True` where the optimizer has it (Adam, AdamW, ...), which keeps the step
 count a tensor instead of reading it back with `.item()`; both compute the same update.
-The learning rate is bound to the step's traced input where torch reads it as a tensor
+The learning rate (and what else a scheduler changes) is bound to the step's traced input
 (`traced_hyperparameters.py`), so a scheduler's new value does not compile again.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torchax
 
-from xla_strategies.torch.traced_hyperparameters import bind, current_values
+from xla_strategies.torch.traced_hyperparameters import bound, current_values
 from xla_strategies.torch.train_state import TrainState, parameter_names
 
 # Switches the traced step needs, applied only while it runs (see the module docstring).
@@ -49,8 +49,8 @@ def _torch_optim_update(state: TrainState, grads: dict[str, Any]) -> tuple[dict,
         for tensor, name in zip(tensors, names, strict=True):
             tensor.grad = env.j2t_iso(grads[name]) if name in grads else None
         opt_state = {i: env.j2t_iso(entry) for i, entry in state.opt_state.items()}
-        with _bound(optimizer, tensors, opt_state):
-            bind(optimizer, state.hyperparams or current_values(optimizer), env.j2t_iso)
+        hyperparams = state.hyperparams or current_values(optimizer)
+        with _bound(optimizer, tensors, opt_state), bound(optimizer, hyperparams, env):
             optimizer.step()
             new_state = {
                 i: dict(optimizer.state[t]) for i, t in enumerate(tensors) if t in optimizer.state
