@@ -22,8 +22,12 @@ from xla_strategies.passes import ReduceToOneDevice, parse, print_graph
 from xla_strategies.passes.bridge import tree_collectives
 
 
-@pytest.mark.parametrize(("devices", "parameter_device"), [(8, None), (4, 3), (4, 7)])
-@pytest.mark.parametrize("model", ["mlp", "transformer"])
+# Every placement of the parameter device (the default, among the compute devices, apart
+# from them) on the MLP; the transformer (scanned layers) once, apart from them.
+@pytest.mark.parametrize(
+    ("model", "devices", "parameter_device"),
+    [("mlp", 8, None), ("mlp", 4, 3), ("mlp", 4, 7), ("transformer", 4, 7)],
+)
 def test_central_storage_matches_mirrored(model, devices, parameter_device):
     with jax.enable_x64(True):
         make_step, params, tx, batches = _setup(model, np.float64)
