@@ -12,7 +12,8 @@ user's torch objects; the state only holds their values:
   index of the parameter across `param_groups`), or an optax optimizer's state;
 - `rng`: the key torch's random operations (dropout) draw from inside a step;
 - `hyperparams`: the `torch.optim` hyperparameters a step takes as inputs (the learning
-  rate; `traced_hyperparameters.py` says which), per param group. An lr_scheduler sets
+  rate, and the momentum or `betas[0]` OneCycleLR cycles; `traced_hyperparameters.py`
+  says which, for which optimizers), per param group. An lr_scheduler sets
   them on the optimizer between steps, so a state read outside a step (entering one, or
   saved) reads them from the optimizer as they are now; inside a step it holds the
   traced values it was given.
