@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.parameter_server
 	$(BIN)/python -m benchmarks.keras_fit
 	$(BIN)/python -m benchmarks.torch_step
+	$(BIN)/python -m benchmarks.torch_lr_schedule
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
