@@ -74,7 +74,7 @@ def without_traced(optimizer: Any, group: dict[str, Any]) -> dict[str, Any]:
     (the bound tensor answers comparisons with 0 from it)."""
     group = dict(group)
     for place in traced_places(optimizer):
-        _write(group, place, ("traced", int(np.sign(float(_read(group, place))))))
+        _write(group, place, ("traced", _sign(group, place)))
     return group
 
 
@@ -85,8 +85,7 @@ def bound(optimizer: Any, values: tuple[tuple[Any, ...], ...], env: Any) -> Iter
     docstring). The caller restores the param groups."""
     for group, group_values in zip(optimizer.param_groups, values, strict=True):
         for place, value in zip(traced_places(optimizer), group_values, strict=True):
-            sign = int(np.sign(float(_read(group, place))))
-            _write(group, place, SignKnown(value, env, sign))
+            _write(group, place, SignKnown(value, env, _sign(group, place)))
     with contextlib.ExitStack() as stack:
         for method, argument in _NUMBER_ARGUMENTS.items():
             replace = lambda original, a=argument: _tensor_scaled(original, a)  # noqa: E731
@@ -164,6 +163,12 @@ def _tensor_scaled(original: Callable[..., Any], argument: str) -> Callable[...,
 def _as_is(value: Any) -> Any:
     """torch's `_get_value` as under `torch.compile`: a tensor stays a tensor."""
     return value
+
+
+def _sign(group: dict[str, Any], place: Place) -> int:
+    """The sign of a hyperparameter's value now: what `SignKnown` answers comparisons with
+    0 from, and so part of the compile key."""
+    return int(np.sign(float(_read(group, place))))
 
 
 def _read(group: dict[str, Any], place: Place) -> Any:
