@@ -43,6 +43,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
     marking_gradient_scales,
+    matching_operand_types,
     tagging_autodiff_reductions,
     varying_loop_carries,
 )
@@ -99,7 +100,12 @@ def capture(
         body, mesh=mesh.abstract_mesh, in_specs=specs, out_specs=(), check_vma=True
     )
     try:
-        with tagging_autodiff_reductions(), marking_gradient_scales(), varying_loop_carries():
+        with (
+            tagging_autodiff_reductions(),
+            marking_gradient_scales(),
+            varying_loop_carries(),
+            matching_operand_types(),
+        ):
             jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:
         diagnose_unknown_axis(

@@ -2,6 +2,8 @@
 
 - pvary's transpose rule runs in the named scope `AUTODIFF_SCOPE`, so the importer tells
   autodiff's reductions from the ones the user wrote;
+- primitives whose JAX wrapper binds operands of different varying axes without casting
+  them have their operands cast to varying first;
 - every reverse-mode gradient (`jax.vjp`, `jax.grad`, however imported) marks each
   gradient of a replica-invariant value, taken of a varying output, with a multiplication
   by 1 in the scope `GRADIENT_SCOPE(<axes>)`; insert-reductions turns the mark into the
@@ -151,8 +153,38 @@ def _varying(tree: Any) -> Any:
     """Every array of `tree` varying over all of the mesh's axes."""
     axes = frozenset(jax.sharding.get_abstract_mesh().axis_names)
 
-    def cast(leaf: Any) -> Any:
-        missing = tuple(sorted(axes - varying_axes(jax.typeof(leaf))))
-        return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+    return jax.tree.map(lambda leaf: _varying_over(leaf, axes), tree)
 
-    return jax.tree.map(cast, tree)
+
+# Primitives whose `jax.lax` wrapper binds constants beside a varying operand without
+# casting them, which JAX's varying-axes check rejects: JAX 0.12's `polynomial`, behind
+# `erf` and so exact GELU (torch's `nn.GELU()`, Keras' "gelu").
+_UNCAST_PRIMITIVES = ("polynomial_p",)
+
+
+@contextlib.contextmanager
+def matching_operand_types() -> Any:
+    """While a step is traced, the operands of `_UNCAST_PRIMITIVES` are cast to vary over
+    the union of their varying axes, as `jax.lax.add` casts its own."""
+    from jax._src.lax import lax as lax_internal
+
+    with contextlib.ExitStack() as stack:
+        for name in _UNCAST_PRIMITIVES:
+            primitive = getattr(lax_internal, name, None)  # absent before JAX 0.12
+            if primitive is not None:
+                stack.enter_context(patched(primitive, "bind", _casting_operands))
+        yield
+
+
+def _casting_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
+    def cast_then_bind(*operands: Any, **params: Any) -> Any:
+        axes = frozenset().union(*(_vma(x) for x in operands))
+        cast = [_varying_over(x, axes) for x in operands]
+        return bind(*cast, **params)
+
+    return cast_then_bind
+
+
+def _varying_over(x: Any, axes: frozenset[str]) -> Any:
+    missing = tuple(sorted(axes - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
