@@ -17,6 +17,13 @@ is saved whole, every replica's value, with a note of which leaves are stacked. 
 into a stacked target of the same replica count it comes back exactly; into a mirrored
 target, or under another replica count, every replica gets the mean of the saved
 replicas' values: the aggregated value tf.distribute saves for a `SyncOnRead` variable.
+
+Nothing is lost or changed silently. Saving a step at or before the latest checkpoint (a
+run that went back) is an error unless `overwrite=True` deletes the later steps. A restore
+into a target of another dtype is an error naming the leaf. A damaged checkpoint is a
+`CheckpointError` naming its step and the newest earlier step that reads back whole.
+Functions a state holds as leaves (an equinox module's activations) are not saved; they
+come from the restore target.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from xla_strategies.arguments import Layout, fold_stacked
-from xla_strategies.trees import map_arrays
+from xla_strategies.trees import map_arrays, with_functions_of, without_functions
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
@@ -98,13 +105,26 @@ class CheckpointManager:
         )
 
     def save(
-        self, step: int, state: Any, dataset_iterator: Any = None, force: bool = False
+        self,
+        step: int,
+        state: Any,
+        dataset_iterator: Any = None,
+        force: bool = False,
+        overwrite: bool = False,
     ) -> bool:
         """Write `state` (and the iterator's position) as checkpoint `step`. Returns whether
-        a save started (steps off the interval are skipped unless `force`)."""
+        a save started (steps off the interval are skipped unless `force`).
+
+        A step at or before the latest checkpoint is a run that went back (a rollback, a
+        restart from an earlier step): that is a `CheckpointError`, since writing it would
+        either keep the other run's checkpoint or leave `latest_step()` naming it. With
+        `overwrite=True` the checkpoints from `step` on are deleted first, so the new run's
+        is the latest."""
+        self._make_room_for(step, overwrite)
         if not (force or self._manager.should_save(step)):
             return False  # a training loop calls this every step: skip the work too
-        map_arrays(lambda a, _: a, state, "save(state)")  # every leaf must be an array
+        state = without_functions(state)  # an equinox module's activations: not data
+        map_arrays(lambda a, _: a, state, "save(state)")  # every other leaf must be an array
         items = {
             "state": self._ocp.args.PyTreeSave(state),
             "layout": self._ocp.args.JsonSave(self._stacked_leaves(state)),
@@ -114,6 +134,22 @@ class CheckpointManager:
         self.wait_until_finished()  # a failure of the previous save is reported as such
         with self._refused_writes(f"could not save step {step}"):
             return self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
+
+    def _make_room_for(self, step: int, overwrite: bool) -> None:
+        """Refuse, or with `overwrite` delete, the checkpoints at `step` and after it."""
+        later = [s for s in self.all_steps() if s >= step]
+        if not later:
+            return
+        if not overwrite:
+            raise CheckpointError(
+                f"cannot save step {step} in {self.directory}: checkpoint(s) {later} are at "
+                f"or after it, from a run this one went back from; pass overwrite=True to "
+                f"delete them and save this run's step {step}, or save to another directory"
+            )
+        self.wait_until_finished()
+        for stale in later:
+            self._manager.delete(stale)
+        self._manager.reload()  # orbax's cached step list and its next-save bookkeeping
 
     def wait_until_finished(self) -> None:
         """Block until a background save has been committed (or raise its error)."""
@@ -173,13 +209,30 @@ class CheckpointManager:
         CentralStorageStrategy's parameter device); the iterator resumes where it was."""
         if target is None:
             raise ValueError("restore needs target=: a pytree shaped like the saved state")
+        data = self._restore_data(step, without_functions(target), dataset_iterator)
+        return with_functions_of(target, data)
+
+    def _restore_data(self, step: int | None, target: Any, dataset_iterator: Any) -> Any:
+        """`restore` of a target without function leaves."""
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
             known = ", ".join(map(str, self.all_steps())) or "none"
             raise CheckpointError(
                 f"no checkpoint {'' if step is None else step} in {self.directory} (steps: {known})"
             )
-        _check_structure(self._saved_tree(step), target, self.directory / str(step))
+        map_arrays(lambda a, _: a, target, "target")  # a bad target is the caller's error
+        try:
+            return self._read(step, target, dataset_iterator)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # orbax and TensorStore raise many kinds for a damaged file
+            raise self._damaged(step, target, exc) from exc
+
+    def _read(self, step: int, target: Any, dataset_iterator: Any) -> Any:
+        """Checkpoint `step` read into `target`'s shapes, dtypes and placement."""
+        saved = self._manager.item_metadata(step)["state"]
+        _check_structure(saved, target, self.directory / str(step))
+        _check_dtypes(saved, target, self.directory / str(step))
         layout = self._saved_layout(step)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(
             map_arrays(lambda a, _: a, target, "target")
@@ -190,10 +243,7 @@ class CheckpointManager:
         items = {"state": self._ocp.args.PyTreeRestore(abstract, restore_args=restore_args)}
         if dataset_iterator is not None:
             items["input"] = self._ocp.args.JsonRestore()
-        try:
-            restored = self._manager.restore(step, args=self._ocp.args.Composite(**items))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"could not restore {self.directory / str(step)}: {exc}") from exc
+        restored = self._manager.restore(step, args=self._ocp.args.Composite(**items))
         if dataset_iterator is not None:
             dataset_iterator.set_state(restored["input"])
         values = jax.tree.leaves(restored["state"])
@@ -245,13 +295,27 @@ class CheckpointManager:
         )
         return restored["layout"] or {}
 
-    def _saved_tree(self, step: int) -> Any:
-        try:
-            return self._manager.item_metadata(step)["state"]
-        except Exception as exc:  # a corrupt or partial checkpoint
-            raise CheckpointError(
-                f"cannot read checkpoint {self.directory / str(step)}: {exc}"
-            ) from exc
+    def _damaged(self, step: int, target: Any, exc: Exception) -> CheckpointError:
+        """The error for a checkpoint that could not be read: which step, and the newest
+        earlier step that reads back whole into the same target (read in full to know)."""
+        intact = None
+        for earlier in sorted((s for s in self.all_steps() if s < step), reverse=True):
+            try:
+                self._read(earlier, target, None)
+            except Exception:  # damaged too, or another structure: look further back
+                continue
+            intact = earlier
+            break
+        advice = (
+            "no earlier checkpoint reads back whole"
+            if intact is None
+            else f"step {intact} is the newest earlier checkpoint that reads back whole: "
+            f"restore(step={intact}, ...)"
+        )
+        return CheckpointError(
+            f"checkpoint step {step} at {self.directory / str(step)} is damaged or incomplete "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); {advice}"
+        )
 
     def close(self) -> None:
         self._manager.close()
@@ -271,13 +335,18 @@ def _plain(tree: Any) -> Any:
         return {str(k): _plain(tree[k]) for k in tree.keys()}
     if isinstance(tree, list | tuple):
         return [_plain(v) for v in tree]
-    return 0 if hasattr(tree, "shape") else None  # an array, or an empty node (optax's EmptyState)
+    return tree if _is_array(tree) else None  # an array, or an empty node (optax's EmptyState)
+
+
+def _is_array(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
 def _paths(tree: Any) -> set[tuple[str, ...]]:
     """Leaf paths as plain key tokens: orbax's metadata stores tuples as lists and attribute
     names as keys, and drops flax's `.value`, so `[0].count` and `['0']['count']` agree."""
-    return {_normalized(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array)[0]
+    return {_normalized(path) for path, _ in leaves}
 
 
 _TOKENS = re.compile(r"\[\'?([^\]\']+)\'?\]|\.(\w+)")
@@ -287,6 +356,25 @@ def _normalized(path: Any) -> tuple[str, ...]:
     """A pytree path as plain key tokens (see `_paths`)."""
     parts = ["".join(m) for m in _TOKENS.findall(jax.tree_util.keystr(path))]
     return tuple(p for p in parts if p != "value")
+
+
+def _check_dtypes(saved: Any, target: Any, where: Path) -> None:
+    """Name a leaf whose saved dtype differs from the target's: restoring would cast it
+    (float32 weights into int32 lose everything after the point), so it is refused."""
+    saved_dtypes = {
+        _normalized(path): leaf.dtype
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+_plain(saved), is_leaf=_is_array)[0]
+    }
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        have = saved_dtypes.get(_normalized(path))
+        want = getattr(leaf, "dtype", None)
+        if have is not None and want is not None and jnp.dtype(have) != jnp.dtype(want):
+            raise CheckpointError(
+                f"checkpoint {where} holds {'/'.join(_normalized(path))} as {jnp.dtype(have)}, "
+                f"the target as {jnp.dtype(want)}; restore into a {jnp.dtype(have)} target "
+                f"and cast it yourself if that is what you want"
+            )
 
 
 def _check_structure(saved: Any, target: Any, where: Path) -> None:

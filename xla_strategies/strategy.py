@@ -212,9 +212,12 @@ class Strategy:
 
     def replicate(self, tree: Any) -> Any:
         """Copy every array of `tree` to where this strategy keeps state (mirrored on all
-        replicas, except for CentralStorageStrategy's parameter device)."""
+        replicas, except for CentralStorageStrategy's parameter device). Functions held as
+        leaves (an equinox module's activations) stay as they are."""
         sharding = self.state_sharding()
-        return map_arrays(lambda a, _: self.place(a, sharding), tree, "replicate(tree)")
+        return map_arrays(
+            lambda a, _: self.place(a, sharding), tree, "replicate(tree)", keep_functions=True
+        )
 
     def place(self, array: Any, sharding: jax.sharding.Sharding) -> Any:
         """A copy of `array` with `sharding`; abstract (a `jax.ShapeDtypeStruct`) when the

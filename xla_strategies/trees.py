@@ -37,14 +37,41 @@ def as_array(leaf: Any, where: str | Callable[[], str]) -> Any:
     )
 
 
-def map_arrays(fn: Callable[[Any, str], Any], tree: Any, prefix: str) -> Any:
-    """`fn(array, path)` on every leaf of `tree`, after checking each leaf is an array."""
+def is_function_leaf(leaf: Any) -> bool:
+    """A function held as a pytree leaf (an equinox layer's activation, a `custom_jvp`
+    such as `jax.nn.relu`): part of the program, not data. It is carried over as it is
+    (by `replicate`, into a restored state), never placed or saved."""
+    return callable(leaf) and not isinstance(leaf, jax.Array | np.ndarray | type)
+
+
+def map_arrays(
+    fn: Callable[[Any, str], Any], tree: Any, prefix: str, keep_functions: bool = False
+) -> Any:
+    """`fn(array, path)` on every leaf of `tree`, after checking each leaf is an array;
+    with `keep_functions`, function leaves (`is_function_leaf`) are kept as they are."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     results = []
     for path, leaf in leaves:
+        if keep_functions and is_function_leaf(leaf):
+            results.append(leaf)
+            continue
         where = path_str(prefix, path)
         results.append(fn(as_array(leaf, where), where))
     return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def without_functions(tree: Any) -> Any:
+    """`tree` with its function leaves taken out (None, an empty subtree): the data."""
+    return jax.tree.map(lambda leaf: None if is_function_leaf(leaf) else leaf, tree)
+
+
+def with_functions_of(like: Any, data: Any) -> Any:
+    """`like`'s structure, with `data`'s leaves (from `without_functions(like)`, in order)
+    where `like` holds data and `like`'s own function leaves elsewhere."""
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    values = iter(jax.tree.leaves(data))
+    merged = [leaf if is_function_leaf(leaf) else next(values) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(treedef, merged)
 
 
 def abstract_like(array: Any, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
