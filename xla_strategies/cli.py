@@ -1,4 +1,4 @@
-"""The `xla-strategies` command line: demo, dump, aot, show, opt, ledger."""
+"""The `xla-strategies` command line: demo, dump, aot, report, show, opt, ledger."""
 
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ def _parser() -> argparse.ArgumentParser:
     aot.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e-256, 2xv5p-512")
     aot.add_argument("--out", default="aot_dumps", help="dump directory (default: aot_dumps)")
     aot.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+    report = commands.add_parser(
+        "report",
+        help="read any compiled program's HLO text: its collectives and their cost",
+        usage="xla-strategies report FILE.hlo.txt --topology v5e-256 [--json]",
+    )
+    report.add_argument("file", help="HLO text after optimizations (compiled.as_text())")
+    report.add_argument("--topology", help="the topology it was compiled for, e.g. v5e-256")
+    report.add_argument("--json", action="store_true", help="print the report as JSON")
 
     show = commands.add_parser("show", help="show a dumped step's IR")
     show.add_argument("directory")

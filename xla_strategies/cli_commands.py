@@ -1,4 +1,4 @@
-"""The `xla-strategies` subcommands: dump, aot, show, opt and ledger."""
+"""The `xla-strategies` subcommands: dump, aot, report, show, opt and ledger."""
 
 from __future__ import annotations
 
@@ -57,6 +57,26 @@ def aot(args: Namespace) -> int:
         )
         return 1
     return returncode
+
+
+def report(args: Namespace) -> int:
+    """Read a compiled program's HLO text (any program's: ours, `jax.jit`'s, a peer's dump)
+    with the reader the step reports use, and print its collectives and their cost."""
+    import json
+
+    from xla_strategies.compiled_report import hlo_report, summary_text
+    from xla_strategies.topology import Topology
+
+    text = Path(args.file).read_text(errors="replace")
+    if "HloModule" not in text.split("\n", 1)[0]:
+        raise ValueError(f"{args.file} is not HLO text: its first line is not an HloModule")
+    topology = Topology.from_name(args.topology) if args.topology else None
+    found = hlo_report(text, topology)
+    if args.json:
+        print(json.dumps(found.to_json(), indent=1))
+    else:
+        print(summary_text(found, Path(args.file).name))
+    return 0
 
 
 def _run_dumped(

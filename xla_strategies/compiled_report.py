@@ -12,7 +12,6 @@ asynchronous collective from XLA's own per-op cycle estimates.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,14 +24,15 @@ from xla_strategies.hlo import (
     collective_kind,
     computations,
     executions,
+    group_size,
     hlo_bytes,
+    participants,
+    replica_groups,
 )
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_ALGORITHM = re.compile(r'"emitter":"(\w+)","strategy":"(\w+)"')
-_GROUPS = re.compile(
-    r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\][^,\s]*|mesh\[[^\]]*\][^,]*)"
-)
+_EMITTER = re.compile(r'"emitter":"(\w+)"')
+_STRATEGY = re.compile(r'"strategy":"(\w+)"')
 _UNKNOWN_CYCLES = 1 << 62
 _BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 _SKIP = set(COLLECTIVES)
@@ -95,19 +95,22 @@ class CompiledReport:
     platform: str
     topology: str | None
     hbm_bytes: int | None
-    memory: Memory
-    flops: float
+    memory: Memory | None  # None: read from HLO text alone, without the executable
+    flops: float | None  # None: likewise (XLA's cost analysis needs the executable)
     collectives: list[Collective]
     compile_seconds: float
     estimate: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
-        return None if self.hbm_bytes is None else self.memory.total_bytes <= self.hbm_bytes
+        if self.hbm_bytes is None or self.memory is None:
+            return None
+        return self.memory.total_bytes <= self.hbm_bytes
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["memory"]["total_bytes"] = self.memory.total_bytes
+        if self.memory is not None:
+            data["memory"]["total_bytes"] = self.memory.total_bytes
         data["fits"] = self.fits
         return data
 
@@ -118,6 +121,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     libtpu's `async_collective_fusion`, the compute fused with it."""
     comps, entry = computations(hlo_text)
     times = executions(comps, entry)
+    everyone = participants(hlo_text)
     found: list[Collective] = []
     for name, ops in comps.items():
         if not times.get(name):
@@ -149,8 +153,7 @@ def collectives(hlo_text: str) -> list[Collective]:
                 asynchronous = opcode.endswith("-start")
                 between = _between(ops, position, op_name) if asynchronous else []
                 cycles = sum(_cycles(r) for *_, r in between)
-            groups = _GROUPS.search(inner_rest)
-            algorithm = _ALGORITHM.search(rest) or _ALGORITHM.search(inner_rest)
+            config = rest if _EMITTER.search(rest) else inner_rest
             found.append(
                 Collective(
                     kind=kind,
@@ -158,9 +161,9 @@ def collectives(hlo_text: str) -> list[Collective]:
                     computation=name,
                     times=times[name],
                     nbytes=_result_bytes(inner_types, opcode.endswith("-start")),
-                    group_size=_group_size(groups.group(1) if groups else ""),
-                    replica_groups=groups.group(1) if groups else "",
-                    algorithm="/".join(algorithm.groups()) if algorithm else None,
+                    group_size=group_size(kind, inner_rest, everyone, op_name),
+                    replica_groups=replica_groups(inner_rest),
+                    algorithm=_algorithm(config),
                     asynchronous=asynchronous,
                     overlapped_ops=len(between),
                     overlapped_cycles=cycles,
@@ -231,19 +234,11 @@ def _result_bytes(types: str, asynchronous: bool) -> int:
     return hlo_bytes(types)
 
 
-def _group_size(groups: str) -> int:
-    """Participants per group, from any of XLA's three spellings of replica groups."""
-    if groups.startswith("{{"):
-        return len(groups[2:].split("}")[0].split(","))
-    iota = re.match(r"\[([\d,]+)\]<=", groups)
-    if iota:
-        return int(iota.group(1).split(",")[-1])
-    mesh = re.match(r"mesh\[([^\]]*)\]\s*(?:\{([^}]*)\})?", groups)
-    if mesh:
-        sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
-        named = re.findall(r"'(\w+)'", mesh.group(2)) if mesh.group(2) else list(sizes)
-        return math.prod(sizes[a] for a in named)
-    return 0
+def _algorithm(rest: str) -> str | None:
+    """XLA's emitter, and its strategy where it records one (`RotatedPincerShortEmitter/
+    StrategyND`), from a collective's backend config."""
+    names = [m.group(1) for m in (_EMITTER.search(rest), _STRATEGY.search(rest)) if m]
+    return "/".join(names) or None
 
 
 def _cycles(rest: str) -> int:
@@ -274,6 +269,23 @@ def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
     return report
 
 
+def hlo_report(hlo_text: str, topology: Any) -> CompiledReport:
+    """Read a program from its compiled HLO text alone (ours, `jax.jit`'s, MaxText's dump):
+    its collectives and their communication on `topology`. Memory and flops need the
+    executable, so they are None, and so are the compute and step estimates."""
+    report = CompiledReport(
+        platform=getattr(topology, "hardware", None) or "unknown",
+        topology=getattr(topology, "name", None),
+        hbm_bytes=getattr(topology, "hbm_bytes", None),
+        memory=None,
+        flops=None,
+        collectives=collectives(hlo_text),
+        compile_seconds=0.0,
+    )
+    report.estimate = step_estimate(report, topology, total_cycles(hlo_text))
+    return report
+
+
 def _flops_per_step(flops: float, hlo_text: str) -> float:
     """`cost_analysis()` counts a while body's flops once, not once per trip: a scanned
     layer stack's compute is scaled by XLA's own cycle estimates with and without trips."""
@@ -289,7 +301,7 @@ def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[st
     by XLA's cycle estimates, scheduled between its start and done). None where the
     topology does not know a rate."""
     peak = getattr(topology, "peak_flops", None)
-    compute = report.flops / peak if peak else None
+    compute = report.flops / peak if peak and report.flops is not None else None
     if topology is None:
         return {"compute_s": compute, "communication_s": None, "exposed_s": None, "step_s": None}
     communication = exposed = 0.0
@@ -329,16 +341,7 @@ def _collective_seconds(c: Collective, topology: Any) -> float:
 
 def summary_text(report: CompiledReport, name: str) -> str:
     """The report as a few lines for a terminal."""
-    gib = 2**30
-    memory = report.memory
-    lines = [f"step {name} on {report.topology or report.platform}"]
-    fits = {True: "fits", False: "DOES NOT FIT", None: "chip memory unknown"}[report.fits]
-    hbm = f" of {report.hbm_bytes / gib:.2f} GiB HBM" if report.hbm_bytes else ""
-    lines.append(
-        f"  memory per chip   {memory.total_bytes / gib:.3f} GiB{hbm} ({fits}): arguments "
-        f"{memory.argument_bytes / gib:.3f}, temporaries {memory.temp_bytes / gib:.3f}, outputs "
-        f"{memory.output_bytes / gib:.3f}, aliased {memory.alias_bytes / gib:.3f}"
-    )
+    lines = [f"step {name} on {report.topology or report.platform}", _memory_line(report)]
     kinds: dict[str, list[int]] = {}
     for c in report.collectives:
         count_bytes = kinds.setdefault(c.kind, [0, 0])
@@ -354,6 +357,11 @@ def summary_text(report: CompiledReport, name: str) -> str:
             "scheduled between start and done"
         )
     est = report.estimate
+    if est.get("step_s") is None and est.get("communication_s") is not None:
+        lines.append(
+            f"  communication     {est['communication_s'] * 1e3:.3f} ms (estimated: the "
+            "topology's cost model per collective; compute needs the executable)"
+        )
     if est.get("step_s") is not None:
         share = est["exposed_s"] / est["step_s"] if est["step_s"] else 0.0
         ms = {k: (v or 0.0) * 1e3 for k, v in est.items()}
@@ -362,5 +370,23 @@ def summary_text(report: CompiledReport, name: str) -> str:
             f"flops at peak), communication {ms['communication_s']:.3f} ms, exposed "
             f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
         )
-    lines.append(f"  compile time      {report.compile_seconds:.1f} s")
+    if report.memory is not None:  # read from an executable, not from text
+        lines.append(f"  compile time      {report.compile_seconds:.1f} s")
     return "\n".join(lines)
+
+
+def _memory_line(report: CompiledReport) -> str:
+    gib = 2**30
+    memory = report.memory
+    if memory is None:
+        return (
+            "  memory per chip   unknown (read from HLO text; XLA's memory analysis needs "
+            "the executable)"
+        )
+    fits = {True: "fits", False: "DOES NOT FIT", None: "chip memory unknown"}[report.fits]
+    hbm = f" of {report.hbm_bytes / gib:.2f} GiB HBM" if report.hbm_bytes else ""
+    return (
+        f"  memory per chip   {memory.total_bytes / gib:.3f} GiB{hbm} ({fits}): arguments "
+        f"{memory.argument_bytes / gib:.3f}, temporaries {memory.temp_bytes / gib:.3f}, outputs "
+        f"{memory.output_bytes / gib:.3f}, aliased {memory.alias_bytes / gib:.3f}"
+    )

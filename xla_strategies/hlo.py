@@ -1,6 +1,9 @@
 """Reading XLA's compiled HLO text: its computations and instructions, how often a step
-runs each computation (a while body once per trip), and which collectives survived
-compilation."""
+runs each computation (a while body once per trip), which collectives survived
+compilation, and how many devices take part in each.
+
+What it cannot read it says so (`HloReadError`), naming the instruction: a collective whose
+group it cannot size is never counted as free."""
 
 from __future__ import annotations
 
@@ -20,6 +23,70 @@ OPERAND = re.compile(r"%([\w.\-]+)")
 
 #: One instruction: its name, result types, opcode, and the rest of its line.
 Op = tuple[str, str, str, str]
+
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[[\d,]+\](?:T\([\d,]+\))?")
+# JAX 0.12's spelling: the mesh, then the axes each group spans (`{}`: none, so each
+# device alone). Axis names are quoted and may hold any character but a quote
+# (`'sharded:x'`).
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*(\{[^}]*\})?")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_QUOTED = re.compile(r"'([^']+)'")
+_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_REPLICAS = re.compile(r"\breplica_count=(\d+)")
+
+
+class HloReadError(ValueError):
+    """HLO text the reader does not understand; the message quotes it."""
+
+
+def participants(hlo_text: str) -> int:
+    """Devices that run the program: the module's partitions times its replicas."""
+    header = hlo_text.split("\n", 1)[0]
+    partitions, replicas = _PARTITIONS.search(header), _REPLICAS.search(header)
+    return int(partitions.group(1) if partitions else 1) * int(
+        replicas.group(1) if replicas else 1
+    )
+
+
+def replica_groups(rest: str) -> str:
+    """The replica groups attribute as XLA wrote it ("" where the instruction has none)."""
+    for pattern in (_MESH_GROUPS, _IOTA_GROUPS, _EXPLICIT_GROUPS):
+        found = pattern.search(rest)
+        if found:
+            return found.group(0).removeprefix("replica_groups=")
+    return ""
+
+
+def group_size(kind: str, rest: str, everyone: int, name: str = "") -> int:
+    """Devices in each group of a collective, from any of XLA's spellings of its groups:
+    explicit lists, iota (`[4,4]<=[16]`, with or without a transpose), JAX 0.12's mesh
+    axes, or none (every device). A permute moves between pairs: 2. Raises HloReadError
+    on a spelling it does not know."""
+    if kind == "collective-permute":
+        return 2
+    if "replica_groups=" not in rest:
+        return everyone
+    mesh = _MESH_GROUPS.search(rest)
+    if mesh:
+        sizes = dict(_MESH_AXIS.findall(mesh.group(1)))
+        named = _QUOTED.findall(mesh.group(2)) if mesh.group(2) else list(sizes)
+        unknown = [a for a in named if a not in sizes]
+        if not sizes or unknown:
+            raise HloReadError(f"{name}: mesh replica groups name unknown axes {unknown}: {rest}")
+        return math.prod(int(sizes[a]) for a in named)
+    iota = _IOTA_GROUPS.search(rest)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    explicit = _EXPLICIT_GROUPS.search(rest)
+    if explicit:
+        if explicit.group(1) is None:  # `{}`: one group of every device
+            return everyone
+        sizes = {len(g.split(",")) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))}
+        if len(sizes) != 1:
+            raise HloReadError(f"{name}: replica groups of different sizes {sorted(sizes)}")
+        return sizes.pop()
+    raise HloReadError(f"{name}: cannot read the replica groups of this {kind}: {rest[:300]}")
 
 
 def hlo_bytes(types: str) -> int:

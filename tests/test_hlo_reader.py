@@ -1,0 +1,123 @@
+"""The reader of compiled HLO that every TPU claim rests on: group sizes for every spelling
+XLA writes (checked against the shapes of the compiler's own output on this JAX release),
+never a silent zero, and the same reader for any program's HLO (`xla-strategies report`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import xla_strategies as xs
+from xla_strategies import cli
+from xla_strategies.compiled_report import compiled_report, hlo_report
+from xla_strategies.hlo import HloReadError, computations, group_size, hlo_bytes
+from xla_strategies.topology import Topology
+
+pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+
+
+@pytest.mark.parametrize(
+    ("attributes", "size"),
+    [
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", 4),
+        ("replica_groups=[2,8]<=[16], dimensions={0}", 8),
+        ("replica_groups=[4,4]<=[4,4]T(1,0), dimensions={0}", 4),
+        ("replica_groups=mesh['x'=4,'y'=4] {'x','y'}, dimensions={0}", 16),
+        ("replica_groups=mesh['sharded:x'=16,'sharded:y'=16] {'sharded:x'}, use_global", 16),
+        ("replica_groups=mesh['stacked:a b'=2,'c'=8] {'stacked:a b'}, to_apply=%add", 2),
+        ("replica_groups=mesh['x'=4,'y'=4] {}, dimensions={0}", 1),
+        ("replica_groups={}, to_apply=%add", 32),
+        ("to_apply=%add", 32),
+    ],
+)
+def test_every_spelling_of_replica_groups_gives_its_size(attributes, size):
+    assert group_size("all-reduce", attributes, everyone=32) == size
+
+
+@pytest.mark.parametrize(
+    "attributes",
+    [
+        "replica_groups=mesh['x'=4] {'y'}, dimensions={0}",
+        "replica_groups=<<future spelling>>, dimensions={0}",
+        "replica_groups={{0,1},{2,3,4}}, dimensions={0}",
+    ],
+)
+def test_a_spelling_the_reader_does_not_know_is_an_error_not_zero(attributes):
+    with pytest.raises(HloReadError, match="%ar"):
+        group_size("all-reduce", attributes, everyone=32, name="%ar")
+
+
+def _fsdp_step_hlo(strategy):
+    tx = optax.adam(1e-3)
+    params = {"w1": np.zeros((512, 1024), np.float32), "w2": np.zeros((1024, 512), np.float32)}
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    state = strategy.replicate((params, tx.init(params)))
+    batch = jax.ShapeDtypeStruct(
+        (8 * strategy.num_replicas_in_sync, 512), jnp.float32, sharding=strategy.split_sharding()
+    )
+    compiled = (
+        strategy.compile(step, shard_parameters=True, donate_argnums=(0, 1))
+        .lower(*state, batch)
+        .compile()
+    )
+    return compiled
+
+
+def test_group_sizes_match_the_shapes_xla_compiled_on_this_release():
+    """An all-gather's result is its operand times the group; a reduce-scatter's operand is
+    its result times the group: an independent reading of the same HLO."""
+    strategy = xs.TPUStrategy("v5e-16", compile_only=True)
+    compiled = _fsdp_step_hlo(strategy)
+    text = compiled.as_text()
+    report = compiled_report(compiled, strategy)
+    comps, _ = computations(text)
+    types = {name: t for ops in comps.values() for name, t, _, _ in ops}
+    checked = 0
+    for c in report.collectives:
+        ops = {name: (t, rest) for name, t, _, rest in comps[c.computation]}
+        result_types, rest = ops[c.name]
+        operand = re.match(r"\s*%([\w.\-]+)", rest).group(1)
+        ratio = hlo_bytes(result_types) / hlo_bytes(types[operand])
+        if c.kind == "all-gather":
+            assert c.group_size == ratio, (c.name, c.replica_groups)
+        elif c.kind == "reduce-scatter":
+            assert c.group_size == 1 / ratio, (c.name, c.replica_groups)
+        checked += c.kind in ("all-gather", "reduce-scatter")
+    assert checked >= 2, [c.kind for c in report.collectives]
+    assert report.estimate["communication_s"] > 0  # JAX 0.12's mesh spelling read as 1 once
+
+
+def test_report_reads_a_peers_hlo_text_with_the_same_reader(tmp_path, capsys):
+    """Plain `jax.jit` data parallelism over a v5e-16 topology, read from its text."""
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = topologies.get_topology_desc("v5e:4x4", "tpu").devices
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(16), ("data",))
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    sgd = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w))
+    text = sgd.lower(w, x).compile().as_text()
+    found = hlo_report(text, Topology.from_name("v5e-16"))
+    reductions = [c for c in found.collectives if c.kind == "all-reduce"]
+    assert reductions and all(c.group_size == 16 for c in reductions)
+    assert found.estimate["communication_s"] > 0 and found.memory is None
+    path = tmp_path / "peer.hlo.txt"
+    path.write_text(text)
+    assert cli.main(["report", str(path), "--topology", "v5e-16", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["collectives"][0]["group_size"] == 16
+    (tmp_path / "not.txt").write_text("hello")
+    assert cli.main(["report", str(tmp_path / "not.txt")]) == 1
+    assert "not HLO text" in capsys.readouterr().err
