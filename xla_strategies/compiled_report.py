@@ -336,7 +336,9 @@ def _collective_seconds(c: Collective, topology: Any) -> float:
         size *= link.size
     if not axes or c.group_size <= 1:
         return 0.0
-    return topology.collective_time(op, whole, tuple(axes))
+    # XLA's own algorithm for the group: the cost model's `flat` (on a TPU slice, its
+    # multi-dimensional torus algorithm), not the best of the algorithms passes choose from
+    return topology.collective_time(op, whole, tuple(axes), algorithm="flat")
 
 
 def summary_text(report: CompiledReport, name: str) -> str:

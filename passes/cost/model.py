@@ -7,7 +7,8 @@ without wraparound the ring is embedded in a line and gets one direction's bandw
 
 Algorithms for a reduction over several axes:
 
-- `flat`: the runtime's own collective over every participant at once, modelled with a
+- `flat`: the runtime's own collective over every participant at once: inside a TPU slice
+  XLA's multi-dimensional torus algorithm (every dimension's links at once), elsewhere a
   tree's latency and a ring's bandwidth on the slowest axis;
 - `ordered`: reduce-scatter axis by axis (fastest first), then all-gather back; across a
   slow level (DCN) this is the hierarchical form (ICI, then DCN, then ICI);
@@ -83,14 +84,24 @@ def ring_time(op: str, nbytes: float, axis: AxisLink) -> float:
 
 
 def flat_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
-    """The runtime's own collective over every participant at once: a tree's latency
-    (2 log2 p steps for an all-reduce) and a ring's bandwidth on the slowest axis."""
+    """The runtime's own collective over every participant at once.
+
+    A tree's latency (2 log2 p steps for an all-reduce: XLA and NCCL pick a short-message
+    emitter for small data). Bandwidth: inside a TPU slice (every axis a torus dimension
+    of ICI), XLA drives all dimensions at once (its backend config records `StrategyND`
+    or `RotatedPincer` with the torus's `dim_sizes`), so each dimension's rings carry a
+    share of the data and the bandwidth is their sum; elsewhere (NCCL, gloo, a group
+    across DCN) a ring's bandwidth on the slowest axis."""
     p = math.prod(a.size for a in axes)
     if p == 1:
         return 0.0
     factor = 2 if op == "all_reduce" else 1
     latency = factor * math.ceil(math.log2(p)) * max(a.latency for a in axes)
-    bandwidth = min(a.ring_bandwidth for a in axes)
+    used = [a for a in axes if a.size > 1]
+    if len(used) > 1 and all(a.level == "ici" for a in used):
+        bandwidth = sum(a.ring_bandwidth for a in used)
+    else:
+        bandwidth = min(a.ring_bandwidth for a in axes)
     return latency + factor * (p - 1) / p * nbytes / bandwidth
 
 
@@ -209,9 +220,10 @@ def collective_time(
 def best_algorithm(
     op: str, nbytes: float, axes: Sequence[AxisLink]
 ) -> tuple[str, dict[str, float]]:
-    """The fastest algorithm and every algorithm's estimate."""
+    """The fastest algorithm and every algorithm's estimate; on a tie XLA's own (`flat`):
+    a rewrite must be faster to be worth its extra collectives."""
     estimates = {name: collective_time(op, nbytes, axes, name) for name in ALGORITHMS}
-    return min(estimates, key=estimates.get), estimates
+    return min(ALGORITHMS, key=lambda name: (estimates[name], name != "flat")), estimates
 
 
 def lower_bound(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:

@@ -38,19 +38,30 @@ def test_small_reductions_stay_flat_with_a_remark():
     assert ctx.stats["decompose-all-reduces"]["decisions"][0]["algorithm"] == "flat"
 
 
-def test_large_reductions_use_every_dimension():
+def test_inside_a_slice_even_large_reductions_stay_xlas():
+    """XLA's TPU all-reduce over a 16x16 slice already drives both torus dimensions
+    (StrategyND): a chain of one-axis collectives only adds steps."""
     n = 64 * 1024 * 1024
     changed, after, ctx = _run(ONE.format(n=n), "v5e-256")
+    assert not changed and after == ONE.format(n=n)
+    estimates = ctx.stats["decompose-all-reduces"]["decisions"][0]["estimates_s"]
+    assert estimates["flat"] <= estimates["rotated"] < estimates["ordered"]
+
+
+def test_across_slices_large_reductions_decompose():
+    """Over DCN the flat collective's bottleneck is the slow link: reducing inside each
+    slice first sends 1/slice-size of the data across it."""
+    text = ONE.replace("x,y", "dcn,x,y,z").replace('["x", "y"]', '["dcn", "x", "y", "z"]')
+    changed, after, ctx = _run(text.format(n=64 * 1024 * 1024), "2xv5p-512")
     assert changed
-    graph = parse(after)
     decision = ctx.stats["decompose-all-reduces"]["decisions"][0]
-    assert decision["algorithm"] == "rotated"
-    scatters = [n for n in graph.walk() if n.op == "reduce_scatter"]
-    # two parts at least, one reduce-scatter each first along x and first along y
-    assert {tuple(s.attrs["axes"]) for s in scatters} == {("x",), ("y",)}
-    assert graph.count_ops("all_gather") == len(scatters)
+    assert decision["algorithm"] != "flat"
+    graph = parse(after)
+    assert [n.attrs["axes"] for n in graph.walk() if n.op == "all_reduce"] == [["dcn"]] * len(
+        [n for n in graph.walk() if n.op == "all_reduce"]
+    )
     assert graph.count_ops("scale") == 1  # the mean, applied once
-    assert graph.nodes[-1].outputs[0].shape == (n,)
+    assert graph.nodes[-1].outputs[0].shape == (64 * 1024 * 1024,)
 
 
 def test_multislice_reduces_ici_then_dcn_then_ici():
