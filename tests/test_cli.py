@@ -27,8 +27,13 @@ CLI = [sys.executable, "-m", "xla_strategies.cli"]
         ("tied_weight.ir", [], "tied_weight.default.check"),
         (
             "two_level.ir",
-            ["-p", "decompose-all-reduces", "--topology", "v5e-16"],
+            ["-p", "decompose-all-reduces{force=rotated}", "--topology", "v5e-16"],
             "two_level.v5e-16.check",
+        ),
+        (
+            "two_level.ir",
+            ["-p", "decompose-all-reduces", "--topology", "v5e-16"],
+            "two_level.v5e-16.flat.check",
         ),
     ],
 )

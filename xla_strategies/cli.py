@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     aot.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e-256, 2xv5p-512")
     aot.add_argument("--out", default="aot_dumps", help="dump directory (default: aot_dumps)")
+    aot.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds before the script is stopped (default: 3600)",
+    )
     aot.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
     report = commands.add_parser(

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
+import signal
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
 from xla_strategies import dumping
 from xla_strategies.dump_reader import select_step, steps
@@ -45,18 +49,39 @@ def aot(args: Namespace) -> int:
         raise ValueError(f"--topology {args.topology!r} is not a TPU topology (e.g. v5e-256)")
     env = {AOT_TOPOLOGY: topology.name, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     out = Path(args.out)
-    returncode = _run_dumped("aot", args.command, out, env, stop_after_compile=True)
-    summaries = [step.directory / "summary.txt" for step in steps(out)] if out.is_dir() else []
-    for summary in (s for s in summaries if s.is_file()):
-        print(summary.read_text(), end="")
-    if returncode == 0 and not summaries:
+    started = time.time()
+    returncode = _run_dumped(
+        "aot", args.command, out, env, stop_after_compile=True, timeout=args.timeout
+    )
+    if returncode != 0:
+        return returncode  # a previous run's summaries in --out are not this run's
+    fresh = [s for s in steps(out) if _written_since(s.directory / "summary.txt", started)]
+    on_tpu = [s for s in fresh if _platform(s.directory) == "tpu"]
+    for step in on_tpu:
+        print((step.directory / "summary.txt").read_text(), end="")
+    if not on_tpu:
+        compiled = ", ".join(f"{s.name} for {_platform(s.directory)}" for s in fresh)
         print(
-            "xla-strategies aot: the script compiled no TPUStrategy step; it must build its "
-            "strategy with xs.TPUStrategy(...) and call a compiled step",
+            "xla-strategies aot: the script compiled no TPU step"
+            + (f" (it compiled {compiled})" if compiled else "")
+            + "; it must build its strategy with xs.TPUStrategy(...) and call a compiled step",
             file=sys.stderr,
         )
         return 1
-    return returncode
+    return 0
+
+
+def _written_since(path: Path, started: float) -> bool:
+    return path.is_file() and path.stat().st_mtime >= started - 1.0  # coarse file clocks
+
+
+def _platform(directory: Path) -> str:
+    import json
+
+    try:
+        return json.loads((directory / "compiled_report.json").read_text())["platform"]
+    except (OSError, ValueError, KeyError):
+        return "an unknown platform"
 
 
 def report(args: Namespace) -> int:
@@ -80,9 +105,15 @@ def report(args: Namespace) -> int:
 
 
 def _run_dumped(
-    name: str, command: list[str], out: Path, env: dict[str, str], stop_after_compile: bool
+    name: str,
+    command: list[str],
+    out: Path,
+    env: dict[str, str],
+    stop_after_compile: bool,
+    timeout: float | None = None,
 ) -> int:
-    """Run `command` with dumping to `out` and `env` on; its exit code."""
+    """Run `command` with dumping to `out` and `env` on; its exit code. The script ends
+    with this command: a SIGTERM or SIGINT to it, or `timeout` seconds, end the script."""
     command = command[1:] if command and command[0] == "--" else list(command)
     if not command:
         raise SystemExit(f"{name}: give the command to run after --, e.g. -- python train.py")
@@ -91,7 +122,14 @@ def _run_dumped(
         env[dumping.STOP_AFTER_COMPILE] = "1"
         if runs_in_process(command):  # it stops by raising; this runner exits cleanly
             command = [sys.executable, "-m", "xla_strategies.run_until_compiled", *command]
-    returncode = subprocess.run(command, env=env).returncode
+    returncode = _run_owned(command, env, timeout)
+    if returncode is None:
+        print(
+            f"xla-strategies {name}: the script did not finish within --timeout {timeout:g} s "
+            "(it may loop before its first step); it was stopped",
+            file=sys.stderr,
+        )
+        return 124  # timeout(1)'s status
     if returncode != 0:
         print(
             f"xla-strategies {name}: the script failed with exit code {returncode}; "
@@ -99,6 +137,50 @@ def _run_dumped(
             file=sys.stderr,
         )
     return returncode
+
+
+def _run_owned(command: list[str], env: dict[str, str], timeout: float | None) -> int | None:
+    """Run `command` in a process group of its own and wait; None after `timeout` s. A
+    SIGTERM or SIGINT to this process ends the group too (SIGKILL 10 s later if it is still
+    there), then exits with 128 + the signal, so nothing is orphaned."""
+    child = subprocess.Popen(command, env=env, start_new_session=True)
+    signalled: list[int] = []
+
+    def end_group(signum: int, _frame: Any) -> None:
+        signalled.append(signum)
+        _signal_group(child, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, end_group) for sig in (signal.SIGTERM, signal.SIGINT)}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    killed_at = None
+    try:
+        while (returncode := _poll(child, 0.2)) is None:
+            now = time.monotonic()
+            if signalled and killed_at is None:
+                killed_at = now + 10
+            if deadline is not None and now > deadline and killed_at is None:
+                _signal_group(child, signal.SIGTERM)
+                killed_at = now + 10
+            if killed_at is not None and now > killed_at:
+                _signal_group(child, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signalled:
+        raise SystemExit(128 + signalled[0])
+    return None if killed_at is not None else returncode
+
+
+def _poll(child: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return child.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _signal_group(child: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signum)
 
 
 def print_index(out: Path) -> None:

@@ -328,19 +328,21 @@ class CompiledStep:
         """Capture, run the passes (with the dump's instruments), lower; dump if asked."""
         options = DumpOptions.from_env()
         seconds: dict[str, float] = {}
+        dump = StepDump(options, self.name, self.strategy)
         start = time.perf_counter()
         graph, outputs = self._capture(signature)
         seconds["capture"] = time.perf_counter() - start
+        dump.progress(f"captured in {seconds['capture']:.1f} s ({len(graph.nodes)} nodes)")
         captured_stats = _reduction_stats(graph)
         pipeline = self.pipeline
         if options.pipeline:  # XLA_STRATEGIES_PIPELINE: the user's spec, by the same rule
             spec = dataclasses.replace(self.pipeline_options, spec=options.pipeline)
             pipeline = step_pipeline(self.strategy, spec)
-        dump = StepDump(options, self.name, self.strategy)
         start = time.perf_counter()
         ctx = self._pass_context()
         dump.instrument(pipeline).run(graph, ctx)
         seconds["pipeline"] = time.perf_counter() - start
+        dump.progress(f"{len(pipeline.passes)} passes ran in {seconds['pipeline']:.1f} s")
         seconds["verify"] = ctx.stats["verify_seconds"]  # part of the pipeline's time
         donated = donated_state(graph)
         strategy = self.strategy

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,11 @@ class StepDump:
             pipeline = pipeline.with_instruments(dumper, self.ledger)
         return pipeline
 
+    def progress(self, message: str) -> None:
+        """One line on stderr while a long dump or `aot` compile runs (silent otherwise)."""
+        if self.directory is not None or self.options.stop_after_compile:
+            print(f"xla-strategies: {self.name}: {message}", file=sys.stderr, flush=True)
+
     def write(self, graph: Graph, run: Any, arrays: Sequence[Any]) -> None:
         """The ledger, timeline, StableHLO and compiled HLO, when dumping to a directory."""
         if self.directory is None:
@@ -84,7 +91,9 @@ class StepDump:
             graph, strategy.mesh, strategy.stacked_mesh, strategy.sharded_mesh
         )
         args = abstract([(a.shape, a.dtype) for a in arrays], shardings)
-        write_artifacts(self.directory, graph, run, args, self.ledger, strategy, self.name)
+        write_artifacts(
+            self.directory, graph, run, args, self.ledger, strategy, self.name, self.progress
+        )
 
 
 def step_directory(root: Path, name: str) -> Path:
@@ -111,6 +120,7 @@ def write_artifacts(
     ledger: LedgerRecorder,
     strategy: Any,
     name: str,
+    progress: Callable[[str], None] = lambda message: None,
 ) -> None:
     """Write the ledger, the timeline, the StableHLO, XLA's compiled HLO of one step and
     what XLA says of it (`compiled_report.json`, `summary.txt`: memory per chip, the
@@ -122,7 +132,11 @@ def write_artifacts(
     _WRITTEN.add(directory)
     lowered = run.lower(*abstract_args)
     (directory / "stablehlo.mlir").write_text(lowered.as_text(debug_info=True))
+    target = getattr(strategy.topology, "name", None) or strategy.devices[0].platform
+    progress(f"XLA compiling for {target} (a large model takes minutes)")
+    start = time.perf_counter()
     compiled = compile_lowered(lowered.compile, strategy, name)
+    progress(f"XLA compiled in {time.perf_counter() - start:.1f} s")
     (directory / "compiled.hlo.txt").write_text(compiled.as_text())
     report = compiled_report(compiled, strategy)
     (directory / "compiled_report.json").write_text(json.dumps(report.to_json(), indent=1))

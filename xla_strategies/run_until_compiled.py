@@ -3,7 +3,7 @@ process and exit 0 when its first step has compiled (`xs.errors.StoppedAfterComp
 
 `xla-strategies dump --stop-after-compile` runs the user's command through this, so the
 command line, not the library, owns the exit. COMMAND is `python script.py ARGS`,
-`python -m module ARGS` or `xla-strategies SUBCOMMAND ARGS`.
+`python -m module ARGS`, `python -c CODE ARGS` or `xla-strategies SUBCOMMAND ARGS`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ def main(command: Sequence[str]) -> int:
         if args[:1] == ["-m"]:
             sys.argv = [args[1], *args[2:]]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[:1] == ["-c"]:  # `python -c CODE ARGS`, as Python runs it
+            if len(args) < 2:
+                raise SystemExit("run_until_compiled: -c needs the code to run")
+            sys.argv = ["-c", *args[2:]]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
         else:
             sys.argv = args
             runpy.run_path(args[0], run_name="__main__")
