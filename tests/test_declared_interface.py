@@ -77,7 +77,8 @@ def test_one_device_never_deletes_an_array_it_was_not_asked_to_donate():
 
 def test_state_is_found_wherever_the_step_returns_it(mirrored):
     """The same Adam step returning (loss, params, opt) instead of (params, opt, loss):
-    with the state declared, both are donated and Adam's moments stay held split."""
+    with the state declared, both are donated and Adam's moments stay held split;
+    undeclared, sharding it is an error that says what to declare."""
     tx = optax.adam(1e-2)
     init = {"w": np.ones((16, 8), np.float32)}
 
@@ -97,10 +98,13 @@ def test_state_is_found_wherever_the_step_returns_it(mirrored):
     step(new_params, new_opt, x)
     assert new_params["w"].is_deleted() and new_opt[0].mu["w"].is_deleted()
 
+    # undeclared and returned elsewhere than its own position: not state, so the option
+    # would do nothing, and says what to declare instead
     undeclared = mirrored.compile(loss_first, shard_weight_updates=True)
     params, opt_state = mirrored.replicate(init), mirrored.replicate(tx.init(init))
-    _, _, kept = undeclared(params, opt_state, x)
-    assert not params["w"].is_deleted() and not mirrored.is_held_sharded(kept[0].mu["w"])
+    with pytest.raises(ValueError, match=r"hands back no state: .* donate_argnums"):
+        undeclared(params, opt_state, x)
+    assert not params["w"].is_deleted()
 
 
 def test_a_donated_argument_nothing_returns_warns_and_is_kept(mirrored):

@@ -59,18 +59,21 @@ def declared_outputs(prefix: Any, outputs: Outputs) -> dict[int, str | None]:
 @dataclass(frozen=True)
 class DeclaredState:
     """Which of a step's arguments are state, by position and by name: those named by
-    `donate_argnums`/`donate_argnames` (donated to their new value) and any argument of a
-    state type a frontend knows (flax's and `xst`'s `TrainState`: kept, not donated)."""
+    `donate_argnums`/`donate_argnames` (donated to their new value), any argument of a
+    state type a frontend knows (flax's and `xst`'s `TrainState`: kept, not donated), and
+    any other argument the step hands back where it came from (kept)."""
 
     donate_argnums: frozenset[int] = frozenset()
     donate_argnames: frozenset[str] = frozenset()
 
-    def of(self, position: int | str, value: Any) -> str | None:
-        """`"donated"`, `"kept"` (state the caller keeps) or None for argument `position`
-        (an int, or a keyword argument's name) holding `value`."""
+    def of(self, position: int | str, value: Any) -> str:
+        """`"donated"`, `"kept"` (state the caller keeps, paired with any free output of its
+        structure) or `"returned"` (state only if an output at its own position, or the
+        whole result, is its next value: `params, opt_state = step(params, opt_state, x)`)
+        for argument `position` (an int, or a keyword argument's name) holding `value`."""
         if position in self.donate_argnums or position in self.donate_argnames:
             return "donated"
-        return "kept" if _is_state_type(value) else None
+        return "kept" if _is_state_type(value) else "returned"
 
 
 def _is_state_type(value: Any) -> bool:
@@ -112,20 +115,23 @@ def state_pairs(
     traced_out = {leaf: k for k, leaf in enumerate(outputs.traced_indices())}
     args, kwargs = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))
     items = _items(jax.tree.unflatten(outputs.treedef, range(len(outputs.leaves))))
-    declared_args = {
-        position: (arg, kind)
+    declared_args = {  # arg: its structure, with leaf numbers
+        position: (arg, declared.of(position, arg))
         for position, arg in [*enumerate(args), *kwargs.items()]
-        if (kind := declared.of(position, arg)) is not None  # arg: structure, leaf numbers
     }
     paired: dict[int, int] = {}
     donated: set[int] = set()
     # rounds, so that no argument takes the item another one finds at its own position
     for round_of in (lambda p: [p], lambda p: [None], lambda p: list(items)):
         for position, (arg, kind) in list(declared_args.items()):
-            for key in round_of(position):
+            keys = round_of(position)
+            if kind == "returned" and len(keys) > 1:
+                continue  # undeclared: its own position or the whole result only
+            for key in keys:
                 if key not in items:
                     continue
-                found = _pair(arg, items[key], traced_arg, traced_out, signature, graph)
+                partial = kind != "donated"  # kept state may grow (a first torch step)
+                found = _pair(arg, items[key], traced_arg, traced_out, signature, graph, partial)
                 if found is not None:
                     del declared_args[position]
                     if key is None:  # the whole result is this state: no item is free
@@ -141,7 +147,22 @@ def state_pairs(
         for p, (_, kind) in declared_args.items()
         if kind == "donated"
     ]
+    paired.update(_written_in_place(signature, outputs, graph, traced_arg))
     return StatePairs(paired, frozenset(donated), unreturned)
+
+
+def _written_in_place(
+    signature: Signature, outputs: Outputs, graph: Graph, traced_arg: dict[int, int]
+) -> dict[int, int]:
+    """Output -> argument for the NNX variables a step changed in place: state, which its
+    caller keeps (their new values are written back into the caller's objects)."""
+    first = len(graph.outputs) - len(outputs.written)
+    pairs = {}
+    for offset, leaf in enumerate(outputs.written):
+        arg = traced_arg.get(leaf)
+        if arg is not None and _same_state(signature, graph, arg, first + offset):
+            pairs[first + offset] = arg
+    return pairs
 
 
 def _items(result: Any) -> dict[Any, Any]:
@@ -156,21 +177,42 @@ def _items(result: Any) -> dict[Any, Any]:
 
 
 def _pair(
-    arg: Any, out: Any, traced_arg: dict, traced_out: dict, signature: Signature, graph: Graph
+    arg: Any,
+    out: Any,
+    traced_arg: dict,
+    traced_out: dict,
+    signature: Signature,
+    graph: Graph,
+    partial: bool = False,
 ) -> list[tuple[int, int]] | None:
-    """The (argument, output) traced positions if `out` has `arg`'s structure and types."""
+    """The (argument, output) traced positions if `out` has `arg`'s structure and types.
+    With `partial`, an `out` of the same kind whose structure differs (a torch optimizer's
+    state, made by its first step) pairs the leaves at the paths both have."""
     if jax.tree.structure(arg) != jax.tree.structure(out):
-        return None
-    pairs = [
-        (traced_arg.get(a), traced_out.get(r))
-        for a, r in zip(jax.tree.leaves(arg), jax.tree.leaves(out), strict=True)
-    ]
+        if not partial or type(arg) is not type(out):
+            return None
+        pairs = _pair_by_path(arg, out, traced_arg, traced_out)
+    else:
+        pairs = [
+            (traced_arg.get(a), traced_out.get(r))
+            for a, r in zip(jax.tree.leaves(arg), jax.tree.leaves(out), strict=True)
+        ]
     pairs = [(a, r) for a, r in pairs if a is not None or r is not None]
     if pairs and all(
         a is not None and r is not None and _same_state(signature, graph, a, r) for a, r in pairs
     ):
         return pairs
     return None
+
+
+def _pair_by_path(arg: Any, out: Any, traced_arg: dict, traced_out: dict) -> list:
+    """(argument, output) traced positions of the leaves at the same path in both."""
+    outs = dict(jax.tree_util.tree_flatten_with_path(out)[0])
+    return [
+        (traced_arg.get(a), traced_out.get(outs[path]))
+        for path, a in jax.tree_util.tree_flatten_with_path(arg)[0]
+        if path in outs and traced_arg.get(a) is not None and traced_out.get(outs[path]) is not None
+    ]
 
 
 def donated_state(graph: Graph) -> tuple[int, ...]:

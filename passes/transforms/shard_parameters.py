@@ -53,6 +53,7 @@ from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder, within_slice
 from xla_strategies.passes.transforms.blocks import block_value, shard_dimension
+from xla_strategies.passes.transforms.held_state import require_state
 from xla_strategies.passes.transforms.regather_residuals import regather_residuals
 
 MODES = ("on", "auto")
@@ -77,6 +78,8 @@ class ShardParameters(Pass):
             raise ValueError(f"shard-parameters: mode must be one of {MODES}, got {self.mode!r}")
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
+        if self.mode == "on":
+            require_state(graph, ctx, self.name, "shard_parameters")
         decision = _memory_decision(graph, ctx) if self.mode == "auto" else None
         if ctx.num_replicas == 1 or (decision is not None and not decision["on"]):
             ctx.stats[self.name] = {"split_state": 0, "decision": decision}

@@ -54,6 +54,7 @@ from xla_strategies.passes.transforms.block_sharder import (
     block_order,
     is_gradient_reduction,
 )
+from xla_strategies.passes.transforms.held_state import require_state
 
 MODES = ("on", "auto")
 
@@ -77,6 +78,8 @@ class ShardWeightUpdates(Pass):
             )
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
+        if self.mode == "on":
+            require_state(graph, ctx, self.name, "shard_weight_updates")
         axes = block_order(ctx)
         held_split = [n.attrs["axes"] for n in graph.nodes if n.attrs.get(DEFERRED)]
         if held_split:  # shard-parameters holds values split: only blocks can update them

@@ -174,11 +174,18 @@ func @step(%0: f32[8], %1: f32[8]{replica}) {
     over_part = """\
 func @step(%0: f32[8], %1: f32[8]{dcn,ici}) {
   %2: f32[8]{dcn} = all_reduce(%1) {"axes": ["ici"], "origin": "autodiff", "reduce_op": "sum"}
-  return %2
+  %3: f32[8] = jax.neg(%0)
+  return %2, %3 state=%0
 }
 """
     changed, _, _ = _run(over_part, mesh={"dcn": 2, "ici": 4})
     assert not changed  # a reduction over part of the replicas is not a whole gradient
+
+
+def test_turned_on_without_state_to_hold_split_is_an_error():
+    without_state = MOMENTUM.split("return")[0] + "return %5\n}\n"
+    with pytest.raises(ValueError, match=r"shard_weight_updates=True .* hands back no state"):
+        _run(without_state)
 
 
 def test_auto_mode_is_off_without_a_topology_and_says_why():
