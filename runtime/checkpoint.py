@@ -222,17 +222,20 @@ class CheckpointManager:
             )
         map_arrays(lambda a, _: a, target, "target")  # a bad target is the caller's error
         try:
+            saved = self._manager.item_metadata(step)["state"]
+        except Exception as exc:  # orbax and TensorStore raise many kinds for a damaged file
+            raise self._damaged(step, target, exc) from exc
+        _check_structure(saved, target, self.directory / str(step))
+        _check_dtypes(saved, target, self.directory / str(step))
+        try:
             return self._read(step, target, dataset_iterator)
         except CheckpointError:
             raise
-        except Exception as exc:  # orbax and TensorStore raise many kinds for a damaged file
+        except Exception as exc:
             raise self._damaged(step, target, exc) from exc
 
     def _read(self, step: int, target: Any, dataset_iterator: Any) -> Any:
-        """Checkpoint `step` read into `target`'s shapes, dtypes and placement."""
-        saved = self._manager.item_metadata(step)["state"]
-        _check_structure(saved, target, self.directory / str(step))
-        _check_dtypes(saved, target, self.directory / str(step))
+        """Checkpoint `step`'s arrays read into `target`'s shapes, dtypes and placement."""
         layout = self._saved_layout(step)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(
             map_arrays(lambda a, _: a, target, "target")
@@ -301,6 +304,8 @@ class CheckpointManager:
         intact = None
         for earlier in sorted((s for s in self.all_steps() if s < step), reverse=True):
             try:
+                saved = self._manager.item_metadata(earlier)["state"]
+                _check_structure(saved, target, self.directory / str(earlier))
                 self._read(earlier, target, None)
             except Exception:  # damaged too, or another structure: look further back
                 continue
@@ -367,14 +372,22 @@ def _check_dtypes(saved: Any, target: Any, where: Path) -> None:
 _plain(saved), is_leaf=_is_array)[0]
     }
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        have = saved_dtypes.get(_normalized(path))
-        want = getattr(leaf, "dtype", None)
-        if have is not None and want is not None and jnp.dtype(have) != jnp.dtype(want):
+        have = _numpy_dtype(saved_dtypes.get(_normalized(path)))
+        want = _numpy_dtype(getattr(leaf, "dtype", None))
+        if have is not None and want is not None and have != want:
             raise CheckpointError(
-                f"checkpoint {where} holds {'/'.join(_normalized(path))} as {jnp.dtype(have)}, "
-                f"the target as {jnp.dtype(want)}; restore into a {jnp.dtype(have)} target "
+                f"checkpoint {where} holds {'/'.join(_normalized(path))} as {have}, "
+                f"the target as {want}; restore into a {have} target "
                 f"and cast it yourself if that is what you want"
             )
+
+
+def _numpy_dtype(dtype: Any) -> Any:
+    """`dtype` as numpy's, or None (none given, or a typed PRNG key: orbax keeps its data)."""
+    try:
+        return None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        return None
 
 
 def _check_structure(saved: Any, target: Any, where: Path) -> None:
