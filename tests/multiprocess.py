@@ -26,6 +26,7 @@ class Worker:
     process: subprocess.Popen
     lines: list[str] = field(default_factory=list)
     killed_at: int | None = None
+    killed_time: float | None = None  # time.time() of the kill
 
     @property
     def output(self) -> str:
@@ -99,7 +100,7 @@ def _read(worker: Worker, kill: tuple[int, int] | None, kill_signal: int) -> Non
         worker.lines.append(line)
         if kill and worker.index == kill[0] and line.strip() == f"STEP {kill[1]}":
             os.kill(worker.process.pid, kill_signal)
-            worker.killed_at = kill[1]
+            worker.killed_at, worker.killed_time = kill[1], time.time()
 
 
 def check(workers: list[Worker]) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies import in_place_state, replica_rng_streams
+from xla_strategies import cluster_health, in_place_state, replica_rng_streams
 from xla_strategies.argument_declarations import declared_arguments
 from xla_strategies.arguments import (
     Layout,
@@ -147,6 +147,8 @@ class CompiledStep:
     # the public surface
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.strategy.completes_steps and (gone := cluster_health.unavailable()):
+            raise gone  # a peer worker died: no step can run
         flat, signature = self._flatten(args, kwargs)
         abstract = self.strategy.compile_only or any(
             isinstance(leaf, jax.ShapeDtypeStruct) for leaf in flat
@@ -165,7 +167,7 @@ class CompiledStep:
         pacer = CPU_PACER if self.strategy.devices_share_host_cores else None
         if pacer is not None:
             pacer.before_dispatch()
-        outs = executable.run(*self._place(flat, executable))
+        outs = self._run(executable, flat)
         if any(executable.rooted):  # only the root replica's copy is right
             pairs = zip(outs, executable.rooted, strict=True)
             outs = [self.strategy.root_copy(o) if r else o for o, r in pairs]
@@ -174,6 +176,20 @@ class CompiledStep:
         outputs = executable.outputs
         in_place_state.write_back(outputs.written, outputs.in_place(outs), args, kwargs)
         return outputs.join(outs)
+
+    def _run(self, executable: Executable, flat: list[Any]) -> list[Any]:
+        """One dispatch; a failure because a peer worker died is an `UnavailableError`
+        naming it."""
+        try:
+            outs = executable.run(*self._place(flat, executable))
+            if self.strategy.completes_steps:
+                cluster_health.wait_for(outs)
+            return outs
+        except jax.errors.JaxRuntimeError as exc:
+            gone = cluster_health.unavailable(exc)
+            if gone is None:
+                raise
+            raise gone from exc
 
     def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
         """The lowered program for these arguments, as `jax.jit(...).lower` gives it:

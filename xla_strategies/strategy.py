@@ -113,6 +113,11 @@ class Strategy:
         local = [d for d in self._mesh.devices.flat if d.process_index == jax.process_index()]
         return len(local) > 1 and local[0].platform == "cpu"
 
+    #: Whether a step call waits for its outputs, so that a failure (a dead peer worker)
+    #: is raised by the step, where the strategy can say what happened, and not at the
+    #: caller's next read of an output.
+    completes_steps: ClassVar[bool] = False
+
     def input_spec(self, per_replica: bool) -> PartitionSpec:
         """Per-replica inputs split dim 0 over all mesh axes; mirrored ones are whole."""
         return replica_spec(self._mesh) if per_replica else PartitionSpec()
