@@ -6,6 +6,9 @@ PYTHON ?= $(shell tools/find-python 3.12)
 OLDEST_PYTHON ?= $(shell tools/find-python 3.11)
 VENV := .venv
 BIN := $(VENV)/bin
+# `make demo` installs what the demo needs (the package, flax and optax); `make test` adds
+# the dev extras (torch, Keras, libtpu, Ray: several GB) to the same environment.
+DEMO_STAMP := $(VENV)/.demo-stamp
 STAMP := $(VENV)/.installed-stamp
 OLDEST_VENV := .venv-oldest-jax
 OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
@@ -18,11 +21,15 @@ SUITE = $(1) -m pytest -q -n 2 --dist loadfile --ignore=$(RUN_ALONE) && $(1) -m 
 
 $(STAMP): pyproject.toml tools/make-venv
 	tools/make-venv $(VENV) "$(PYTHON)"
+	touch $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml tools/make-venv
+	EXTRAS=examples STAMP_FILE=.demo-stamp tools/make-venv $(VENV) "$(PYTHON)"
 
 $(OLDEST_STAMP): pyproject.toml tools/make-venv constraints/oldest-jax.txt
 	tools/make-venv $(OLDEST_VENV) "$(OLDEST_PYTHON)" -c constraints/oldest-jax.txt
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/xla-strategies demo
 
 test: $(STAMP)
