@@ -89,6 +89,7 @@ def test_slurm_jobs_take_the_tasks_in_name_order(slurm_env):
         ({"SLURM_NTASKS": "4"}, RuntimeError, "the nodes hold 5 tasks .* SLURM_NTASKS is 4"),
         ({"SLURM_STEP_TASKS_PER_NODE": "2"}, ValueError, "3 nodes but task counts for 1"),
         ({"SLURM_PROCID": "x"}, ValueError, "SLURM_PROCID='x' is not a non-negative integer"),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2"}, ValueError, "SLURM_PROCID=5 is not below"),
     ],
 )
 def test_slurm_errors_name_the_variable(slurm_env, change, error, message):
@@ -104,6 +105,8 @@ def test_slurm_errors_name_the_variable(slurm_env, change, error, message):
 def test_slurm_checks_jobs_and_gpus(slurm_env):
     with pytest.raises(RuntimeError, match=r"jobs=\{'worker': 2\} ask for 2 tasks but .* 5"):
         xs.cluster_resolver.SlurmClusterResolver(jobs={"worker": 2})
+    with pytest.raises(TypeError, match=r"jobs\['ps'\] must be a task count .* got 'x'"):
+        xs.cluster_resolver.SlurmClusterResolver(jobs={"worker": 1, "ps": "x"})
     slurm_env.setenv("SLURM_GPUS_ON_NODE", "1")  # 2 tasks per node: no GPU each
     resolver = xs.cluster_resolver.SlurmClusterResolver()
     assert resolver.gpus_per_task == 0 and "CUDA_VISIBLE_DEVICES" not in os.environ

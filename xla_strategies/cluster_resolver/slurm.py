@@ -50,6 +50,11 @@ class SlurmClusterResolver(SimpleClusterResolver):
     ) -> None:
         env = os.environ if environ is None else environ
         rank, num_tasks = _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_NTASKS")
+        if rank >= num_tasks:
+            raise ValueError(
+                f"SlurmClusterResolver: SLURM_PROCID={rank} is not below "
+                f"SLURM_NTASKS={num_tasks}: the ranks of a step are 0 to {num_tasks - 1}"
+            )
         hosts = expand_hostlist(_var(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
         per_node = _tasks_per_node(tasks_per_node, hosts, env)
         gpus = _gpus_on_node(env) if gpus_per_node is None else gpus_per_node
@@ -60,6 +65,12 @@ class SlurmClusterResolver(SimpleClusterResolver):
                 f"{per_task} GPUs each need more than the node's {gpus} GPUs"
             )
         jobs = dict(sorted((jobs or {"worker": num_tasks}).items()))
+        for job, count in jobs.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise TypeError(
+                    f"SlurmClusterResolver: jobs[{job!r}] must be a task count (an int of "
+                    f"at least 0), got {count!r}"
+                )
         if sum(jobs.values()) != num_tasks:
             raise RuntimeError(
                 f"SlurmClusterResolver: jobs={jobs} ask for {sum(jobs.values())} tasks but "
