@@ -164,3 +164,21 @@ def test_show_reports_a_corrupt_dump_file(tmp_path, capsys):
     assert main(["show", str(tmp_path), "--format", "dot"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("xla-strategies show: ") and "expected" in err
+
+
+def test_show_and_ledger_name_the_damaged_file(tmp_path, capsys):
+    step = tmp_path / "train_step"
+    step.mkdir()
+    ir = step / "0000.mirrored.after_capture.txt"
+    ir.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["show", str(tmp_path)]) == 1
+    assert f"{ir} is not text" in capsys.readouterr().err
+    ir.write_text("// -----// IR Dump After capture //----- //\nfunc @f() {\n  return\n}\n")
+    ledger = step / "ledger.json"
+    ledger.write_text('{"passes": [{"pass": "capture", "chan')
+    assert main(["ledger", str(tmp_path)]) == 1
+    assert f"{ledger} is not valid JSON" in capsys.readouterr().err
+    ledger.write_text('{"passes": [{"pass": "capture", "changed": false}]}')
+    assert main(["ledger", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{ledger}: pass record 0 lacks" in err and "'totals'" in err

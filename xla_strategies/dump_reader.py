@@ -38,17 +38,57 @@ class StepDump:
             pass_name = passes[-1][0]
         for name, path in passes:
             if name == pass_name:
-                return _strip_header(path.read_text())
+                return _strip_header(_read_text(path))
         known = ", ".join(name for name, _ in passes)
         raise DumpError(f"step {self.name!r} has no IR after {pass_name!r}; it has: {known}")
 
     def ledger(self) -> dict[str, Any] | None:
+        """The step's ledger (None when it was not written); a damaged one is a DumpError
+        naming the file."""
         path = self.directory / "ledger.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(_read_text(path))
+        except json.JSONDecodeError as exc:
+            raise DumpError(f"{path} is not valid JSON (truncated or damaged?): {exc}") from None
+        _check_ledger(data, path)
+        return data
 
     def compiled_hlo(self) -> str | None:
         path = self.directory / "compiled.hlo.txt"
-        return path.read_text() if path.exists() else None
+        return _read_text(path) if path.exists() else None
+
+
+# What each pass's record of a ledger holds, as `LedgerRecorder` writes it.
+_RECORD_KEYS = {"pass", "changed", "totals", "delta", "collectives"}
+_TOTALS_KEYS = {"collectives_per_step", "bytes_per_step", "estimated_s"}
+
+
+def _check_ledger(data: Any, path: Path) -> None:
+    """Raise a DumpError naming `path` and what is missing, for a ledger that is cut
+    short or was written by something else."""
+    records = data.get("passes") if isinstance(data, dict) else None
+    if not isinstance(records, list):
+        raise DumpError(f"{path} is not a step ledger: it has no 'passes' list")
+    for index, record in enumerate(records):
+        missing = _RECORD_KEYS - set(record) if isinstance(record, dict) else _RECORD_KEYS
+        if not missing and isinstance(record["totals"], dict):
+            missing = {f"totals.{k}" for k in _TOTALS_KEYS - set(record["totals"])}
+        if missing:
+            raise DumpError(
+                f"{path}: pass record {index} lacks {sorted(missing)} (incomplete or damaged)"
+            )
+
+
+def _read_text(path: Path) -> str:
+    """A dump file's text; a DumpError naming it when it cannot be read as text."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DumpError(f"{path} is not text (damaged?): {exc}") from None
+    except OSError as exc:
+        raise DumpError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def _strip_header(text: str) -> str:
