@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from xla_strategies.errors import OutOfRangeError
 from xla_strategies.runtime.host_batch import SKIP, HostBatch, prepare
+from xla_strategies.runtime.input_agreement import agreed, host_shapes
 from xla_strategies.runtime.input_options import InputContext, InputOptions, InputReplicationMode
 from xla_strategies.runtime.prefetch import Producer
 from xla_strategies.trees import abstract_like
@@ -220,16 +221,16 @@ class DistributedIterator:
         numbered = _numbered(source, self._position)
         if self._options.prefetch_to_device:
             host = Producer(numbered, self._prepare, self._options.host_buffer_size)
-            device = Producer(host.results(), self._place, self._options.buffer_size)
+            prepared = agreed(host.results(), host_shapes)
+            device = Producer(prepared, self._place, self._options.buffer_size)
             self._stages = [host, device]
         else:
-            self._source = numbered
+            prepared = (item for item in map(self._prepare, numbered) if item is not None)
+            self._source = agreed(prepared, host_shapes)
 
     def _next_prepared(self) -> tuple[int, HostBatch, Any]:
-        for numbered in self._source:
-            item = self._prepare(numbered)
-            if item is not None:
-                return item
+        for item in self._source:
+            return item
         raise StopIteration
 
     # state and lifetime

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import math
+from collections import Counter
 
 import jax
 import numpy as np
@@ -41,6 +42,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.communication_options = communication_options or CommunicationOptions()
         _start_distributed(self.cluster_resolver, self.communication_options)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        try:
+            _check_same_device_counts(devices)
+        except ValueError:
+            _shutdown(meet=False)  # every worker fails the same check: leave in order
+            raise
         grid = np.asarray(devices, dtype=object).reshape(jax.process_count(), -1)
         super().__init__(grid, ("host", "local"))
         self._decomposes = implementation_decomposes(
@@ -82,6 +88,18 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
 
 
+def _check_same_device_counts(devices: list) -> None:
+    """Every worker must bring as many devices: the mesh is one row per worker."""
+    counts = Counter(d.process_index for d in devices)
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"worker {w} has {n} local devices" for w, n in sorted(counts.items()))
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy needs the same number of devices on every worker: "
+            f"{shown}. Give every worker the same devices (CUDA_VISIBLE_DEVICES, "
+            "jax_num_cpu_devices)"
+        )
+
+
 def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOptions) -> None:
     """Start `jax.distributed` once per process, with gloo collectives on CPU hosts."""
     if jax.distributed.is_initialized():
@@ -108,21 +126,24 @@ def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOp
     atexit.register(_shutdown)
 
 
-def _shutdown() -> None:
-    """Leave the cluster at exit. A barrier first, so a worker that finishes early waits
-    for the others here. Then the workers leave before the coordinator (worker 0), whose
-    process runs the coordination service: a worker still leaving when the service is
-    gone would be ended by JAX. Once a peer has died there is no one to meet: leave at
-    once, keeping the process's exit status."""
+def _shutdown(meet: bool = True) -> None:
+    """Leave the cluster at exit. A barrier first (`meet`), so a worker that finishes
+    early waits for the others here. Then the workers leave before the coordinator
+    (worker 0), whose process runs the coordination service: a worker still leaving when
+    the service is gone would be ended by JAX. Once a peer has died there is no one to
+    meet: leave at once, keeping the process's exit status."""
+    from jax._src import distributed
+
     cluster_health.stop_watching()
-    if cluster_health.known_dead():
+    if cluster_health.known_dead() or distributed.global_state.client is None:
         return
     try:
-        from jax.experimental import multihost_utils
+        if meet:
+            from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices("xla_strategies shutdown")
+            multihost_utils.sync_global_devices("xla_strategies shutdown")
     finally:
-        if jax.process_index() == 0:
+        if distributed.global_state.process_id == 0:
             cluster_health.dead_workers(wait=_LEAVE_SECONDS)  # returns once they have left
         jax.distributed.shutdown()
 
