@@ -39,4 +39,6 @@ def test_a_peers_death_is_an_error_naming_it_and_the_survivors_handler_finishes(
     assert f"SAVED after {HANDLER_SECONDS}" in text and np.load(out).shape == (4,)
     caught = float(re.search(r"CAUGHT at ([\d.]+)", text).group(1))
     print(f"peer death to the survivor's error: {caught - killed.killed_time:.2f} s")
-    assert caught - killed.killed_time < 10
+    # at once where the collective fails on the closed connection (JAX 0.12's gloo); at
+    # most the heartbeat timeout (10 s) and the watcher's poll where it waits (JAX 0.10)
+    assert caught - killed.killed_time < 10 + 8
