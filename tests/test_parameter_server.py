@@ -92,6 +92,18 @@ def test_cluster_needs_workers_and_ps():
         xs.ParameterServerStrategy(_resolver(ps=0))
 
 
+def test_an_address_where_nothing_listens_is_an_error_naming_it():
+    from tests.multiprocess import free_ports
+
+    (port,) = free_ports(1)
+    start = time.monotonic()
+    with pytest.raises(
+        xs.errors.UnavailableError, match=rf"nothing accepts connections at 127.0.0.1:{port}"
+    ):
+        xs.ParameterServerStrategy(_resolver(), address=f"127.0.0.1:{port}", connect_timeout=5)
+    assert time.monotonic() - start < 10
+
+
 def test_two_workers_two_ps_converge_with_exact_counts(cluster):
     strategy, coordinator, iterator, worker_fn = _setup(xs.partitioners.FixedShardsPartitioner(2))
     steps = 120

@@ -23,6 +23,8 @@ it holds the `ClusterCoordinator` that schedules work.
 from __future__ import annotations
 
 import os
+import re
+import socket
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -32,9 +34,27 @@ import jax
 import numpy as np
 
 from xla_strategies.cluster import TFConfigClusterResolver
+from xla_strategies.errors import UnavailableError
 from xla_strategies.runtime.parameter_server.layout import Layout
 from xla_strategies.runtime.parameter_server.shard import ParameterShard, call_shards
 from xla_strategies.runtime.parameter_server.worker import PSStep, Worker
+
+
+def _reachable(address: str, timeout: float) -> None:
+    """Raise `UnavailableError` naming `address` when nothing accepts a connection there
+    within `timeout` seconds ("auto" and "local" name no host to try)."""
+    found = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)", address)
+    if found is None:
+        return
+    host, port = found.group(1), int(found.group(2))
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise UnavailableError(
+            f"ParameterServerStrategy: nothing accepts connections at {address} "
+            f"({exc.strerror or exc} within {timeout:g} s); start the Ray cluster there "
+            "or pass its address (ray start --head prints it)"
+        ) from None
 
 
 class ParameterServerStrategy:
@@ -49,6 +69,8 @@ class ParameterServerStrategy:
             Ray instance is started on this machine.
         devices_per_worker: emulated CPU devices per worker process (CPU-only hosts).
         runtime_env: Ray's runtime environment for the tasks (the import path is added).
+        connect_timeout: seconds to reach `address` before an `UnavailableError` names it
+            (Ray itself would retry for minutes without a word).
     """
 
     def __init__(
@@ -59,6 +81,7 @@ class ParameterServerStrategy:
         address: str | None = None,
         devices_per_worker: int | None = None,
         runtime_env: dict[str, Any] | None = None,
+        connect_timeout: float = 30.0,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
         cluster = resolver.cluster_spec()
@@ -73,6 +96,8 @@ class ParameterServerStrategy:
         self.cluster_resolver = resolver
         self.variable_partitioner = variable_partitioner
         self.devices_per_worker = devices_per_worker
+        if address is not None:
+            _reachable(address, connect_timeout)
         self._start_ray(address, runtime_env)
         self.layout: Layout | None = None
         self.shards: list[Any] = []
