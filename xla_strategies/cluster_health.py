@@ -18,6 +18,7 @@ is named on stderr as soon as it is confirmed, and every step after that raises 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -107,7 +108,50 @@ def wait_for(outputs: Any) -> None:
             return
         except concurrent.futures.TimeoutError:
             if _dead:
+                _stuck.append(done)
+                _record_exit_status()
                 raise unavailable() from None
+
+
+# Steps whose collective never returned. Such a collective cannot be cancelled, and the
+# runtime's teardown at exit would end the process with std::terminate: `exit_if_stuck`
+# ends it first, with the status the program gave.
+_stuck: list[concurrent.futures.Future] = []
+_exit_status: list[Any] = []
+
+
+def _record_exit_status() -> None:
+    """Remember the status `sys.exit` is called with from now on."""
+    if getattr(sys.exit, "_records_status", False):
+        return
+    original = sys.exit
+
+    def exit_recording(status: Any = None) -> None:
+        _exit_status.append(status)
+        original(status)
+
+    exit_recording._records_status = True  # type: ignore[attr-defined]
+    sys.exit = exit_recording
+
+
+def exit_if_stuck() -> None:
+    """At exit, while a step's collective is still stuck on a dead peer: flush and end the
+    process now, with the status given to `sys.exit` (1 after an uncaught exception)."""
+    if not any(not f.done() for f in _stuck):
+        return
+    status = _exit_status[-1] if _exit_status else (1 if _uncaught() else 0)
+    if status is None:
+        status = 0
+    elif not isinstance(status, int):  # sys.exit("message"), as Python prints it
+        print(status, file=sys.stderr)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _uncaught() -> bool:
+    return getattr(sys, "last_exc", None) is not None or hasattr(sys, "last_value")
 
 
 def _in_thread(fn: Callable[[], Any], done: concurrent.futures.Future) -> None:
