@@ -198,3 +198,13 @@ def test_a_compile_only_step_lowers_host_arrays_as_their_shapes():
     step = strategy.compile(_adam_step(tx))
     hlo = step.lower(params, tx.init(params), batch).compile().as_text()
     assert "T(8,128)" in hlo and sum(count_hlo_collectives(hlo).values()) >= 1
+
+
+def test_a_batch_another_strategy_split_is_an_error_not_a_mirrored_value():
+    tpu = xs.TPUStrategy("v5e-4", compile_only=True)
+    cpu = xs.MirroredStrategy()
+    (batch,) = cpu.experimental_distribute_dataset([np.ones((16, 4), np.float32)])
+    step = tpu.compile(lambda w, x: w + jnp.mean(x))
+    w = tpu.replicate(np.zeros((), np.float32))
+    with pytest.raises(ValueError, match=r"split on its first dimension over another mesh"):
+        step.lower(w, batch)

@@ -50,6 +50,40 @@ def test_dropout_masks_differ_across_replicas_and_follow_keras_seed_state():
     ]
 
 
+class MCDropout(keras.layers.Dropout):
+    """Monte-Carlo dropout as its users write it: dropout at inference too."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=True)
+
+
+def test_monte_carlo_dropout_in_predict_draws_a_mask_per_replica():
+    """Monte-Carlo dropout in a functional model, then predict. Each replica's rows get
+    their own masks, and the seed state advances as single-device Keras advances it."""
+    rows, features = 64, 16
+
+    def model():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((features,))
+        return keras.Model(inputs, MCDropout(0.5)(inputs))
+
+    x = np.ones((rows, features), "float32")
+    single = model()
+    single.predict(x, batch_size=rows, verbose=0)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        ours = model()
+    kept = ours.predict(x, batch_size=rows, verbose=0) != 0
+    assert 0.3 < kept.mean() < 0.7
+    blocks = kept.reshape(R, rows // R, features)
+    assert len({block.tobytes() for block in blocks}) == R, "replicas drew the same mask"
+    seed_state = [v for v in ours.non_trainable_variables if "seed_generator" in v.path]
+    expected = [v for v in single.non_trainable_variables if "seed_generator" in v.path]
+    assert [np.asarray(v.value).tolist() for v in seed_state] == [
+        np.asarray(v.value).tolist() for v in expected
+    ]
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight", "sum_over_batch_size"])
 def test_fit_equals_single_device_keras_for_every_loss_reduction(reduction):
     """`keras.losses.MeanSquaredError(reduction=...)`, with uneven sample weights and an
