@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xla_strategies.state_types import is_state_type
 from xla_strategies.trees import is_foreign_array, path_str
 
 #: Stacked per-replica values live on a mesh whose axis names carry this prefix.
@@ -158,6 +159,7 @@ def flatten_arguments(
     args = tuple(_Declared(a) if i in static_argnums else a for i, a in enumerate(args))
     kwargs = {k: _Declared(v) if k in static_argnames else v for k, v in kwargs.items()}
     args, kwargs = _equinox_numbers_static((args, kwargs))
+    args, kwargs = _state_numbers_strong((args, kwargs))
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     arrays: list[Any] = []
     specs: list[ArraySpec | Static] = []
@@ -184,9 +186,26 @@ def flatten_arguments(
         array = jnp.asarray(leaf) if number else leaf
         array, impl = _unwrap_key(array)
         layout = layout_of(leaf)
-        specs.append(ArraySpec(array.shape, _dtype_name(array.dtype), layout, impl, number))
+        # a numpy int64 runs as int32 without x64, as the array the step hands back for it
+        dtype = jax.dtypes.canonicalize_dtype(array.dtype) if impl is None else array.dtype
+        specs.append(ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number))
         arrays.append(array)
     return arrays, Signature(treedef, tuple(specs))
+
+
+def _state_numbers_strong(tree: Any) -> Any:
+    """Python numbers inside a training state (flax `TrainState.create`'s `step=0`) as
+    strongly typed arrays: the step hands them back as such, and a weak type on the first
+    call only would compile the step twice (`strategy.replicate` converts them too)."""
+
+    def strong(leaf: Any) -> Any:
+        if not isinstance(leaf, int | float) or isinstance(leaf, bool):
+            return leaf
+        return np.asarray(leaf, jax.dtypes.canonicalize_dtype(np.result_type(leaf)))
+
+    return jax.tree.map(
+        lambda x: jax.tree.map(strong, x) if is_state_type(x) else x, tree, is_leaf=is_state_type
+    )
 
 
 def _equinox_numbers_static(tree: Any) -> Any:

@@ -13,7 +13,6 @@ leaves say, per output,
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 from xla_strategies.arguments import Layout, Outputs, Signature
 from xla_strategies.passes.ir.graph import Graph, Value
 from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.state_types import is_state_type
 
 
 def declared_outputs(prefix: Any, outputs: Outputs) -> dict[int, str | None]:
@@ -73,22 +73,7 @@ class DeclaredState:
         for argument `position` (an int, or a keyword argument's name) holding `value`."""
         if position in self.donate_argnums or position in self.donate_argnames:
             return "donated"
-        return "kept" if _is_state_type(value) else "returned"
-
-
-def _is_state_type(value: Any) -> bool:
-    """A training state type of a frontend the process has imported (never imports one)."""
-    for module, name in _STATE_TYPES:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(value, cls):
-            return True
-    return False
-
-
-_STATE_TYPES = (
-    ("flax.training.train_state", "TrainState"),
-    ("xla_strategies.torch.train_state", "TrainState"),
-)
+        return "kept" if is_state_type(value) else "returned"
 
 
 @dataclass(frozen=True)
