@@ -127,10 +127,10 @@ def state_pairs(
                     paired.update((r, a) for a, r in found)
                     donated.update(a for a, _ in found if kind == "donated")
                     break
-    unreturned = [
+    unreturned = [  # an argument with no arrays (Keras' empty variable groups) has none to lose
         f"args[{p}]" if isinstance(p, int) else f"kwargs[{p!r}]"
-        for p, (_, kind) in declared_args.items()
-        if kind == "donated"
+        for p, (arg, kind) in declared_args.items()
+        if kind == "donated" and any(leaf in traced_arg for leaf in jax.tree.leaves(arg))
     ]
     paired.update(_written_in_place(signature, outputs, graph, traced_arg))
     return StatePairs(paired, frozenset(donated), unreturned)

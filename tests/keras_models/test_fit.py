@@ -3,6 +3,8 @@ the compiled pipeline and give single-device Keras' numbers."""
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -208,3 +210,17 @@ def test_a_scope_in_one_thread_leaves_other_threads_models_alone():
     assert "make_train_function" not in vars(results["plain"])
     assert results["scoped"].distribute_strategy is strategy
     assert keras.Model.compile is original and "compile" not in vars(keras.Model)
+
+
+def test_fit_warns_nothing_about_donation():
+    """Keras' empty variable groups (a Dense model has no non-trainable variables) have
+    nothing to donate: `fit` must not warn that they were not returned."""
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", loss="mse")
+    x, y = np.ones((64, 4), "float32"), np.ones((64, 2), "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not [w for w in caught if "donated" in str(w.message)]
