@@ -69,6 +69,7 @@ class Strategy:
         self._split_first = self.input_spec(True)[:1]
         self._stacked_first = self.stacked_sharding().spec[:1]
         self._compiled_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._compile_defaults: dict[str, Any] = {}
 
     # layout questions
 
@@ -249,11 +250,30 @@ class Strategy:
         where the replicated state does not fit the chip), `static_argnums`,
         `static_argnames`, `axis_name`, `donate_argnums`, `donate_argnames` (as `jax.jit`:
         those arguments' buffers are given to their new values, which the step returns;
-        nothing else is donated), `name`.
+        nothing else is donated), `name`. Options given to `set_compile_defaults` apply
+        where a call does not give them.
         """
+        options = {**self._compile_defaults, **options}
         if fn is None:
             return lambda f: CompiledStep(self, f, **options)
         return CompiledStep(self, fn, **options)
+
+    #: Sharding options a strategy's steps take by default (`set_compile_defaults`).
+    _DEFAULTABLE = frozenset({"shard_parameters", "shard_weight_updates", "gradient_reduction"})
+
+    def set_compile_defaults(self, **options: Any) -> None:
+        """Options every step this strategy compiles takes unless it gives its own: the
+        way to ask for them where the library compiles the step (Keras' `fit`, `evaluate`
+        and `predict` under `strategy.scope()`), e.g.
+        `strategy.set_compile_defaults(shard_parameters=True)`. Only
+        `shard_parameters`, `shard_weight_updates` and `gradient_reduction` can be set."""
+        unknown = sorted(set(options) - self._DEFAULTABLE)
+        if unknown:
+            raise TypeError(
+                f"set_compile_defaults takes {sorted(self._DEFAULTABLE)}, not {unknown}: "
+                "the others belong to one step (pass them to strategy.compile)"
+            )
+        self._compile_defaults = {**self._compile_defaults, **options}
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Run `fn` once on every replica; per-replica outputs come back stacked."""

@@ -224,3 +224,23 @@ def test_fit_warns_nothing_about_donation():
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert not [w for w in caught if "donated" in str(w.message)]
+
+
+def test_fit_holds_the_parameters_split_when_the_strategy_asks():
+    """`strategy.set_compile_defaults(shard_parameters=True)`: Keras' own train step, which
+    the library compiles, holds the weights and optimizer state split, and trains as
+    single-device Keras does."""
+    x, y = regression_data(rows=64)
+    reference = compiled_model(sequential)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = xs.MirroredStrategy()
+    strategy.set_compile_defaults(shard_parameters=True)
+    with strategy.scope():
+        model = compiled_model(sequential)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    kernels = [v.value for v in model.trainable_variables if v.value.ndim == 2]
+    assert kernels and any(strategy.is_held_sharded(k) for k in kernels)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    with pytest.raises(TypeError, match=r"not \['name'\]"):
+        strategy.set_compile_defaults(name="x")
