@@ -79,3 +79,15 @@ def test_the_environment_spec_is_composed_by_the_same_rule(monkeypatch):
     step = strategy.compile(lambda x: jnp.sum(x), shard_parameters=False)
     executable = step.executable(strategy.replicate(jnp.ones(4)))
     assert list(executable.pass_stats["pass_seconds"]) == ["insert-reductions"]
+
+
+def test_a_spec_that_drops_a_strategy_pass_says_so():
+    import warnings
+
+    pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+    tpu = xs.TPUStrategy("v5e-16", compile_only=True)
+    with pytest.warns(UserWarning, match=r"without decompose-all-reduces, which TPUStrategy adds"):
+        tpu.compile(lambda x: x, pipeline=DEFAULT_PIPELINE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tpu.compile(lambda x: x, pipeline=tpu.pipeline().spec())

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,9 @@ def _base(strategy: Strategy, spec: str | PassPipeline | None) -> PassPipeline:
     if isinstance(spec, PassPipeline):
         return spec
     if spec is not None:
-        return PassPipeline.from_spec(spec)
+        pipeline = PassPipeline.from_spec(spec)
+        _warn_if_dropping_strategy_passes(strategy, pipeline)
+        return pipeline
     pipeline = PassPipeline.from_spec(DEFAULT_PIPELINE)
     changes = strategy.pipeline_changes()
     for name in changes.leave_out:
@@ -94,6 +97,21 @@ def _base(strategy: Strategy, spec: str | PassPipeline | None) -> PassPipeline:
     for pass_ in changes.add:
         pipeline = with_pass(pipeline, pass_)
     return pipeline
+
+
+def _warn_if_dropping_strategy_passes(strategy: Strategy, pipeline: PassPipeline) -> None:
+    """A spec is taken as written: say so when it leaves out a pass the strategy adds
+    (a spec built from DEFAULT_PIPELINE drops TPUStrategy's decompose-all-reduces)."""
+    names = {p.name for p in pipeline.passes}
+    dropped = [p.name for p in strategy.pipeline_changes().add if p.name not in names]
+    if dropped:
+        warnings.warn(
+            f"the pipeline spec {pipeline.spec()!r} is run as written, without "
+            f"{', '.join(dropped)}, which {type(strategy).__name__} adds to its default "
+            "pipeline; add it to the spec to keep it (strategy.pipeline().spec() shows the "
+            "strategy's own)",
+            stacklevel=5,
+        )
 
 
 def _forced(
