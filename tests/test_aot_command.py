@@ -29,22 +29,16 @@ _TPU_STEP = textwrap.dedent(
 )
 
 
+def _aot_command(out: Path, *command: str, timeout_s: str = "240") -> list[str]:
+    return [
+        sys.executable, "-m", "xla_strategies.cli", "aot", "--topology", "v5e-4",
+        "--out", str(out), "--timeout", timeout_s, "--", *command,
+    ]  # fmt: skip
+
+
 def _aot(out: Path, *command: str, timeout_s: str = "240") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "xla_strategies.cli",
-            "aot",
-            "--topology",
-            "v5e-4",
-            "--out",
-            str(out),
-            "--timeout",
-            timeout_s,
-            "--",
-            *command,
-        ],
+        _aot_command(out, *command, timeout_s=timeout_s),
         capture_output=True,
         text=True,
         timeout=300,
@@ -83,20 +77,7 @@ def test_sigterm_to_aot_ends_the_users_script_too(tmp_path):
     marker = tmp_path / "pid"
     script = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
     aot = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "xla_strategies.cli",
-            "aot",
-            "--topology",
-            "v5e-4",
-            "--out",
-            str(tmp_path / "aot"),
-            "--",
-            "python",
-            "-c",
-            script,
-        ],
+        _aot_command(tmp_path / "aot", "python", "-c", script),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
