@@ -244,3 +244,22 @@ def test_fit_holds_the_parameters_split_when_the_strategy_asks():
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     with pytest.raises(TypeError, match=r"not \['name'\]"):
         strategy.set_compile_defaults(name="x")
+
+
+def test_fit_with_the_exact_gelu_equals_single_device_keras():
+    """`activation="gelu"` is Keras' exact GELU (erf)."""
+    x, y = regression_data(rows=64)
+
+    def gelu_model():
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(16, activation="gelu"), keras.layers.Dense(1)]
+        )
+
+    reference = compiled_model(gelu_model)
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = compiled_model(gelu_model)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

@@ -354,3 +354,24 @@ def test_train_and_eval_modes_and_frozen_parameters_reach_the_compiled_step():
     new_state, _ = train_step(state, *batch)
     np.testing.assert_array_equal(new_state.params["fc2.weight"], state.params["fc2.weight"])
     assert not np.array_equal(new_state.params["fc1.weight"], state.params["fc1.weight"])
+
+
+def test_exact_gelu_trains_as_eager_torch():
+    """`nn.GELU()`'s default is the exact GELU (erf), as HF BERT-style models use it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 16), torch.nn.GELU(), torch.nn.Linear(16, 10)
+    )
+    batches = image_batches(3)
+
+    def make_optimizer(module):
+        return torch.optim.SGD(module.parameters(), lr=0.1)
+
+    reference, _, ref_losses = eager_data_parallel(
+        model, make_optimizer, classification_loss, batches
+    )
+    state, losses, _ = _train(
+        xs.MirroredStrategy(), model, make_optimizer(model), classification_loss, batches
+    )
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    _assert_params_match(state, reference)
