@@ -61,13 +61,12 @@ def dead_workers(wait: float | None = None) -> list[int] | None:
     takes); None when it has not answered by then."""
     if _dead:
         return list(_dead)
-    pool = concurrent.futures.ThreadPoolExecutor(1)
+    answer: concurrent.futures.Future = concurrent.futures.Future()
+    _in_thread(_ask_service, answer)  # not an executor: this also runs at exit
     try:
-        return pool.submit(_ask_service).result(timeout=wait)
+        return answer.result(timeout=wait)
     except concurrent.futures.TimeoutError:
         return None
-    finally:
-        pool.shutdown(wait=False)
 
 
 def known_dead() -> list[int]:
