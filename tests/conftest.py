@@ -15,3 +15,33 @@ def pytest_report_header(config):
     import sys
 
     return f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, Python {sys.version.split()[0]}"
+
+
+# The end-to-end cases that take 25 s and more each on 2 cores: `make test-slow` runs them
+# (CI too), `make test` the rest, so that it stays within 7 minutes. Node ids, or their
+# prefixes for every parameter of a test.
+SLOW_TESTS = (
+    "tests/runtime/test_preemption.py::test_two_workers_resume_bitwise_after_a_save_at_step_5",
+    "tests/passes/test_pass_numerics.py::test_each_pass_preserves_the_numbers[transformer]",
+    "tests/passes/test_decompose_all_reduces.py::test_decomposed_training_matches_one_device",
+    "tests/test_multi_worker.py::test_two_workers_train_like_one_device",
+    "tests/test_multi_worker.py::test_a_killed_peer_fails_the_survivor_within_the_timeout",
+    "tests/test_multi_worker_faults.py::",
+    "tests/test_parameter_sharding_state.py::test_checkpoints_move_between_replica_counts",
+    "tests/test_weight_update_sharding.py::test_clipped_adamw_matches_the_replicated_update[mirrored-transformer]",
+    "tests/test_central_storage.py::test_central_storage_matches_mirrored[transformer",
+    "tests/frameworks/test_flax_linen.py::test_batchnorm_without_axis_name_keeps_per_replica",
+    "tests/frameworks/test_flax_linen.py::test_scanned_remat_lm_with_tied_embedding",
+    "tests/torch_models/test_train.py::test_transformer_with_tied_embedding_and_adamw",
+    "tests/torch_models/test_train.py::test_checkpoint_saves_and_restores_a_torch_state",
+    "tests/test_equivalence.py::test_mirrored_matches_one_device[transformer-adamw-f64]",
+    "tests/test_examples.py::test_train_mlp_resumes_and_saves_on_sigterm",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
