@@ -1,0 +1,124 @@
+"""Does each pass of the TPU default pipeline earn its place on XLA's TPU compiler?
+
+For one model and topology, our step is compiled with the strategy's default pipeline and
+then with each of its passes disabled in turn, and every program is read by the one HLO
+reader (`compiled_report`). A pass earns its place when the pipeline without it moves no
+fewer collective bytes, leaves no fewer bytes synchronous and estimates no faster a step.
+Passes that cannot be disabled alone (insert-reductions: the gradients' reductions
+themselves) are not ablated.
+
+    JAX_PLATFORMS=cpu python -m benchmarks.tpu_ablation --model gpt2-medium --topology v5e-256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import optax
+from tqdm import tqdm
+
+import xla_strategies as xs
+from benchmarks.tpu_aot import _batch, abstract_state
+from benchmarks.tpu_models import WORKLOADS
+from xla_strategies.compiled_report import compiled_report
+from xla_strategies.passes.pipeline import without_pass
+
+RESULTS = Path(__file__).parent / "results" / "tpu_ablation.json"
+NOT_ABLATED = {"insert-reductions"}
+
+
+def compile_without(strategy: Any, workload: Any, disabled: str | None) -> dict[str, Any]:
+    """Our default step with pass `disabled` off (None: the whole default pipeline)."""
+    tx = optax.adamw(1e-4)
+    variables, opt_state = abstract_state(workload, tx)
+    pipeline = strategy.pipeline(None)
+    if disabled is not None:
+        pipeline = without_pass(pipeline, disabled)
+    step = strategy.compile(
+        workload.step(tx, "batch"),
+        axis_name="batch",
+        donate_argnums=(0, 1),
+        pipeline=pipeline,
+        name=f"{workload.name} (without {disabled})",
+    )
+    args = (
+        strategy.replicate(variables),
+        strategy.replicate(opt_state),
+        _batch(strategy, workload),
+    )
+    report = compiled_report(step.lower(*args).compile(), strategy)
+    collectives = report.collectives
+    return {
+        "without": disabled or "-",
+        "memory_gib": report.memory.total_bytes / 2**30,
+        "collectives": sum(c.times for c in collectives),
+        "collective_bytes": sum(c.times * c.nbytes for c in collectives),
+        "synchronous_bytes": sum(c.times * c.nbytes for c in collectives if not c.asynchronous),
+        "step_ms": 1e3 * (report.estimate["step_s"] or math.nan),
+    }
+
+
+_JUDGED = {
+    "memory_gib": "memory",
+    "collective_bytes": "bytes",
+    "synchronous_bytes": "synchronous bytes",
+    "step_ms": "step",
+}
+
+
+def verdict(base: dict[str, Any], row: dict[str, Any]) -> str:
+    """What the pass this row leaves out does on the cell: where the default (with it) is
+    better and where worse. It earns its place when the default is worse nowhere."""
+    better = [name for key, name in _JUDGED.items() if base[key] < row[key] * 0.999]
+    worse = [name for key, name in _JUDGED.items() if base[key] > row[key] * 1.001]
+    if not better and not worse:
+        return "no effect on this cell"
+    said = (f"better in {', '.join(better)}" if better else "") + (
+        f"{'; ' if better else ''}worse in {', '.join(worse)}" if worse else ""
+    )
+    return ("earns its place: " if not worse else "trade-off: ") + said
+
+
+def table(name: str, rows: list[dict[str, Any]]) -> str:
+    """The markdown table of one cell's ablation, the default first."""
+    base = rows[0]
+    lines = [
+        f"| {name}: without | GiB/chip | collectives/step | MiB/step | "
+        "synchronous MiB/step | step ms | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['without']} | {row['memory_gib']:.2f} | {row['collectives']} "
+            f"| {row['collective_bytes'] / 2**20:,.0f} | {row['synchronous_bytes'] / 2**20:,.0f} "
+            f"| {row['step_ms']:.2f} | {'' if row is base else verdict(base, row)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="gpt2-medium", choices=list(WORKLOADS))
+    parser.add_argument("--topology", default="v5e-256")
+    parser.add_argument("--table", action="store_true", help="print the recorded tables only")
+    args = parser.parse_args()
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if not args.table:
+        strategy = xs.TPUStrategy(args.topology, compile_only=True)
+        workload = WORKLOADS[args.model]()
+        passes = [n for n in strategy.pipeline(None).enabled_names() if n not in NOT_ABLATED]
+        rows = []
+        for disabled in tqdm([None, *passes], desc="compile", unit="program"):
+            rows.append(compile_without(strategy, workload, disabled))
+            tqdm.write(json.dumps(rows[-1]))
+        old[f"{workload.name} on {args.topology}"] = rows
+        RESULTS.write_text(json.dumps(old, indent=1) + "\n")
+    print("\n\n".join(table(name, rows) for name, rows in old.items()))
+
+
+if __name__ == "__main__":
+    main()
