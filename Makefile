@@ -12,12 +12,12 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 STAMP := $(VENV)/.installed-stamp
 OLDEST_VENV := .venv-oldest-jax
 OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
-# The suite in two parts: most of it on two test workers, then the parameter-server tests
-# by themselves (Ray's task processes start 5x slower beside a busy test worker).
+# The suite in parts: `make test` runs most of it on two test workers; `make test-slow`
+# the long end-to-end cases (tests/conftest.py lists them), then the parameter-server
+# tests by themselves (Ray's task processes start 5x slower beside a busy test worker).
 RUN_ALONE := tests/test_parameter_server.py
-# $(2): which tests by marker: `not slow` for `make test`, `slow` for `make test-slow`
-# (the long end-to-end cases tests/conftest.py lists), both for the oldest JAX.
-SUITE = $(1) -m pytest -q -n 2 --dist loadfile -m "$(2)" --ignore=$(RUN_ALONE) && $(1) -m pytest -q $(RUN_ALONE)
+PARALLEL = $(1) -m pytest -q -n 2 --dist loadfile -m "$(2)" --ignore=$(RUN_ALONE)
+ALONE = $(1) -m pytest -q $(RUN_ALONE)
 
 .PHONY: demo test test-slow test-oldest-jax fuzz bench lint clean
 
@@ -35,15 +35,15 @@ demo: $(DEMO_STAMP)
 	$(BIN)/xla-strategies demo
 
 test: $(STAMP)
-	$(call SUITE,$(BIN)/python,not slow)
+	$(call PARALLEL,$(BIN)/python,not slow)
 
-# The long end-to-end cases `make test` leaves out; CI runs them after it.
+# What `make test` leaves out; CI runs it after `make test`.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m slow
+	$(call PARALLEL,$(BIN)/python,slow) && $(call ALONE,$(BIN)/python)
 
 # The whole suite again on the oldest supported JAX, slow cases included; CI runs it last.
 test-oldest-jax: $(OLDEST_STAMP)
-	$(call SUITE,$(OLDEST_VENV)/bin/python,slow or not slow)
+	$(call PARALLEL,$(OLDEST_VENV)/bin/python,slow or not slow) && $(call ALONE,$(OLDEST_VENV)/bin/python)
 
 # Differential fuzzing, long profile: 500 random programs per pipeline.
 fuzz: $(STAMP)
