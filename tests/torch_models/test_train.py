@@ -375,3 +375,26 @@ def test_exact_gelu_trains_as_eager_torch():
     )
     np.testing.assert_allclose(losses, ref_losses, **TOL)
     _assert_params_match(state, reference)
+
+
+def test_a_float64_model_under_x64_steps_adamw_as_eager_torch_does():
+    """With x64 on, torch's optimizer computes its bias corrections in double, as eager
+    torch does (it reads its float32 step count back as a Python float)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)
+    ).double()
+    batches = [(x.astype(np.float64), y) for x, y in image_batches(3)]
+
+    def make_optimizer(module):
+        return torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+    reference, _, _ = eager_data_parallel(model, make_optimizer, classification_loss, batches)
+    with jax.enable_x64(True):
+        state, _, _ = _train(
+            xs.MirroredStrategy(), model, make_optimizer(model), classification_loss, batches
+        )
+        for name, param in reference.named_parameters():
+            got = np.asarray(state.params[name])
+            assert got.dtype == np.float64, name
+            np.testing.assert_allclose(got, param.detach().numpy(), rtol=1e-10, atol=1e-12)

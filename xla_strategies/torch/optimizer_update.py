@@ -50,7 +50,11 @@ def _torch_optim_update(state: TrainState, grads: dict[str, Any]) -> tuple[dict,
             tensor.grad = env.j2t_iso(grads[name]) if name in grads else None
         opt_state = {i: env.j2t_iso(entry) for i, entry in state.opt_state.items()}
         hyperparams = state.hyperparams or current_values(optimizer)
-        with _bound(optimizer, tensors, opt_state), bound(optimizer, hyperparams, env):
+        with (
+            _bound(optimizer, tensors, opt_state),
+            bound(optimizer, hyperparams, env),
+            _scalars_as_wide_as(tensors),
+        ):
             optimizer.step()
             new_state = {
                 i: dict(optimizer.state[t]) for i, t in enumerate(tensors) if t in optimizer.state
@@ -58,6 +62,25 @@ def _torch_optim_update(state: TrainState, grads: dict[str, Any]) -> tuple[dict,
         params = dict(state.params)
         params.update((name, tensor) for name, tensor in zip(names, tensors, strict=True))
         return env.t2j_iso(params), env.t2j_iso(new_state)
+
+
+@contextlib.contextmanager
+def _scalars_as_wide_as(tensors: list) -> Iterator[None]:
+    """Torch's default dtype as wide as the widest float parameter while the optimizer
+    steps. With `capturable=True` torch keeps the step count a tensor of the default
+    dtype and computes the bias corrections from it; eager torch reads it back as a
+    Python float (double). A float32 count rounds a float64 model's every update."""
+    floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
+    wide = max(floats, key=lambda d: torch.finfo(d).bits, default=None)
+    saved = torch.get_default_dtype()
+    if wide is None or torch.finfo(wide).bits <= torch.finfo(saved).bits:
+        yield
+        return
+    torch.set_default_dtype(wide)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 @contextlib.contextmanager
