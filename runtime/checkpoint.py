@@ -40,14 +40,16 @@ import jax
 import jax.numpy as jnp
 
 from xla_strategies.arguments import Layout, fold_stacked
+from xla_strategies.runtime.checkpoint_tree import (
+    CheckpointError,
+    check_dtypes,
+    check_structure,
+    normalized,
+)
 from xla_strategies.trees import map_arrays, with_functions_of, without_functions
 
 if TYPE_CHECKING:
     from xla_strategies.strategy import Strategy
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read; the message names the path."""
 
 
 class CheckpointManager:
@@ -189,7 +191,7 @@ class CheckpointManager:
     def _stacked_leaves(self, state: Any) -> dict[str, Any]:
         """The paths of the stacked per-replica leaves of `state`, and the replica count."""
         stacked = [
-            list(_normalized(path))
+            list(normalized(path))
             for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
             if self.strategy.layout(leaf) is Layout.STACKED
         ]
@@ -225,8 +227,8 @@ class CheckpointManager:
             saved = self._manager.item_metadata(step)["state"]
         except Exception as exc:  # orbax and TensorStore raise many kinds for a damaged file
             raise self._damaged(step, target, exc) from exc
-        _check_structure(saved, target, self.directory / str(step))
-        _check_dtypes(saved, target, self.directory / str(step))
+        check_structure(saved, target, self.directory / str(step))
+        check_dtypes(saved, target, self.directory / str(step))
         try:
             return self._read(step, target, dataset_iterator)
         except CheckpointError:
@@ -260,7 +262,7 @@ class CheckpointManager:
         count; otherwise its replicas' mean is every replica's value."""
         state = self.strategy.state_sharding()
         keep = lambda value: value  # noqa: E731
-        if list(_normalized(path)) not in layout.get("stacked", []):
+        if list(normalized(path)) not in layout.get("stacked", []):
             # optimizer state a step holds sharded is read straight into its blocks
             sharding = leaf.sharding if self.strategy.is_held_sharded(leaf) else state
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), keep
@@ -305,7 +307,7 @@ class CheckpointManager:
         for earlier in sorted((s for s in self.all_steps() if s < step), reverse=True):
             try:
                 saved = self._manager.item_metadata(earlier)["state"]
-                _check_structure(saved, target, self.directory / str(earlier))
+                check_structure(saved, target, self.directory / str(earlier))
                 self._read(earlier, target, None)
             except Exception:  # damaged too, or another structure: look further back
                 continue
@@ -330,76 +332,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-
-def _plain(tree: Any) -> Any:
-    """Orbax's metadata tree as plain dicts and lists (its own classes may not flatten)."""
-    if hasattr(tree, "tree") and not hasattr(tree, "shape"):  # orbax's top-level wrapper
-        return _plain(tree.tree)
-    if hasattr(tree, "keys"):
-        return {str(k): _plain(tree[k]) for k in tree.keys()}
-    if isinstance(tree, list | tuple):
-        return [_plain(v) for v in tree]
-    return tree if _is_array(tree) else None  # an array, or an empty node (optax's EmptyState)
-
-
-def _is_array(leaf: Any) -> bool:
-    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-
-
-def _paths(tree: Any) -> set[tuple[str, ...]]:
-    """Leaf paths as plain key tokens: orbax's metadata stores tuples as lists and attribute
-    names as keys, and drops flax's `.value`, so `[0].count` and `['0']['count']` agree."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array)[0]
-    return {_normalized(path) for path, _ in leaves}
-
-
-_TOKENS = re.compile(r"\[\'?([^\]\']+)\'?\]|\.(\w+)")
-
-
-def _normalized(path: Any) -> tuple[str, ...]:
-    """A pytree path as plain key tokens (see `_paths`)."""
-    parts = ["".join(m) for m in _TOKENS.findall(jax.tree_util.keystr(path))]
-    return tuple(p for p in parts if p != "value")
-
-
-def _check_dtypes(saved: Any, target: Any, where: Path) -> None:
-    """Name a leaf whose saved dtype differs from the target's: restoring would cast it
-    (float32 weights into int32 lose everything after the point), so it is refused."""
-    saved_dtypes = {
-        _normalized(path): leaf.dtype
-        for path, leaf in jax.tree_util.tree_flatten_with_path(
-_plain(saved), is_leaf=_is_array)[0]
-    }
-    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        have = _numpy_dtype(saved_dtypes.get(_normalized(path)))
-        want = _numpy_dtype(getattr(leaf, "dtype", None))
-        if have is not None and want is not None and have != want:
-            raise CheckpointError(
-                f"checkpoint {where} holds {'/'.join(_normalized(path))} as {have}, "
-                f"the target as {want}; restore into a {have} target "
-                f"and cast it yourself if that is what you want"
-            )
-
-
-def _numpy_dtype(dtype: Any) -> Any:
-    """`dtype` as numpy's, or None (none given, or a typed PRNG key: orbax keeps its data)."""
-    try:
-        return None if dtype is None else jnp.dtype(dtype)
-    except TypeError:
-        return None
-
-
-def _check_structure(saved: Any, target: Any, where: Path) -> None:
-    """Name a pytree path where the checkpoint and the target differ."""
-    saved_paths, target_paths = _paths(_plain(saved)), _paths(target)
-    if saved_paths != target_paths:
-        missing = sorted(saved_paths - target_paths)
-        extra = sorted(target_paths - saved_paths)
-        show = lambda paths: ["/".join(p) for p in paths[:3]]  # noqa: E731
-        detail = (
-            f"only in the checkpoint: {show(missing)}"
-            if missing
-            else f"only in the target: {show(extra)}"
-        )
-        raise CheckpointError(f"the target's structure differs from checkpoint {where}; {detail}")

@@ -49,6 +49,25 @@ class Layout(enum.Enum):
     STACKED = "stacked"  # one value per replica, stacked on a leading replica axis
 
 
+def refuse_foreign_split(array: Any, sharding: Any) -> None:
+    """A batch another strategy split (its mesh's replica axes on dim 0) would pass here as
+    mirrored, every replica the whole batch: an error instead. State another strategy
+    holds split or stacked (its reserved axis names) is a value, read whole."""
+    first = sharding.spec[0] if sharding.spec else None
+    axes = first if isinstance(first, tuple) else (first,)
+    if first is None or sharding.is_fully_replicated:
+        return
+    if any(str(a).startswith((SHARDED_PREFIX, STACKED_PREFIX)) for a in axes):
+        return
+    raise ValueError(
+        f"an array of shape {tuple(array.shape)} is split on its first dimension over another "
+        f"mesh's axes {list(axes)} (another strategy's batch?); this strategy would give every "
+        "replica all of it. Distribute batches with this strategy "
+        "(experimental_distribute_dataset, or jax.ShapeDtypeStruct with "
+        "sharding=strategy.split_sharding() for a compile-only one), or pass host arrays"
+    )
+
+
 @dataclass(frozen=True)
 class ArraySpec:
     """A traced leaf: its global shape and dtype (of the key data, for a typed key); a

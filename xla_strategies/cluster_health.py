@@ -95,6 +95,21 @@ def unavailable(cause: BaseException | None = None) -> UnavailableError | None:
     )
 
 
+def dispatched(run: Callable[[], Any], complete: bool) -> Any:
+    """`run()` (one step's dispatch), its outputs waited for when `complete`; a failure
+    because a peer worker died is an `UnavailableError` naming it."""
+    try:
+        outputs = run()
+        if complete:
+            wait_for(outputs)
+        return outputs
+    except jax.errors.JaxRuntimeError as exc:
+        gone = unavailable(exc)
+        if gone is None:
+            raise
+        raise gone from exc
+
+
 def wait_for(outputs: Any) -> None:
     """Block until a step's `outputs` are computed, raising their error. A collective
     whose peer died may never return (gloo waits on a rank that will not come): once the

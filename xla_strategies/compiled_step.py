@@ -167,7 +167,9 @@ class CompiledStep:
         pacer = CPU_PACER if self.strategy.devices_share_host_cores else None
         if pacer is not None:
             pacer.before_dispatch()
-        outs = self._run(executable, flat)
+        outs = cluster_health.dispatched(
+            lambda: executable.run(*self._place(flat, executable)), self.strategy.completes_steps
+        )
         if any(executable.rooted):  # only the root replica's copy is right
             pairs = zip(outs, executable.rooted, strict=True)
             outs = [self.strategy.root_copy(o) if r else o for o, r in pairs]
@@ -176,20 +178,6 @@ class CompiledStep:
         outputs = executable.outputs
         in_place_state.write_back(outputs.written, outputs.in_place(outs), args, kwargs)
         return outputs.join(outs)
-
-    def _run(self, executable: Executable, flat: list[Any]) -> list[Any]:
-        """One dispatch; a failure because a peer worker died is an `UnavailableError`
-        naming it."""
-        try:
-            outs = executable.run(*self._place(flat, executable))
-            if self.strategy.completes_steps:
-                cluster_health.wait_for(outs)
-            return outs
-        except jax.errors.JaxRuntimeError as exc:
-            gone = cluster_health.unavailable(exc)
-            if gone is None:
-                raise
-            raise gone from exc
 
     def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
         """The lowered program for these arguments, as `jax.jit(...).lower` gives it:

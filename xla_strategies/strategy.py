@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout
+from xla_strategies.arguments import SHARDED_PREFIX, STACKED_PREFIX, Layout, refuse_foreign_split
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import user_scope
 from xla_strategies.extended import StrategyExtended
@@ -148,7 +148,7 @@ class Strategy:
         if _same_mesh(mesh, self._mesh):
             return Layout.SPLIT if first == self._split_first else Layout.MIRRORED
         if not _same_mesh(mesh, self._stacked_mesh) or first != self._stacked_first:
-            _refuse_foreign_split(array, sharding)
+            refuse_foreign_split(array, sharding)
             return Layout.MIRRORED
         if array.shape[:1] != (self.num_replicas_in_sync,):
             raise ValueError(
@@ -383,25 +383,6 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
-
-
-def _refuse_foreign_split(array: Any, sharding: NamedSharding) -> None:
-    """A batch another strategy split (its mesh's replica axes on dim 0) would pass here as
-    mirrored, every replica the whole batch: an error instead. State another strategy
-    holds split or stacked (its reserved axis names) is a value, read whole."""
-    first = sharding.spec[0] if sharding.spec else None
-    axes = first if isinstance(first, tuple) else (first,)
-    if first is None or sharding.is_fully_replicated:
-        return
-    if any(str(a).startswith((SHARDED_PREFIX, STACKED_PREFIX)) for a in axes):
-        return
-    raise ValueError(
-        f"an array of shape {tuple(array.shape)} is split on its first dimension over another "
-        f"mesh's axes {list(axes)} (another strategy's batch?); this strategy would give every "
-        "replica all of it. Distribute batches with this strategy "
-        "(experimental_distribute_dataset, or jax.ShapeDtypeStruct with "
-        "sharding=strategy.split_sharding() for a compile-only one), or pass host arrays"
-    )
 
 
 def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
