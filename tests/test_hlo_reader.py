@@ -105,8 +105,12 @@ def test_report_reads_a_peers_hlo_text_with_the_same_reader(tmp_path, capsys):
 
     devices = topologies.get_topology_desc("v5e:4x4", "tpu").devices
     mesh = jax.sharding.Mesh(np.array(devices).reshape(16), ("data",))
-    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    w = jax.ShapeDtypeStruct(
+        (1024, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec())
+    )
+    x = jax.ShapeDtypeStruct(
+        (256, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data"))
+    )
     sgd = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w))
     text = sgd.lower(w, x).compile().as_text()
     found = hlo_report(text, Topology.from_name("v5e-16"))

@@ -288,10 +288,15 @@ class CompiledStep:
             args, kwargs = signature.rebuild(arrays)
             before = snapshot(args, kwargs)
             with replica_scope(strategy, context):
-                with replica_rng_streams.drawn_per_replica(args, kwargs, context) as restore:
+                with (
+                    replica_rng_streams.drawn_per_replica(args, kwargs, context) as restore,
+                    in_place_state.scalar_metric_updates() as scalar_updated,
+                ):
                     result = self.fn(*args, **kwargs)
                     restore(result)
-                written = in_place_state.collect(before, args, kwargs, result, context)
+                written = in_place_state.collect(
+                    before, args, kwargs, result, context, scalar_updated
+                )
             check_unchanged(self.name, before, args, kwargs, result, written.indices)
             return outputs.split(result, written)
 

@@ -44,9 +44,7 @@ def participants(hlo_text: str) -> int:
     """Devices that run the program: the module's partitions times its replicas."""
     header = hlo_text.split("\n", 1)[0]
     partitions, replicas = _PARTITIONS.search(header), _REPLICAS.search(header)
-    return int(partitions.group(1) if partitions else 1) * int(
-        replicas.group(1) if replicas else 1
-    )
+    return int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1)
 
 
 def replica_groups(rest: str) -> str:

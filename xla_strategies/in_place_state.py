@@ -10,7 +10,9 @@ is made the same everywhere, by what the variable is:
   tf.distribute's `SyncOnRead` variables read;
 - `nnx.metrics.MetricState` (a metric's running totals and counts): the value before the
   step plus the sum of every replica's change, so `metrics.compute()` covers the global
-  batch;
+  batch. An `Average` updated with a scalar (a loss already averaged over the replica's
+  rows) is one update of the global batch, as under `nnx.jit`: its total gains the mean of
+  the replicas' values and its count 1 (`scalar_metric_updates`);
 - anything else (parameters, optimizer state, RNG counts): must already be the same on
   every replica, or the step fails naming it (`MirroredOutputError`).
 
@@ -19,14 +21,19 @@ A change to anything that is not an NNX variable is still a `DroppedMutationErro
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from xla_strategies.arguments import arg_path
 from xla_strategies.context import ReplicaContext
+from xla_strategies.patching import patched
 from xla_strategies.reduce_op import ReduceOp
 
 
@@ -40,12 +47,49 @@ class WrittenState:
     values: tuple[Any, ...] = ()
 
 
+# ids of the MetricStates the step being traced updated with per-replica scalars
+_scalar_updated: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar(
+    "scalar_metric_updates", default=None
+)
+
+
+@contextlib.contextmanager
+def scalar_metric_updates() -> Iterator[set[int]]:
+    """While a step is traced, note each `nnx.metrics.Average` (Accuracy included) updated
+    with a scalar and no mask: its value already reduces the replica's rows, so across
+    replicas it is averaged, not counted once per replica. Yields the noted states' ids."""
+    noted: set[int] = set()
+    metrics = getattr(sys.modules.get("flax.nnx"), "metrics", None)
+    if metrics is None:
+        yield noted
+        return
+
+    def noting(update: Any) -> Any:
+        def update_noting_scalars(self: Any, mask: Any = None, **kwargs: Any) -> Any:
+            current = _scalar_updated.get()
+            values = kwargs.get(self.argname)
+            if current is not None and mask is None and values is not None:
+                if np.ndim(values) == 0:
+                    current.update((id(self.total), id(self.count)))
+            return update(self, mask=mask, **kwargs)
+
+        return update_noting_scalars
+
+    token = _scalar_updated.set(noted)
+    try:
+        with patched(metrics.Average, "update", noting):
+            yield noted
+    finally:
+        _scalar_updated.reset(token)
+
+
 def collect(
     before: tuple[list[tuple[Any, Any]], Any],
     args: tuple,
     kwargs: dict,
     result: Any,
     context: ReplicaContext,
+    scalar_updated: set[int] = frozenset(),
 ) -> WrittenState:
     """The NNX variables of the step's arguments that the step changed and does not
     return, with their new values made the same on every replica (a step that returns its
@@ -68,7 +112,10 @@ def collect(
     return WrittenState(
         tuple(index for index, *_ in written),
         tuple(arg_path(path) for _, path, *_ in written),
-        tuple(_agreed(holder, old, new, context) for _, _, old, new, holder in written),
+        tuple(
+            _agreed(holder, old, new, context, id(holder) in scalar_updated)
+            for _, _, old, new, holder in written
+        ),
     )
 
 
@@ -91,11 +138,15 @@ def _variables_by_leaf(tree: Any, variable_type: type) -> list[Any]:
     return holders
 
 
-def _agreed(holder: Any, old: Any, new: Any, context: ReplicaContext) -> Any:
+def _agreed(holder: Any, old: Any, new: Any, context: ReplicaContext, scalar_updated: bool) -> Any:
     from flax import nnx
 
     if isinstance(holder, nnx.BatchStat):
         return context.all_reduce(ReduceOp.MEAN, new)
+    if isinstance(holder, nnx.metrics.MetricState) and scalar_updated:
+        if jax.numpy.issubdtype(new.dtype, jax.numpy.integer):
+            return new  # a count: the same number of updates on every replica
+        return old + context.all_reduce(ReduceOp.MEAN, new - old)
     if isinstance(holder, nnx.metrics.MetricState):
         return old + context.all_reduce(ReduceOp.SUM, new - old)
     return new

@@ -90,6 +90,9 @@ def test_the_tutorials_in_place_step_trains_like_nnx_jit(make_strategy):
     got, want = metrics.compute(), expected_metrics.compute()
     assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)  # global batch
     assert float(got["accuracy"]) == float(want["accuracy"])
+    # a scalar loss is one update per step, as under nnx.jit; accuracy counts every row
+    assert int(metrics.loss.count[...]) == int(expected_metrics.loss.count[...]) == 3
+    assert int(metrics.accuracy.count[...]) == int(expected_metrics.accuracy.count[...]) == 48
     metrics.reset()
     assert int(metrics.loss.count[...]) == 0
 

@@ -42,7 +42,9 @@ def main() -> None:
             print(f"STEP {n}", flush=True)
     except Exception as exc:  # noqa: BLE001 - what a user's emergency handler catches
         started = time.monotonic()
-        print(f"CAUGHT at {time.time():.3f} {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+        print(
+            f"CAUGHT at {time.time():.3f} {type(exc).__name__}: {exc}".splitlines()[0], flush=True
+        )
         try:
             step(*state, batch)  # a loop that carries on
         except xs.errors.UnavailableError as again:
