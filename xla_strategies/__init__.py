@@ -8,6 +8,7 @@ def train_step(params, opt_state, batch): ...   # per-replica view
 
 from xla_strategies import cluster_resolver, errors, experimental, partitioners
 from xla_strategies import keras as _keras_scope_hook  # noqa: F401  (registers it; imports no Keras)
+from xla_strategies import libtpu_backend as _libtpu_backend  # noqa: F401  (quiet without TPUs)
 from xla_strategies.central_storage import CentralStorageStrategy
 from xla_strategies.compiled_step import CompiledStep
 from xla_strategies.context import (
