@@ -110,3 +110,21 @@ def test_a_sharding_option_with_no_state_to_hold_split_is_an_error():
         step = strategy.compile(updates_only, **{option: True})
         with pytest.raises(ValueError, match=rf"{option}=True .* no state"):
             step(*state, batch)
+
+
+@pytest.mark.parametrize("option", ["shard_weight_updates", "shard_parameters"])
+def test_an_option_that_can_split_no_state_warns(option):
+    # optax's getting-started problem: 2-element parameters do not divide by 8 replicas
+    tx = optax.adam(1e-2)
+    params = {"w": jnp.ones((2,)), "b": jnp.zeros(())}
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    strategy = xs.MirroredStrategy()
+    compiled = strategy.compile(step, **{option: True})
+    x = strategy.experimental_distribute_values_from_function(lambda ctx: jnp.ones((2, 2)))
+    with pytest.warns(UserWarning, match=f"{option}=True .* split no state.*divides by 8"):
+        compiled(params, tx.init(params), x)

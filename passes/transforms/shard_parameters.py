@@ -53,7 +53,7 @@ from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder, within_slice
 from xla_strategies.passes.transforms.blocks import block_value, shard_dimension
-from xla_strategies.passes.transforms.held_state import require_state
+from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
 from xla_strategies.passes.transforms.regather_residuals import regather_residuals
 
 MODES = ("on", "auto")
@@ -97,6 +97,9 @@ class ShardParameters(Pass):
                 "slice's links; the gradient blocks are summed across"
             )
         ctx.remarks.extend(f"{self.name}: {r}" for r in splitter.remarks)
+        if self.mode == "on":
+            held = splitter.stats["split_state"]
+            warn_if_nothing_held(self.name, "shard_parameters", held, splitter.remarks)
         return splitter.stats["split_state"] > 0 or splitter.stats["loop_reduce_scatters"] > 0
 
 

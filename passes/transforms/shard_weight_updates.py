@@ -54,7 +54,7 @@ from xla_strategies.passes.transforms.block_sharder import (
     block_order,
     is_gradient_reduction,
 )
-from xla_strategies.passes.transforms.held_state import require_state
+from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
 
 MODES = ("on", "auto")
 
@@ -95,6 +95,9 @@ class ShardWeightUpdates(Pass):
         sharder.rewrite(graph)
         ctx.stats[self.name] = {**sharder.stats, "decision": decision}
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
+        if self.mode == "on" and not held_split:
+            held = sharder.stats["sharded_state"] + sharder.stats["sharded_gradients"]
+            warn_if_nothing_held(self.name, "shard_weight_updates", held, sharder.remarks)
         return sharder.stats["sharded_gradients"] > 0 or bool(held_split)
 
 
