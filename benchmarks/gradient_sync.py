@@ -68,7 +68,7 @@ def variants(strategy: Any, grads: Any, thresholds: list[int]) -> dict[str, tupl
 
 def measure(scale: int, thresholds: list[int], rounds: int, repeats: int) -> dict[str, Any]:
     import xla_strategies as xs
-    from xla_strategies.hlo import count_hlo_collectives
+    from xla_strategies.hardware.hlo import count_hlo_collectives
 
     strategy = xs.MirroredStrategy()
     n = strategy.num_replicas_in_sync

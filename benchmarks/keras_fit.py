@@ -53,7 +53,7 @@ def main() -> None:
     import numpy as np
 
     import xla_strategies as xs
-    from xla_strategies.devices import emulate_cpu_devices
+    from xla_strategies.hardware.devices import emulate_cpu_devices
 
     emulate_cpu_devices(8)
     devices = jax.devices()

@@ -63,8 +63,8 @@ def write_profile(profile: dict[str, float]) -> None:
 
 
 def choices_elsewhere(nbytes: int) -> dict[str, str]:
+    from xla_strategies.hardware.topology import Topology
     from xla_strategies.passes.cost import model as cost_model
-    from xla_strategies.topology import Topology
 
     return {
         name: cost_model.best_algorithm(

@@ -73,8 +73,8 @@ def buckets(sizes: list[int], threshold: int) -> list[int]:
 
 
 def sync_times(sizes: list[int], topology: str) -> dict[str, Any]:
+    from xla_strategies.hardware.topology import Topology
     from xla_strategies.passes.cost import model as cost_model
-    from xla_strategies.topology import Topology
 
     links = Topology.from_name(topology).axis_links()
     total = sum(sizes)
@@ -118,8 +118,8 @@ def layer_bytes(sizes: list[int], layers: int) -> tuple[list[int], int]:
 
 def overlap(model: str, sizes: list[int], topology: str, hoisted: float) -> dict[str, Any]:
     """Exposed communication hoisted and pipelined, and the estimated step, for `model`."""
+    from xla_strategies.hardware.topology import Topology
     from xla_strategies.passes.cost import model as cost_model
-    from xla_strategies.topology import Topology
 
     top = Topology.from_name(topology)
     links, work = top.axis_links(), WORKLOADS[model]
@@ -151,9 +151,9 @@ def sharded_update(shapes: list[tuple[int, ...]], itemsize: int, topology: str) 
     """Replicated against sharded weight update (shard-weight-updates) on `topology`:
     collective and AdamW time per step and the optimizer state per chip. A tensor with no
     dimension that divides by the chip count keeps a replicated update, as the pass does."""
+    from xla_strategies.hardware.topology import Topology
     from xla_strategies.passes.cost import model as cost_model
     from xla_strategies.passes.transforms.blocks import shard_dimension
-    from xla_strategies.topology import Topology
 
     top = Topology.from_name(topology)
     links, chips = top.axis_links(), top.num_devices

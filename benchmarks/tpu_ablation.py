@@ -24,7 +24,7 @@ from tqdm import tqdm
 import xla_strategies as xs
 from benchmarks.tpu_aot import _batch, abstract_state
 from benchmarks.tpu_models import WORKLOADS
-from xla_strategies.compiled_report import compiled_report
+from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.pipeline import without_pass
 
 RESULTS = Path(__file__).parent / "results" / "tpu_ablation.json"

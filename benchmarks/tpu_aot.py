@@ -38,10 +38,10 @@ from tqdm import tqdm
 
 import xla_strategies as xs
 from benchmarks.tpu_models import WORKLOADS
-from xla_strategies.compile_program import compile_lowered
-from xla_strategies.compiled_report import compiled_report
+from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.cost.timeline import step_estimate
 from xla_strategies.passes.pipeline import without_pass
+from xla_strategies.step.compile_program import compile_lowered
 
 RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
 TOPOLOGIES = ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512")

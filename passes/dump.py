@@ -1,7 +1,7 @@
 """Instruments that show the IR after each pass, the way MLIR and XLA do.
 
 `IRDumper` writes one file per pass, `NNNN.<pipeline>.after_<pass>.txt`, into a directory
-(`xla_strategies.dumping` says which environment switches it on); `IRPrinter` writes to a
+(`xla_strategies.step.dumping` says which environment switches it on); `IRPrinter` writes to a
 stream (`--print-ir-after-all` / `--print-ir-after-change`). Both start with the capture.
 """
 

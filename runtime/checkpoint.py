@@ -39,17 +39,17 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from xla_strategies.arguments import Layout, fold_stacked
+from xla_strategies.core.trees import map_arrays, with_functions_of, without_functions
 from xla_strategies.runtime.checkpoint_tree import (
     CheckpointError,
     check_dtypes,
     check_structure,
     normalized,
 )
-from xla_strategies.trees import map_arrays, with_functions_of, without_functions
+from xla_strategies.step.arguments import Layout, fold_stacked
 
 if TYPE_CHECKING:
-    from xla_strategies.strategy import Strategy
+    from xla_strategies.distribute.strategy import Strategy
 
 
 class CheckpointManager:

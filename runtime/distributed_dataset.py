@@ -16,15 +16,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from xla_strategies.errors import OutOfRangeError
+from xla_strategies.core.errors import OutOfRangeError
+from xla_strategies.core.trees import abstract_like
 from xla_strategies.runtime.host_batch import SKIP, HostBatch, prepare
 from xla_strategies.runtime.input_agreement import agreed, host_shapes
 from xla_strategies.runtime.input_options import InputContext, InputOptions, InputReplicationMode
 from xla_strategies.runtime.prefetch import Producer
-from xla_strategies.trees import abstract_like
 
 if TYPE_CHECKING:
-    from xla_strategies.strategy import Strategy
+    from xla_strategies.distribute.strategy import Strategy
 
 
 class DistributedDataset:

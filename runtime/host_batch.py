@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from xla_strategies.trees import as_array, path_str
+from xla_strategies.core.trees import as_array, path_str
 
 SKIP = object()  # a partial batch dropped by policy
 

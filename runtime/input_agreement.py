@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from xla_strategies.errors import UnavailableError
+from xla_strategies.core.errors import UnavailableError
 
 _END = "end"
 _iterators = itertools.count()  # every worker makes its iterators in the same order

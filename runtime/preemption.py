@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 if TYPE_CHECKING:
+    from xla_strategies.distribute.strategy import Strategy
     from xla_strategies.runtime.checkpoint import CheckpointManager
-    from xla_strategies.strategy import Strategy
 
 # What a preempted worker exits with, so a supervisor can tell "restart me" from a crash.
 PREEMPTION_EXIT_CODE = 42

@@ -31,7 +31,7 @@ _TPU_STEP = textwrap.dedent(
 
 def _aot_command(out: Path, *command: str, timeout_s: str = "240") -> list[str]:
     return [
-        sys.executable, "-m", "xla_strategies.cli", "aot", "--topology", "v5e-4",
+        sys.executable, "-m", "xla_strategies.cli.main", "aot", "--topology", "v5e-4",
         "--out", str(out), "--timeout", timeout_s, "--", *command,
     ]  # fmt: skip
 

@@ -13,12 +13,12 @@ import pytest
 
 from tests.filecheck import filecheck
 from tests.passes.test_timeline import assert_properly_nested
-from xla_strategies.cli import main
+from xla_strategies.cli.main import main
 from xla_strategies.passes import parse, print_graph
 
 ROOT = Path(__file__).parents[1]
 GOLDEN = ROOT / "tests" / "golden"
-CLI = [sys.executable, "-m", "xla_strategies.cli"]
+CLI = [sys.executable, "-m", "xla_strategies.cli.main"]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import xla_strategies as xs
-from xla_strategies.cross_device_ops import implementation_decomposes
+from xla_strategies.distribute.cross_device_ops import implementation_decomposes
 from xla_strategies.passes import PassPipeline, PipelineSpecError
 
 R = 8  # replicas (tests/conftest.py)

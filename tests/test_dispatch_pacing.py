@@ -11,7 +11,7 @@ import numpy as np
 
 import xla_strategies as xs
 from tests.helpers import run_script
-from xla_strategies.dispatch_pacing import DispatchPacer
+from xla_strategies.runtime.dispatch_pacing import DispatchPacer
 
 # 3000 steps of a tiny all-reduce, never read back until the end: unpaced, this aborted in
 # XLA's rendezvous in every run on a 2-core host (32 programs in flight per device).

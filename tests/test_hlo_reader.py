@@ -14,10 +14,10 @@ import optax
 import pytest
 
 import xla_strategies as xs
-from xla_strategies import cli
-from xla_strategies.compiled_report import compiled_report, hlo_report
-from xla_strategies.hlo import HloReadError, computations, group_size, hlo_bytes
-from xla_strategies.topology import Topology
+from xla_strategies.cli import main as cli
+from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
+from xla_strategies.hardware.hlo import HloReadError, computations, group_size, hlo_bytes
+from xla_strategies.hardware.topology import Topology
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
 

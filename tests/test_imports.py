@@ -13,7 +13,7 @@ PACKAGES = {
     "xla_strategies.runtime": ROOT / "runtime",
 }
 # Optional frontends are imported lazily on purpose, by the scope that needs them.
-OPTIONAL = {("xla_strategies.strategy", "xla_strategies.keras")}
+OPTIONAL = {("xla_strategies.distribute.strategy", "xla_strategies.keras")}
 
 
 def _modules() -> dict[str, Path]:

@@ -111,7 +111,7 @@ def test_the_tpu_compiler_gathers_one_layer_at_a_time_inside_the_loop():
     """XLA's TPU compiler (v5e 2x2) keeps the pass's per-layer all-gathers in the loops:
     each runs once per layer, and none gathers the whole stack."""
     pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
-    from xla_strategies.compiled_report import compiled_report
+    from xla_strategies.hardware.compiled_report import compiled_report
 
     strategy = xs.TPUStrategy("v5e-4", compile_only=True)
     layers = 3

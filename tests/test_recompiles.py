@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import xla_strategies as xs
-from xla_strategies.recompiles import RECOMPILES_WARNED_AFTER
+from xla_strategies.step.recompiles import RECOMPILES_WARNED_AFTER
 
 
 def test_a_static_value_that_changes_every_call_is_named():

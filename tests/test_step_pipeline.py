@@ -1,4 +1,4 @@
-"""A step's pipeline is composed by one rule (`xla_strategies.step_pipeline`): the user's
+"""A step's pipeline is composed by one rule (`xla_strategies.step.step_pipeline`): the user's
 spec or the default with the strategy's changes, then settings, then forcing options."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import xla_strategies as xs
 from xla_strategies.passes import DEFAULT_PIPELINE, CombineAllReduces, PassPipeline
 from xla_strategies.passes.pipeline import PipelineSpecError, parse_spec
 from xla_strategies.passes.registry import PASS_ORDER
-from xla_strategies.step_pipeline import PipelineOptions, step_pipeline
+from xla_strategies.step.step_pipeline import PipelineOptions, step_pipeline
 
 
 def _names(pipeline: PassPipeline) -> list[str]:

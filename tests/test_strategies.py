@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import xla_strategies as xs
-from xla_strategies import compiled_step
-from xla_strategies.hlo import count_hlo_collectives
+from xla_strategies.hardware.hlo import count_hlo_collectives
+from xla_strategies.step import compiled_step
 
 
 @pytest.fixture(scope="module")

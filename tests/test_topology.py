@@ -8,8 +8,8 @@ from importlib import resources
 import pytest
 
 import xla_strategies as xs
+from xla_strategies.hardware.topology import Topology, known_hardware
 from xla_strategies.passes.cost import model as cost_model
-from xla_strategies.topology import Topology, known_hardware
 
 BENCHMARKED = ["v4-1024", "v5e-256", "v5p-1024", "v6e-256", "2xv5p-512", "4xdgx-h100"]
 

@@ -16,10 +16,10 @@ import optax
 import pytest
 
 import xla_strategies as xs
-from xla_strategies.arguments import Layout
-from xla_strategies.compiled_report import compiled_report
-from xla_strategies.hlo import count_hlo_collectives, executed_collectives
+from xla_strategies.hardware.compiled_report import compiled_report
+from xla_strategies.hardware.hlo import count_hlo_collectives, executed_collectives
 from xla_strategies.passes.cost.collective_stats import collective_summary
+from xla_strategies.step.arguments import Layout
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
 
@@ -133,7 +133,7 @@ def test_aot_compiles_an_unchanged_training_script_for_a_topology(tmp_path):
         [
             sys.executable,
             "-m",
-            "xla_strategies.cli",
+            "xla_strategies.cli.main",
             "aot",
             "--topology",
             "v5e-4",

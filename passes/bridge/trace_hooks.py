@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from xla_strategies.core.patching import patched
 from xla_strategies.passes.bridge import jax_compat
-from xla_strategies.patching import patched
 
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
 GRADIENT_SCOPE = "xla_strategies.gradient_scale"

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from xla_strategies.errors import CancelledError, UnavailableError
+from xla_strategies.core.errors import CancelledError, UnavailableError
 
 if TYPE_CHECKING:
-    from xla_strategies.parameter_server import ParameterServerStrategy
+    from xla_strategies.strategies.parameter_server import ParameterServerStrategy
 
 
 class RemoteValue:

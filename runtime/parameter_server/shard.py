@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from xla_strategies.errors import UnavailableError
+from xla_strategies.core.errors import UnavailableError
 
 # A PS task that does not answer within this long counts as lost; one that Ray reports
 # temporarily unavailable is asked again this many times (1, 2, 4 s apart).

@@ -33,7 +33,7 @@ class Worker:
     """Worker task `index`. `shards` are the PS actors, `layout` says which piece is where."""
 
     def __init__(self, index: int, shards: list[Any], layout: Any) -> None:
-        from xla_strategies.mirrored import MirroredStrategy
+        from xla_strategies.strategies.mirrored import MirroredStrategy
 
         self.index, self.shards, self.layout = index, shards, layout
         self.strategy = MirroredStrategy()

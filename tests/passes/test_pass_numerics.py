@@ -13,7 +13,7 @@ from jax import lax
 import xla_strategies as xs
 from tests import helpers
 from xla_strategies.demo import models
-from xla_strategies.hlo import count_hlo_collectives
+from xla_strategies.hardware.hlo import count_hlo_collectives
 from xla_strategies.passes import DEFAULT_PIPELINE
 from xla_strategies.passes.cost.collective_stats import collective_summary
 

@@ -203,7 +203,7 @@ def test_auto_mode_is_off_without_a_topology_and_says_why():
 
 
 def test_auto_mode_asks_the_cost_model_on_a_topology():
-    from xla_strategies.topology import Topology
+    from xla_strategies.hardware.topology import Topology
 
     topology = Topology.from_name("v5e-8")
     ctx = PassContext(mesh_axes=topology.mesh_axes, topology=topology)
@@ -237,7 +237,7 @@ def test_every_collective_and_slice_numbers_blocks_in_one_axis_order():
     """On a multislice the blocks are numbered fast axes first; the reduce-scatter, the
     slices, the gathers and the held layout must all use that order, whatever order the
     gradient's all-reduce listed its axes in (a mismatch gives wrong numbers silently)."""
-    from xla_strategies.topology import Topology
+    from xla_strategies.hardware.topology import Topology
 
     topology = Topology.from_name("2xv5e-8")
     axes = list(topology.mesh_axes)  # the mesh order, slow level first

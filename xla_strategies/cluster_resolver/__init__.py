@@ -2,16 +2,16 @@
 cluster and which one this process is, and `MultiWorkerMirroredStrategy` (or
 `ParameterServerStrategy`) takes any of them in place of `TF_CONFIG`.
 
-- `TFConfigClusterResolver`, `SimpleClusterResolver` (`xla_strategies.cluster`);
+- `TFConfigClusterResolver`, `SimpleClusterResolver` (`xla_strategies.cluster_resolver.tf_config`);
 - `SlurmClusterResolver`: a Slurm job step's environment;
 - `TPUClusterResolver`: a Cloud TPU VM slice's environment;
 - `KubernetesClusterResolver`, `GCEClusterResolver`: through their services' clients;
 - `UnionResolver`: several of them as one cluster.
 """
 
-from xla_strategies.cluster import SimpleClusterResolver, TFConfigClusterResolver
 from xla_strategies.cluster_resolver.cloud import GCEClusterResolver, KubernetesClusterResolver
 from xla_strategies.cluster_resolver.slurm import SlurmClusterResolver
+from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver, TFConfigClusterResolver
 from xla_strategies.cluster_resolver.tpu import TPUClusterResolver
 from xla_strategies.cluster_resolver.union import UnionResolver
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from xla_strategies.cluster import SimpleClusterResolver
+from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver
 
 
 class KubernetesClusterResolver(SimpleClusterResolver):

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from xla_strategies.cluster import SimpleClusterResolver
+from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver
 
 
 class SlurmClusterResolver(SimpleClusterResolver):

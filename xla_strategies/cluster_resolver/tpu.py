@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from xla_strategies.cluster import SimpleClusterResolver
+from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver
 
 #: The port a TPU VM worker serves on, as in tf.distribute.
 TPU_WORKER_PORT = 8470

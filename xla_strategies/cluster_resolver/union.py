@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xla_strategies.cluster import SimpleClusterResolver
+from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver
 
 
 class UnionResolver(SimpleClusterResolver):

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import xla_strategies as xs
     from xla_strategies.demo import models
     from xla_strategies.demo.data import synthetic_tokens
-    from xla_strategies.hlo import count_hlo_collectives
+    from xla_strategies.hardware.hlo import count_hlo_collectives
     from xla_strategies.passes.cost.collective_stats import collective_summary
 
     strategy = xs.MirroredStrategy()

@@ -1,19 +1,19 @@
 """`xs.experimental`: what tf.distribute keeps under `tf.distribute.experimental`."""
 
-from xla_strategies import partitioners
-from xla_strategies.central_storage import CentralStorageStrategy
-from xla_strategies.cross_device_ops import (
+from xla_strategies.distribute.cross_device_ops import (
     CollectiveCommunication,
     CommunicationImplementation,
     CommunicationOptions,
 )
+from xla_strategies.distribute.values import ValueContext
 from xla_strategies.experimental import coordinator
-from xla_strategies.multi_worker import MultiWorkerMirroredStrategy
-from xla_strategies.parameter_server import ParameterServerStrategy
 from xla_strategies.runtime.distributed_dataset import OptionalValue as Optional
 from xla_strategies.runtime.preemption import PreemptionCheckpointHandler, TerminationConfig
-from xla_strategies.tpu import TPUStrategy
-from xla_strategies.values import ValueContext
+from xla_strategies.strategies import partitioners
+from xla_strategies.strategies.central_storage import CentralStorageStrategy
+from xla_strategies.strategies.multi_worker import MultiWorkerMirroredStrategy
+from xla_strategies.strategies.parameter_server import ParameterServerStrategy
+from xla_strategies.strategies.tpu import TPUStrategy
 
 __all__ = [
     "CentralStorageStrategy",

@@ -26,12 +26,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from xla_strategies.context import register_scope_hook
+from xla_strategies.core.context import register_scope_hook
+from xla_strategies.core.patching import patched
 from xla_strategies.keras.synchronized_batch_norm import accepting_synchronized
-from xla_strategies.patching import patched
 
 if TYPE_CHECKING:
-    from xla_strategies.strategy import Strategy
+    from xla_strategies.distribute.strategy import Strategy
 
 
 _local = threading.local()  # this thread's strategies in scope, innermost last

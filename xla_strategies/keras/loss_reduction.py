@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from xla_strategies.context import get_replica_context
-from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.core.context import get_replica_context
+from xla_strategies.core.reduce_op import ReduceOp
 
 _MEAN = frozenset({"sum_over_batch_size", "mean", None})
 

@@ -14,9 +14,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from xla_strategies.context import get_replica_context
-from xla_strategies.patching import patched
-from xla_strategies.reduce_op import ReduceOp
+from xla_strategies.core.context import get_replica_context
+from xla_strategies.core.patching import patched
+from xla_strategies.core.reduce_op import ReduceOp
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ import torch
 import torchax
 from torch.nn.utils.stateless import _reparametrize_module
 
-from xla_strategies.context import get_replica_context
+from xla_strategies.core.context import get_replica_context
 from xla_strategies.torch.optimizer_update import apply_optimizer
 from xla_strategies.torch.sync_batch_norm import synced_batch_norm
 from xla_strategies.torch.torchax_ops import corrected_ops

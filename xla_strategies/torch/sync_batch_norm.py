@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torchax import interop
 
-from xla_strategies.context import get_replica_context
-from xla_strategies.patching import patched
+from xla_strategies.core.context import get_replica_context
+from xla_strategies.core.patching import patched
 
 
 @contextlib.contextmanager

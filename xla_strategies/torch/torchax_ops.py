@@ -27,7 +27,7 @@ import torch
 from torch._decomp import decomposition_table
 from torchax.ops import jaten, ops_registry
 
-from xla_strategies.patching import patched
+from xla_strategies.core.patching import patched
 
 
 def _max_pool_with_indices(inputs: Any, kernel_size: Any, *args: Any, **kwargs: Any) -> Any:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torchax.tensor
 
-from xla_strategies.patching import patched
+from xla_strategies.core.patching import patched
 
 # A hyperparameter's place in a param group: (key,) or (key, index) for a tuple entry.
 Place = tuple[Any, ...]

@@ -1,0 +1,285 @@
+"""The `xla-strategies` subcommands: dump, aot, report, show, opt and ledger."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from xla_strategies.cli.run_until_compiled import runs_in_process
+from xla_strategies.hardware.hlo import executed_collectives
+from xla_strategies.passes import DEFAULT_PIPELINE, PassContext, parse, print_graph
+from xla_strategies.passes.dump import IRPrinter
+from xla_strategies.passes.ir.render import to_dot, to_json_text
+from xla_strategies.passes.pipeline import PassPipeline, parse_spec
+from xla_strategies.step import dumping
+from xla_strategies.step.dump_reader import select_step, steps
+
+
+def dump(args: Namespace) -> int:
+    """Run the user's script with dumping on, then print an index of what was dumped."""
+    if args.pipeline:
+        parse_spec(args.pipeline)  # fail before running anything
+    env = {}
+    if args.print_ir_after_all or args.print_ir_after_change:
+        env[dumping.PRINT_IR] = "all" if args.print_ir_after_all else "change"
+    if args.pipeline:
+        env[dumping.PIPELINE] = args.pipeline
+    returncode = _run_dumped("dump", args.command, Path(args.out), env, args.stop_after_compile)
+    if returncode == 0:
+        print_index(Path(args.out))
+    return returncode
+
+
+def aot(args: Namespace) -> int:
+    """Compile the script's first TPUStrategy step for a TPU topology, on this machine,
+    and print what XLA's TPU compiler says of it: does it fit, and its communication."""
+    from xla_strategies.hardware.topology import Topology, hardware_config
+    from xla_strategies.strategies.tpu import AOT_TOPOLOGY
+
+    topology = Topology.from_name(args.topology)
+    if hardware_config(topology.hardware)["kind"] != "tpu":
+        raise ValueError(f"--topology {args.topology!r} is not a TPU topology (e.g. v5e-256)")
+    env = {AOT_TOPOLOGY: topology.name, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    out = Path(args.out)
+    started = time.time()
+    returncode = _run_dumped(
+        "aot", args.command, out, env, stop_after_compile=True, timeout=args.timeout
+    )
+    if returncode != 0:
+        return returncode  # a previous run's summaries in --out are not this run's
+    fresh = [s for s in steps(out) if _written_since(s.directory / "summary.txt", started)]
+    on_tpu = [s for s in fresh if _platform(s.directory) == "tpu"]
+    for step in on_tpu:
+        print((step.directory / "summary.txt").read_text(), end="")
+    if not on_tpu:
+        compiled = ", ".join(f"{s.name} for {_platform(s.directory)}" for s in fresh)
+        print(
+            "xla-strategies aot: the script compiled no TPU step"
+            + (f" (it compiled {compiled})" if compiled else "")
+            + "; it must build its strategy with xs.TPUStrategy(...) and call a compiled step",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _written_since(path: Path, started: float) -> bool:
+    return path.is_file() and path.stat().st_mtime >= started - 1.0  # coarse file clocks
+
+
+def _platform(directory: Path) -> str:
+    import json
+
+    try:
+        return json.loads((directory / "compiled_report.json").read_text())["platform"]
+    except (OSError, ValueError, KeyError):
+        return "an unknown platform"
+
+
+def report(args: Namespace) -> int:
+    """Read a compiled program's HLO text (any program's: ours, `jax.jit`'s, a peer's dump)
+    with the reader the step reports use, and print its collectives and their cost."""
+    import json
+
+    from xla_strategies.hardware.compiled_report import hlo_report, summary_text
+    from xla_strategies.hardware.topology import Topology
+
+    text = Path(args.file).read_text(errors="replace")
+    if "HloModule" not in text.split("\n", 1)[0]:
+        raise ValueError(f"{args.file} is not HLO text: its first line is not an HloModule")
+    topology = Topology.from_name(args.topology) if args.topology else None
+    found = hlo_report(text, topology)
+    if args.json:
+        print(json.dumps(found.to_json(), indent=1))
+    else:
+        print(summary_text(found, Path(args.file).name))
+    return 0
+
+
+def _run_dumped(
+    name: str,
+    command: list[str],
+    out: Path,
+    env: dict[str, str],
+    stop_after_compile: bool,
+    timeout: float | None = None,
+) -> int:
+    """Run `command` with dumping to `out` and `env` on; its exit code. The script ends
+    with this command: a SIGTERM or SIGINT to it, or `timeout` seconds, end the script."""
+    command = command[1:] if command and command[0] == "--" else list(command)
+    if not command:
+        raise SystemExit(f"{name}: give the command to run after --, e.g. -- python train.py")
+    env = {**os.environ, dumping.DUMP_TO: str(out.resolve()), **env}
+    if stop_after_compile:
+        env[dumping.STOP_AFTER_COMPILE] = "1"
+        if runs_in_process(command):  # it stops by raising; this runner exits cleanly
+            command = [sys.executable, "-m", "xla_strategies.cli.run_until_compiled", *command]
+    returncode = _run_owned(command, env, timeout)
+    if returncode is None:
+        print(
+            f"xla-strategies {name}: the script did not finish within --timeout {timeout:g} s "
+            "(it may loop before its first step); it was stopped",
+            file=sys.stderr,
+        )
+        return 124  # timeout(1)'s status
+    if returncode != 0:
+        print(
+            f"xla-strategies {name}: the script failed with exit code {returncode}; "
+            "its output and traceback are above",
+            file=sys.stderr,
+        )
+    return returncode
+
+
+def _run_owned(command: list[str], env: dict[str, str], timeout: float | None) -> int | None:
+    """Run `command` in a process group of its own and wait; None after `timeout` s. A
+    SIGTERM or SIGINT to this process ends the group too (SIGKILL 10 s later if it is still
+    there), then exits with 128 + the signal, so nothing is orphaned."""
+    child = subprocess.Popen(command, env=env, start_new_session=True)
+    signalled: list[int] = []
+
+    def end_group(signum: int, _frame: Any) -> None:
+        signalled.append(signum)
+        _signal_group(child, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, end_group) for sig in (signal.SIGTERM, signal.SIGINT)}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    killed_at = None
+    try:
+        while (returncode := _poll(child, 0.2)) is None:
+            now = time.monotonic()
+            if signalled and killed_at is None:
+                killed_at = now + 10
+            if deadline is not None and now > deadline and killed_at is None:
+                _signal_group(child, signal.SIGTERM)
+                killed_at = now + 10
+            if killed_at is not None and now > killed_at:
+                _signal_group(child, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signalled:
+        raise SystemExit(128 + signalled[0])
+    return None if killed_at is not None else returncode
+
+
+def _poll(child: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return child.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _signal_group(child: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signum)
+
+
+def print_index(out: Path) -> None:
+    for step in steps(out):
+        ledger = step.ledger() or {"passes": [], "topology": None}
+        topology = ledger.get("topology") or "no topology"
+        print(f"\nstep {step.name}  ({step.directory}; estimates on {topology})")
+        print(f"  {'#':<5}{'pass':<28}{'changed':<9}", end="")
+        print(f"{'collectives/step':>17}{'bytes/step':>14}{'est. ms':>10}{'exposed ms':>12}")
+        for index, record in enumerate(ledger["passes"]):
+            totals = record["totals"]
+            estimate = totals["estimated_s"]
+            shown = f"{estimate * 1e3:.3f}" if estimate is not None else "n/a"
+            exposed = totals.get("exposed_s")  # absent in dumps from before it was recorded
+            exposed_ms = f"{exposed * 1e3:.3f}" if exposed is not None else "n/a"
+            print(
+                f"  {index:04d} {record['pass']:<28}{'yes' if record['changed'] else 'no':<9}"
+                f"{totals['collectives_per_step']:>17}{totals['bytes_per_step']:>14,}{shown:>10}"
+                f"{exposed_ms:>12}"
+            )
+        hlo = step.compiled_hlo()
+        if hlo is not None:
+            reduce = executed_collectives(hlo)["all-reduce"]
+            print(
+                f"  XLA's compiled HLO runs {reduce['count']} all-reduce(s) per step, "
+                f"{reduce['bytes']:,} bytes"
+            )
+
+
+def show(args: Namespace) -> int:
+    step = select_step(Path(args.directory), args.step)
+    if args.diff:
+        before, after = (step.ir_after(name) for name in args.diff)
+        diff = difflib.unified_diff(
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            f"after {args.diff[0]}",
+            f"after {args.diff[1]}",
+        )
+        sys.stdout.writelines(diff)
+        return 0
+    text = step.ir_after(args.after)
+    if args.format == "text":
+        sys.stdout.write(text)
+    else:
+        graph = parse(text)
+        sys.stdout.write(to_dot(graph) if args.format == "dot" else to_json_text(graph))
+    return 0
+
+
+def opt(args: Namespace) -> int:
+    """Run passes on a textual IR file, like mlir-opt."""
+    from xla_strategies.hardware.topology import Topology
+
+    path = Path(args.file)
+    graph = parse(path.read_text())
+    topology = Topology.from_name(args.topology) if args.topology else None
+    mesh = topology.mesh_axes if topology else _mesh_from(args.mesh, graph)
+    pipeline = PassPipeline.from_spec(args.pipeline)
+    if args.print_ir_after_all:
+        pipeline = pipeline.with_instruments(IRPrinter(sys.stdout))
+    pipeline.run(graph, PassContext(mesh_axes=mesh, topology=topology))
+    if not args.print_ir_after_all:
+        sys.stdout.write(print_graph(graph))
+    return 0
+
+
+def _mesh_from(spec: str | None, graph) -> dict[str, int]:  # noqa: ANN001
+    """`--mesh x=4,y=4`; by default every axis the IR names, with 8 participants."""
+    if spec:
+        pairs = [item.split("=") for item in spec.split(",") if item]
+        return {name: int(size) for name, size in pairs}
+    axes = {a for n in graph.walk() for a in n.attrs.get("axes", [])} if graph else set()
+    axes |= {a for v in graph.inputs for a in v.varying_axes}
+    return dict.fromkeys(sorted(axes), 8)
+
+
+def ledger(args: Namespace) -> int:
+    step = select_step(Path(args.directory), args.step)
+    data = step.ledger()
+    if data is None:
+        print(f"{step.directory} has no ledger.json", file=sys.stderr)
+        return 1
+    for record in data["passes"]:
+        totals, delta = record["totals"], record["delta"]
+        print(
+            f"\n== after {record['pass']}: {totals['collectives_per_step']} collectives/step, "
+            f"{totals['bytes_per_step']:,} bytes/step "
+            f"(change: {delta['collectives_per_step']:+}, {delta['bytes_per_step']:+,} bytes)"
+        )
+        for c in record["collectives"]:
+            estimate = f"{c['estimated_s'] * 1e6:.1f} us" if c["estimated_s"] is not None else "n/a"
+            bucket = "" if c["bucket"] is None else f" bucket {c['bucket']}"
+            members = ", ".join(c["members"][:4]) + (" ..." if len(c["members"]) > 4 else "")
+            print(
+                f"  #{c['id']:<3} {c['op']} {c['reduce_op'] or ''} over {c['axes']} {c['dtype']} "
+                f"{c['bytes']:,} B x{c['per_step']}{bucket}  {estimate}  [{members}]"
+            )
+    return 0
+
+
+__all__ = ["DEFAULT_PIPELINE", "aot", "dump", "ledger", "opt", "show"]

@@ -1,0 +1,402 @@
+"""The `Strategy` base: a strategy answers layout questions and holds no algorithm.
+
+It knows its devices and mesh, how inputs are placed, and which pass pipeline its steps
+run. Values are plain `jax.Array`s and their sharding says what they are (`Layout`):
+
+- mirrored: replicated on every replica;
+- split: a global batch, split on dim 0 across the replicas;
+- stacked: one value per replica (a varying step output, per-replica state such as
+  BatchNorm statistics), stacked on a leading axis of length `num_replicas_in_sync` and
+  sharded over `strategy.stacked_mesh`, whose axis names are the replica axes with the
+  reserved prefix `STACKED_PREFIX`. A stacked value of shape `[R, ...]` and a batch of R rows
+  therefore never look alike, whatever their shapes.
+
+Mirrored state that weight-update sharding holds split across the replicas between steps
+(optimizer state) lives on `strategy.sharded_mesh`, under the prefix `SHARDED_PREFIX`. It is
+still one mirrored value of its logical shape: a step takes it as it is, and anything else
+reads it whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xla_strategies.core.context import user_scope
+from xla_strategies.core.reduce_op import ReduceOp, check_axis, reduce_replicas
+from xla_strategies.core.trees import abstract_like, copy_to, map_arrays
+from xla_strategies.distribute.extended import StrategyExtended
+from xla_strategies.distribute.values import distribute_values_from_function
+from xla_strategies.hardware.topology import Topology
+from xla_strategies.passes.bridge.layouts import replica_spec
+from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.runtime.distributed_dataset import (
+    DistributedDataset,
+    DistributedDatasetFromFunction,
+)
+from xla_strategies.runtime.input_options import InputContext, InputOptions
+from xla_strategies.step.arguments import (
+    SHARDED_PREFIX,
+    STACKED_PREFIX,
+    Layout,
+    refuse_foreign_split,
+)
+from xla_strategies.step.compiled_step import CompiledStep
+from xla_strategies.step.step_pipeline import (
+    PipelineChanges,
+    PipelineOptions,
+    Setting,
+    step_pipeline,
+)
+
+
+class Strategy:
+    """Shared API of all strategies (`OneDeviceStrategy`, `MirroredStrategy`, ...)."""
+
+    #: The label of this strategy's pipeline in dump file names.
+    pipeline_label: ClassVar[str] = "strategy"
+    #: Whether every replica updates the weights, so the update can be sharded.
+    shards_weight_updates: ClassVar[bool] = True
+    #: The cluster's resolver, as tf.distribute has it: None for strategies of one host.
+    cluster_resolver: Any = None
+
+    def __init__(self, devices: Any, axis_names: tuple[str, ...] = ("replica",)) -> None:
+        """`devices`: a sequence (one axis) or an array with one dimension per axis name."""
+        array = np.asarray(devices, dtype=object)
+        if array.ndim != len(axis_names):
+            raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
+        self._mesh = Mesh(array, axis_names)
+        self._stacked_mesh = Mesh(array, tuple(STACKED_PREFIX + a for a in axis_names))
+        self._sharded_mesh = Mesh(array, tuple(SHARDED_PREFIX + a for a in axis_names))
+        self._split_first = self.input_spec(True)[:1]
+        self._stacked_first = self.stacked_sharding().spec[:1]
+        self._compiled_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._compile_defaults: dict[str, Any] = {}
+
+    # layout questions
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return tuple(self._mesh.devices.flat)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._mesh.devices.size
+
+    @property
+    def topology(self) -> Topology | None:
+        """The interconnect the cost model prices collectives on: on GPUs, the node's
+        (`Topology.for_gpu_mesh`, from the devices' kind); None where it is unknown
+        (emulated CPU devices, or hardware no `tpu_configs` file describes)."""
+        first = self._mesh.devices.flat[0]
+        if first.platform != "gpu":
+            return None
+        return Topology.for_gpu_mesh(first.device_kind, dict(self._mesh.shape))
+
+    def compiler_options(self) -> dict[str, str]:
+        """XLA options for this strategy's programs. When several CPU devices share a
+        host's cores, XLA's parallel task assigner splits each large op across the shared
+        thread pool, where the tasks wait behind device threads blocked in a collective's
+        rendezvous: a gradient sync in 1 MiB buckets took 1.1 s instead of 0.17 s
+        (benchmarks/README.md, "Gradient sync"). Each device runs its ops whole instead."""
+        if self.devices_share_host_cores:
+            return {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
+        return {}
+
+    @functools.cached_property
+    def devices_share_host_cores(self) -> bool:
+        """Whether several of this process's devices are CPU devices on one host's cores:
+        emulated devices, whose runtime needs its step dispatch paced
+        (`dispatch_pacing`) and its ops kept whole (`compiler_options`). Cached: every
+        step call asks, and the mesh is fixed."""
+        local = [d for d in self._mesh.devices.flat if d.process_index == jax.process_index()]
+        return len(local) > 1 and local[0].platform == "cpu"
+
+    #: Whether a step call waits for its outputs, so that a failure (a dead peer worker)
+    #: is raised by the step, where the strategy can say what happened, and not at the
+    #: caller's next read of an output.
+    completes_steps: ClassVar[bool] = False
+
+    def input_spec(self, per_replica: bool) -> PartitionSpec:
+        """Per-replica inputs split dim 0 over all mesh axes; mirrored ones are whole."""
+        return replica_spec(self._mesh) if per_replica else PartitionSpec()
+
+    @property
+    def stacked_mesh(self) -> Mesh:
+        """The mesh of stacked per-replica values: this mesh's devices, reserved axis names."""
+        return self._stacked_mesh
+
+    @property
+    def sharded_mesh(self) -> Mesh:
+        """The mesh of mirrored state held split across the replicas between steps."""
+        return self._sharded_mesh
+
+    def stacked_sharding(self) -> NamedSharding:
+        """Where a stacked per-replica value lives: row r on replica r."""
+        return NamedSharding(self._stacked_mesh, replica_spec(self._stacked_mesh))
+
+    def layout(self, array: Any) -> Layout:
+        """Whether `array` is a split batch, stacked per-replica values, or mirrored."""
+        sharding = getattr(array, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            return Layout.MIRRORED
+        mesh, first = sharding.mesh, sharding.spec[:1]
+        # Runs for every argument of every step: meshes compare by identity first, and
+        # the leading specs are computed once, in __init__.
+        if _same_mesh(mesh, self._mesh):
+            return Layout.SPLIT if first == self._split_first else Layout.MIRRORED
+        if not _same_mesh(mesh, self._stacked_mesh) or first != self._stacked_first:
+            refuse_foreign_split(array, sharding)
+            return Layout.MIRRORED
+        if array.shape[:1] != (self.num_replicas_in_sync,):
+            raise ValueError(
+                f"an array of shape {tuple(array.shape)} is stacked on the strategy's "
+                f"stacked mesh, but a stacked value has one row per replica "
+                f"({self.num_replicas_in_sync}); split a batch with "
+                "experimental_distribute_dataset instead"
+            )
+        return Layout.STACKED
+
+    def is_held_sharded(self, array: Any) -> bool:
+        """Whether `array` is mirrored state a step holds split across the replicas."""
+        sharding = getattr(array, "sharding", None)
+        return isinstance(sharding, NamedSharding) and _same_mesh(sharding.mesh, self._sharded_mesh)
+
+    def is_per_replica(self, array: Any) -> bool:
+        """Whether replicas see different parts of `array` (a split batch or stacked values)."""
+        return self.layout(array) is not Layout.MIRRORED
+
+    def pipeline_changes(self) -> PipelineChanges:
+        """What this strategy changes in the default pipeline (`step_pipeline`)."""
+        return PipelineChanges()
+
+    def pipeline_settings(self) -> tuple[Setting, ...]:
+        """Pass options this strategy's user-facing settings give any pipeline."""
+        return ()
+
+    def pipeline(
+        self, gradient_reduction: ReduceOp | None = None, spec: str | PassPipeline | None = None
+    ) -> PassPipeline:
+        """The pass pipeline a step compiled with these options runs (`step_pipeline`):
+        `spec` (default: the strategy's), with the gradient reduction filled in where the
+        spec did not set one."""
+        return step_pipeline(self, PipelineOptions(spec, gradient_reduction))
+
+    # tf.distribute's API
+
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
+        """Inside it, `xs.get_strategy()` returns this strategy, and a Keras model
+        compiled there trains, evaluates and predicts on it (`xla_strategies.keras`)."""
+        return user_scope(self)
+
+    def sub_strategy(self, replicas: int) -> Strategy:
+        """A strategy of this kind on this one's first `replicas` replicas, for a batch
+        too small to split over all of them (Keras' last batch)."""
+        raise ValueError(
+            f"{type(self).__name__} cannot run a step on {replicas} of its "
+            f"{self.num_replicas_in_sync} replicas; give every step a batch that splits over "
+            "all of them (drop or pad the last batch)"
+        )
+
+    @property
+    def compile_only(self) -> bool:
+        """Whether the strategy's devices only compile (`TPUStrategy(compile_only=True)`):
+        its values are abstract `jax.ShapeDtypeStruct`s that carry their sharding, and its
+        steps are lowered and compiled, never run."""
+        return False
+
+    def split_sharding(self) -> NamedSharding:
+        """Where a global batch lives: dim 0 split across the replicas (what
+        `experimental_distribute_dataset` yields; a `jax.ShapeDtypeStruct` with it is an
+        abstract batch)."""
+        return NamedSharding(self._mesh, self.input_spec(True))
+
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """Where state (parameters, optimizer state) lives between steps: on every replica."""
+        return NamedSharding(self._mesh, PartitionSpec())
+
+    def replicate(self, tree: Any) -> Any:
+        """Copy every array of `tree` to where this strategy keeps state (mirrored on all
+        replicas, except for CentralStorageStrategy's parameter device). Functions held as
+        leaves (an equinox module's activations) stay as they are."""
+        sharding = self.state_sharding()
+        return map_arrays(
+            lambda a, _: self.place(a, sharding), tree, "replicate(tree)", keep_functions=True
+        )
+
+    def place(self, array: Any, sharding: jax.sharding.Sharding) -> Any:
+        """A copy of `array` with `sharding`; abstract (a `jax.ShapeDtypeStruct`) when the
+        strategy only compiles or `array` is abstract already."""
+        if self.compile_only or isinstance(array, jax.ShapeDtypeStruct):
+            return abstract_like(array, sharding)
+        return copy_to(array, sharding)
+
+    def root_copy(self, array: jax.Array) -> jax.Array:
+        """The correct copy of a step output that only one replica holds (`rooted`)."""
+        raise NotImplementedError(f"{type(self).__name__} produces no rooted outputs")
+
+    def compile(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+        """Compile a per-replica step; use as `@strategy.compile` or `@strategy.compile(...)`.
+
+        Options: `gradient_reduction` (ReduceOp.MEAN or SUM), `mirrored_outputs` (a pytree
+        prefix of bools over the outputs), `pipeline` (a spec string or `PassPipeline`),
+        `shard_weight_updates` (True: each replica updates its block of the weights and
+        keeps its block of the optimizer state; False: never; None, the default: the
+        topology's cost model decides), `shard_parameters` (True: the parameters and
+        optimizer state are held split across the replicas between steps and gathered
+        where used, layer by layer under a scan; implies weight-update sharding; None: on
+        where the replicated state does not fit the chip), `static_argnums`,
+        `static_argnames`, `axis_name`, `donate_argnums`, `donate_argnames` (as `jax.jit`:
+        those arguments' buffers are given to their new values, which the step returns;
+        nothing else is donated), `name`. Options given to `set_compile_defaults` apply
+        where a call does not give them.
+        """
+        options = {**self._compile_defaults, **options}
+        if fn is None:
+            return lambda f: CompiledStep(self, f, **options)
+        return CompiledStep(self, fn, **options)
+
+    #: Sharding options a strategy's steps take by default (`set_compile_defaults`).
+    _DEFAULTABLE = frozenset({"shard_parameters", "shard_weight_updates", "gradient_reduction"})
+
+    def set_compile_defaults(self, **options: Any) -> None:
+        """Options every step this strategy compiles takes unless it gives its own: the
+        way to ask for them where the library compiles the step (Keras' `fit`, `evaluate`
+        and `predict` under `strategy.scope()`), e.g.
+        `strategy.set_compile_defaults(shard_parameters=True)`. Only
+        `shard_parameters`, `shard_weight_updates` and `gradient_reduction` can be set."""
+        unknown = sorted(set(options) - self._DEFAULTABLE)
+        if unknown:
+            raise TypeError(
+                f"set_compile_defaults takes {sorted(self._DEFAULTABLE)}, not {unknown}: "
+                "the others belong to one step (pass them to strategy.compile)"
+            )
+        self._compile_defaults = {**self._compile_defaults, **options}
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Run `fn` once on every replica; per-replica outputs come back stacked."""
+        if fn not in self._compiled_runs:
+            self._compiled_runs[fn] = CompiledStep(self, fn)
+        return self._compiled_runs[fn](*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combine per-replica values across replicas, and along `axis` of each if given."""
+        op = ReduceOp.of(reduce_op)
+        return map_arrays(
+            lambda a, where: self._reduce_leaf(op, a, axis, where), value, "reduce(value)"
+        )
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate per-replica values along `axis` (of each replica's value)."""
+
+        def leaf(a: Any, where: str) -> Any:
+            parts = self._per_replica_parts(a)
+            check_axis(axis, parts[0].ndim, where)
+            return jnp.concatenate(parts, axis=axis)
+
+        return map_arrays(leaf, value, "gather(value)")
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """A tuple with each local replica's part of `value`, each on that replica's device."""
+        local = [d for d in self.devices if d.process_index == jax.process_index()]
+        per_leaf = map_arrays(lambda a, _: self._local_parts(a, local), value, "value")
+        return tuple(
+            jax.tree.map(
+                lambda parts, i=i: parts[i], per_leaf, is_leaf=lambda x: isinstance(x, list)
+            )
+            for i in range(len(local))
+        )
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
+        """`value_fn(xs.experimental.ValueContext)` for each replica, stacked per leaf on
+        the replica axis: a step reads its own replica's value (`distribute/values.py`)."""
+        return distribute_values_from_function(self, value_fn)
+
+    def merge_in_step(
+        self, context: Any, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """`ReplicaContext.merge_call` inside this strategy's step (`merge_call.py`)."""
+        from xla_strategies.distribute.merge_call import merge_call
+
+        return merge_call(self, context, merge_fn, args, kwargs)
+
+    @functools.cached_property
+    def extended(self) -> StrategyExtended:
+        """tf.distribute's `StrategyExtended` (`xla_strategies.distribute.extended`)."""
+        return StrategyExtended(self)
+
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Split each global batch of `dataset` on axis 0 across the replicas, prefetched
+        to the devices by a background thread (see `xs.InputOptions`)."""
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> DistributedDatasetFromFunction:
+        """Call `dataset_fn(input_context)` once on each host; it returns that host's part
+        of every global batch (`input_context.get_per_host_batch_size(global_batch)`)."""
+        return DistributedDatasetFromFunction(self, dataset_fn, options)
+
+    # helpers
+
+    def _stacked(self, array: Any) -> Any | None:
+        """Per-replica data as [replicas, per-replica value...]: a step's stacked output as
+        it is; a distributed batch (k examples per replica) reshaped to [replicas, k, ...].
+        None for a mirrored value."""
+        layout = self.layout(array)
+        if layout is Layout.STACKED:
+            return jnp.asarray(array)
+        if layout is Layout.MIRRORED:
+            return None
+        n = self.num_replicas_in_sync
+        return jnp.reshape(jnp.asarray(array), (n, array.shape[0] // n, *array.shape[1:]))
+
+    def _per_replica_parts(self, array: Any) -> list[Any]:
+        stacked = self._stacked(array)
+        if stacked is not None:
+            return [stacked[i] for i in range(self.num_replicas_in_sync)]
+        return [jnp.asarray(array)] * self.num_replicas_in_sync
+
+    def _reduce_leaf(self, op: ReduceOp, array: Any, axis: int | None, where: str) -> Any:
+        stacked = self._stacked(array)
+        x = jnp.asarray(array) if stacked is None else stacked
+        return reduce_replicas(op, x, stacked is not None, axis, self.num_replicas_in_sync, where)
+
+    def _local_parts(self, array: Any, devices: list[jax.Device]) -> list[Any]:
+        if not isinstance(array, jax.Array):
+            return [jax.device_put(array, d) for d in devices]
+        layout = self.layout(array)
+        stacked = layout is Layout.STACKED
+        shards = {s.device: s.data for s in array.addressable_shards}
+        # a mirrored value held sharded (weight-update sharding) has no whole copy to hand out
+        own_part = layout is not Layout.MIRRORED or array.sharding.is_fully_replicated
+        if own_part and all(d in shards for d in devices):
+            return [shards[d][0] if stacked else shards[d] for d in devices]
+        parts = self._per_replica_parts(array)
+        return [jax.device_put(part, d) for part, d in zip(parts, devices, strict=False)]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
+    """`mesh` is `reference`: the same object, or its axis names over its devices."""
+    return mesh is reference or (
+        mesh.axis_names == reference.axis_names and np.array_equal(mesh.devices, reference.devices)
+    )

@@ -1,0 +1,394 @@
+"""What XLA's compiled program says about a step: memory per chip, the collectives it kept
+(with their bytes, replica groups and XLA's algorithm), and the compute it scheduled behind
+each asynchronous one.
+
+The numbers come from the executable (`memory_analysis()`, `cost_analysis()`, its
+scheduled HLO text), not from our cost model. Where an estimate is needed, it is labelled:
+communication time from the topology's cost model, compute time from `cost_analysis()`'s
+flops at the chip's peak, and the share of that compute XLA scheduled behind each
+asynchronous collective from XLA's own per-op cycle estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from xla_strategies.hardware.hlo import (
+    CALLEE,
+    COLLECTIVES,
+    OPERAND,
+    Op,
+    collective_kind,
+    computations,
+    executions,
+    group_size,
+    hlo_bytes,
+    participants,
+    replica_groups,
+)
+
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_EMITTER = re.compile(r'"emitter":"(\w+)"')
+_STRATEGY = re.compile(r'"strategy":"(\w+)"')
+_UNKNOWN_CYCLES = 1 << 62
+_BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+_SKIP = set(COLLECTIVES)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction XLA kept."""
+
+    kind: str
+    name: str
+    computation: str
+    times: int  # per step: a while body's collective runs once per trip
+    nbytes: int  # of its result, per participant
+    group_size: int
+    replica_groups: str
+    algorithm: str | None  # XLA's emitter/strategy, where the backend records one
+    asynchronous: bool
+    overlapped_ops: int  # compute instructions scheduled between its start and done
+    overlapped_cycles: int  # XLA's cycle estimates of those instructions
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-chip bytes from XLA's memory analysis."""
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """What the chip holds at the program's peak: arguments, outputs not aliased to
+        them, temporaries and the program itself (XLA's own out-of-memory sum)."""
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.temp_bytes
+            + self.generated_code_bytes
+        )
+
+    @classmethod
+    def of(cls, stats: Any) -> Memory:
+        return cls(
+            stats.argument_size_in_bytes,
+            stats.output_size_in_bytes,
+            stats.temp_size_in_bytes,
+            stats.alias_size_in_bytes,
+            stats.generated_code_size_in_bytes,
+        )
+
+
+@dataclass
+class CompiledReport:
+    """A compiled step, as XLA compiled it for the strategy's devices."""
+
+    platform: str
+    topology: str | None
+    hbm_bytes: int | None
+    memory: Memory | None  # None: read from HLO text alone, without the executable
+    flops: float | None  # None: likewise (XLA's cost analysis needs the executable)
+    collectives: list[Collective]
+    compile_seconds: float
+    estimate: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.hbm_bytes is None or self.memory is None:
+            return None
+        return self.memory.total_bytes <= self.hbm_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.memory is not None:
+            data["memory"]["total_bytes"] = self.memory.total_bytes
+        data["fits"] = self.fits
+        return data
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of the scheduled HLO, with how often a step runs it and the
+    compute XLA scheduled behind it: between an asynchronous start and its done, or, for
+    libtpu's `async_collective_fusion`, the compute fused with it."""
+    comps, entry = computations(hlo_text)
+    times = executions(comps, entry)
+    everyone = participants(hlo_text)
+    found: list[Collective] = []
+    for name, ops in comps.items():
+        if not times.get(name):
+            continue
+        in_flight: list[int] = []  # libtpu's async collectives started, not yet done
+        for position, (op_name, types, opcode, rest) in enumerate(ops):
+            inner = _collective(opcode, types, rest, comps, op_name)
+            if inner is None:
+                continue
+            # libtpu runs an async collective in steps from its start to its done, each
+            # step fused with other compute: one collective, whose overlap adds up
+            step = next(
+                (i for i in in_flight if (found[i].kind, found[i].nbytes) == _key(inner)), None
+            )
+            if opcode == "fusion" and step is not None:
+                found[step] = dataclasses.replace(
+                    found[step],
+                    overlapped_ops=found[step].overlapped_ops + _fused_compute(rest, comps),
+                    overlapped_cycles=found[step].overlapped_cycles + _cycles(rest),
+                )
+                if "collective-done" in op_name:
+                    in_flight.remove(step)
+                continue
+            kind, inner_types, inner_rest = inner
+            if opcode == "fusion":  # the collective runs beside the compute fused with it
+                between = [None] * _fused_compute(rest, comps)
+                asynchronous, cycles = True, _cycles(rest)
+            else:
+                asynchronous = opcode.endswith("-start")
+                between = _between(ops, position, op_name) if asynchronous else []
+                cycles = sum(_cycles(r) for *_, r in between)
+            config = rest if _EMITTER.search(rest) else inner_rest
+            found.append(
+                Collective(
+                    kind=kind,
+                    name=op_name,
+                    computation=name,
+                    times=times[name],
+                    nbytes=_result_bytes(inner_types, opcode.endswith("-start")),
+                    group_size=group_size(kind, inner_rest, everyone, op_name),
+                    replica_groups=replica_groups(inner_rest),
+                    algorithm=_algorithm(config),
+                    asynchronous=asynchronous,
+                    overlapped_ops=len(between),
+                    overlapped_cycles=cycles,
+                )
+            )
+            if "collective-start" in op_name:
+                in_flight.append(len(found) - 1)
+    return found
+
+
+def _key(inner: tuple[str, str, str]) -> tuple[str, int]:
+    return inner[0], _result_bytes(inner[1], False)
+
+
+def _fused_compute(rest: str, comps: dict[str, list[Op]]) -> int:
+    """How many compute instructions a fusion that wraps a collective runs beside it."""
+    fused = [o for c in CALLEE.findall(rest) for o in comps.get(c, [])]
+    return sum(1 for o in fused if o[2] not in _BOOKKEEPING and o[2] not in _SKIP)
+
+
+def total_cycles(hlo_text: str, per_trip: bool = True) -> int:
+    """XLA's cycle estimates of every instruction a step runs: while bodies once per trip,
+    or (`per_trip=False`) once, as XLA's `cost_analysis()` counts them."""
+    comps, entry = computations(hlo_text)
+    times = executions(comps, entry)
+    return sum(
+        (times.get(name, 0) if per_trip else min(times.get(name, 0), 1))
+        * sum(_cycles(rest) for *_, rest in ops)
+        for name, ops in comps.items()
+    )
+
+
+def _collective(
+    opcode: str, types: str, rest: str, comps: dict[str, list[Op]], name: str = ""
+) -> tuple[str, str, str] | None:
+    """(kind, result types, attributes) of the collective this instruction is or wraps."""
+    kind = collective_kind(opcode)
+    if kind is not None:
+        return kind, types, rest
+    fused = opcode == "fusion" and ("collective" in rest or "collective" in name)
+    wraps = opcode == "async-start" or fused
+    for callee in CALLEE.findall(rest) if wraps else ():
+        for _, inner_types, inner, inner_rest in comps.get(callee, []):
+            found = _collective(inner, inner_types, inner_rest, comps)
+            if found is not None:
+                return found
+    return None
+
+
+def _between(ops: list[Op], start: int, start_name: str) -> list[Op]:
+    """The compute instructions scheduled after `start` and before the done that reads it."""
+    between = []
+    for op in ops[start + 1 :]:
+        name, _, opcode, rest = op
+        if opcode.endswith("-done") and start_name in OPERAND.findall(rest.split(")")[0]):
+            return between
+        if opcode not in _BOOKKEEPING and not opcode.endswith(("-start", "-done")):
+            between.append(op)
+    return between
+
+
+def _result_bytes(types: str, asynchronous: bool) -> int:
+    """An asynchronous start's result is a tuple that holds its operands too: count the
+    last element (the result)."""
+    if asynchronous and types.startswith("("):
+        parts = [p for p in re.split(r",\s*(?![^\[]*\])", types.strip("()")) if "[" in p]
+        return hlo_bytes(parts[-1]) if parts else 0
+    return hlo_bytes(types)
+
+
+def _algorithm(rest: str) -> str | None:
+    """XLA's emitter, and its strategy where it records one (`RotatedPincerShortEmitter/
+    StrategyND`), from a collective's backend config."""
+    names = [m.group(1) for m in (_EMITTER.search(rest), _STRATEGY.search(rest)) if m]
+    return "/".join(names) or None
+
+
+def _cycles(rest: str) -> int:
+    """XLA's cycle estimate of an instruction; 0 where it has none, or where it writes
+    int64's maximum for "unknown" (libtpu 0.0.42 does on v5p and v6e)."""
+    found = _CYCLES.search(rest)
+    cycles = int(found.group(1)) if found else 0
+    return cycles if cycles < _UNKNOWN_CYCLES else 0
+
+
+def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
+    """Read a step compiled for `strategy`'s devices: memory, flops, collectives, and the
+    step estimate on its topology."""
+    text = compiled.as_text()
+    costs = compiled.cost_analysis() or {}
+    costs = costs[0] if isinstance(costs, list) else costs
+    topology = strategy.topology
+    report = CompiledReport(
+        platform=strategy.devices[0].platform,
+        topology=getattr(topology, "name", None),
+        hbm_bytes=getattr(topology, "hbm_bytes", None),
+        memory=Memory.of(compiled.memory_analysis()),
+        flops=_flops_per_step(float(costs.get("flops", 0.0)), text),
+        collectives=collectives(text),
+        compile_seconds=float(getattr(compiled, "compile_seconds", 0.0)),
+    )
+    report.estimate = step_estimate(report, topology, total_cycles(text))
+    return report
+
+
+def hlo_report(hlo_text: str, topology: Any) -> CompiledReport:
+    """Read a program from its compiled HLO text alone (ours, `jax.jit`'s, MaxText's dump):
+    its collectives and their communication on `topology`. Memory and flops need the
+    executable, so they are None, and so are the compute and step estimates."""
+    report = CompiledReport(
+        platform=getattr(topology, "hardware", None) or "unknown",
+        topology=getattr(topology, "name", None),
+        hbm_bytes=getattr(topology, "hbm_bytes", None),
+        memory=None,
+        flops=None,
+        collectives=collectives(hlo_text),
+        compile_seconds=0.0,
+    )
+    report.estimate = step_estimate(report, topology, total_cycles(hlo_text))
+    return report
+
+
+def _flops_per_step(flops: float, hlo_text: str) -> float:
+    """`cost_analysis()` counts a while body's flops once, not once per trip: a scanned
+    layer stack's compute is scaled by XLA's own cycle estimates with and without trips."""
+    once = total_cycles(hlo_text, per_trip=False)
+    return flops * total_cycles(hlo_text) / once if once else flops
+
+
+def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[str, float | None]:
+    """Seconds per step: compute from XLA's flops (per step, loops per trip) at the chip's
+    bf16 peak; communication
+    from the topology's cost model per collective XLA kept; exposed communication from
+    XLA's schedule (an asynchronous collective hides behind the share of the compute,
+    by XLA's cycle estimates, scheduled between its start and done). None where the
+    topology does not know a rate."""
+    peak = getattr(topology, "peak_flops", None)
+    compute = report.flops / peak if peak and report.flops is not None else None
+    if topology is None:
+        return {"compute_s": compute, "communication_s": None, "exposed_s": None, "step_s": None}
+    communication = exposed = 0.0
+    for c in report.collectives:
+        seconds = _collective_seconds(c, topology)
+        hidden = 0.0
+        if c.asynchronous and compute is not None and cycles:
+            hidden = compute * c.overlapped_cycles / cycles
+        communication += c.times * seconds
+        exposed += c.times * max(0.0, seconds - hidden)
+    step = None if compute is None else compute + exposed
+    return {
+        "compute_s": compute,
+        "communication_s": communication,
+        "exposed_s": exposed,
+        "step_s": step,
+    }
+
+
+_COST_OP = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter"}
+
+
+def _collective_seconds(c: Collective, topology: Any) -> float:
+    """The cost model's time for `c` over the fastest axes that hold its group."""
+    op = _COST_OP.get(c.kind, "all_gather")  # all-to-all, permute: one pass of the bytes
+    whole = c.nbytes * (c.group_size if c.kind == "reduce-scatter" else 1)
+    axes, size = [], 1
+    for link in reversed(topology.axes):  # fastest (ICI minor) first
+        if size >= max(c.group_size, 1):
+            break
+        axes.append(link.name)
+        size *= link.size
+    if not axes or c.group_size <= 1:
+        return 0.0
+    # XLA's own algorithm for the group: the cost model's `flat` (on a TPU slice, its
+    # multi-dimensional torus algorithm), not the best of the algorithms passes choose from
+    return topology.collective_time(op, whole, tuple(axes), algorithm="flat")
+
+
+def summary_text(report: CompiledReport, name: str) -> str:
+    """The report as a few lines for a terminal."""
+    lines = [f"step {name} on {report.topology or report.platform}", _memory_line(report)]
+    kinds: dict[str, list[int]] = {}
+    for c in report.collectives:
+        count_bytes = kinds.setdefault(c.kind, [0, 0])
+        count_bytes[0] += c.times
+        count_bytes[1] += c.times * c.nbytes
+    kept = ", ".join(f"{k} x{n} ({b:,} B)" for k, (n, b) in sorted(kinds.items())) or "none"
+    lines.append(f"  collectives/step  {kept}")
+    asynchronous = [c for c in report.collectives if c.asynchronous]
+    if asynchronous:
+        hidden = sum(1 for c in asynchronous if c.overlapped_ops)
+        lines.append(
+            f"  asynchronous      {len(asynchronous)} collective(s), {hidden} with compute "
+            "scheduled between start and done"
+        )
+    est = report.estimate
+    if est.get("step_s") is None and est.get("communication_s") is not None:
+        lines.append(
+            f"  communication     {est['communication_s'] * 1e3:.3f} ms (estimated: the "
+            "topology's cost model per collective; compute needs the executable)"
+        )
+    if est.get("step_s") is not None:
+        share = est["exposed_s"] / est["step_s"] if est["step_s"] else 0.0
+        ms = {k: (v or 0.0) * 1e3 for k, v in est.items()}
+        lines.append(
+            f"  estimated step    {ms['step_s']:.3f} ms: compute {ms['compute_s']:.3f} ms (XLA "
+            f"flops at peak), communication {ms['communication_s']:.3f} ms, exposed "
+            f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
+        )
+    if report.memory is not None:  # read from an executable, not from text
+        lines.append(f"  compile time      {report.compile_seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def _memory_line(report: CompiledReport) -> str:
+    gib = 2**30
+    memory = report.memory
+    if memory is None:
+        return (
+            "  memory per chip   unknown (read from HLO text; XLA's memory analysis needs "
+            "the executable)"
+        )
+    fits = {True: "fits", False: "DOES NOT FIT", None: "chip memory unknown"}[report.fits]
+    hbm = f" of {report.hbm_bytes / gib:.2f} GiB HBM" if report.hbm_bytes else ""
+    return (
+        f"  memory per chip   {memory.total_bytes / gib:.3f} GiB{hbm} ({fits}): arguments "
+        f"{memory.argument_bytes / gib:.3f}, temporaries {memory.temp_bytes / gib:.3f}, outputs "
+        f"{memory.output_bytes / gib:.3f}, aliased {memory.alias_bytes / gib:.3f}"
+    )

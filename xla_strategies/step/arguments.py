@@ -1,0 +1,387 @@
+"""How a compiled step reads its arguments and writes its outputs.
+
+Every leaf of a step's arguments is one of:
+
+- an array (`jax.Array`, numpy array, Python int/float/complex), traced; its `Layout` says
+  where it lives and so what each replica sees of it. An abstract one (a
+  `jax.ShapeDtypeStruct`, with the sharding that says its layout) is traced too, for
+  `step.lower(...)`;
+- static: declared with `static_argnums`/`static_argnames`, or any other leaf (a bool flag,
+  a string, a function, an equinox module's activation). Static leaves are part of the cache
+  key, so they must be hashable, and the step closes over them, as with `jax.jit`'s static
+  arguments and `equinox.filter_jit`.
+
+Typed PRNG keys (`jax.random.key`) travel as their key data (`uint32[..., 2]`) and are
+wrapped again on both sides, so the IR and the lowering only ever see plain dtypes.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xla_strategies.core.state_types import is_state_type
+from xla_strategies.core.trees import is_foreign_array, path_str
+
+#: Stacked per-replica values live on a mesh whose axis names carry this prefix.
+if TYPE_CHECKING:
+    from xla_strategies.step.in_place_state import WrittenState
+
+STACKED_PREFIX = "stacked:"
+#: Mirrored state a pass holds split across the replicas (weight-update sharding) lives on a
+#: mesh whose axis names carry this prefix, so it never looks like a split batch.
+SHARDED_PREFIX = "sharded:"
+
+
+class Layout(enum.Enum):
+    """Where an array lives and what each replica sees of it."""
+
+    MIRRORED = "mirrored"  # whole, on every replica
+    SPLIT = "split"  # a global batch: dim 0 split across the replicas
+    STACKED = "stacked"  # one value per replica, stacked on a leading replica axis
+
+
+def refuse_foreign_split(array: Any, sharding: Any) -> None:
+    """A batch another strategy split (its mesh's replica axes on dim 0) would pass here as
+    mirrored, every replica the whole batch: an error instead. State another strategy
+    holds split or stacked (its reserved axis names) is a value, read whole."""
+    first = sharding.spec[0] if sharding.spec else None
+    axes = first if isinstance(first, tuple) else (first,)
+    if first is None or sharding.is_fully_replicated:
+        return
+    if any(str(a).startswith((SHARDED_PREFIX, STACKED_PREFIX)) for a in axes):
+        return
+    raise ValueError(
+        f"an array of shape {tuple(array.shape)} is split on its first dimension over another "
+        f"mesh's axes {list(axes)} (another strategy's batch?); this strategy would give every "
+        "replica all of it. Distribute batches with this strategy "
+        "(experimental_distribute_dataset, or jax.ShapeDtypeStruct with "
+        "sharding=strategy.split_sharding() for a compile-only one), or pass host arrays"
+    )
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """A traced leaf: its global shape and dtype (of the key data, for a typed key); a
+    Python number is weakly typed, as under `jax.jit` (`bf16 * 0.5` stays bf16)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    layout: Layout
+    key_impl: str | None = None
+    weak_type: bool = False
+
+
+@dataclass(frozen=True)
+class Static:
+    """A leaf the step closes over, compared by `key`: the value with the type of every
+    part, so `True` and `1`, or `(True, 2)` and `(1, 2)`, are different cache keys."""
+
+    key: Any
+    value: Any = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The cache key of a step: argument structure, and each leaf's spec or static value."""
+
+    treedef: Any
+    leaves: tuple[ArraySpec | Static, ...]
+
+    @functools.cached_property
+    def arrays(self) -> list[ArraySpec]:
+        """The traced leaves' specs (computed once: donation reads it per state pair)."""
+        return [leaf for leaf in self.leaves if isinstance(leaf, ArraySpec)]
+
+    def traced_indices(self) -> list[int]:
+        """Leaf positions of the traced arguments, in order."""
+        return [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, ArraySpec)]
+
+    def rebuild(self, arrays: Sequence[Any]) -> tuple[tuple, dict]:
+        """`(args, kwargs)` from the traced arrays, static values and wrapped keys put back."""
+        traced = iter(arrays)
+        leaves = []
+        for leaf in self.leaves:
+            if isinstance(leaf, Static):
+                leaves.append(leaf.value.value if isinstance(leaf.value, _Declared) else leaf.value)
+            else:
+                array = next(traced)
+                leaves.append(_wrap_key(array, leaf.key_impl))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """An argument declared static: a leaf as a whole, whatever pytree it is."""
+
+    value: Any
+
+
+def is_stacked(array: Any) -> bool:
+    """Whether `array` holds per-replica values stacked on a leading replica axis, for
+    any strategy: it lives on a stacked mesh (every axis named `STACKED_PREFIX...`). Whether
+    it is stacked over a given strategy's replicas is `Strategy.layout`'s question."""
+    sharding = getattr(array, "sharding", None)
+    axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
+    stacked_mesh = bool(axes) and all(str(a).startswith(STACKED_PREFIX) for a in axes)
+    return stacked_mesh and bool(sharding.spec) and sharding.spec[0] is not None
+
+
+def fold_stacked(values: Any, where: str) -> Any:
+    """Per-replica values (stacked on a leading replica axis) as one value, as
+    tf.distribute reads a `SyncOnRead` variable: a floating value's mean over the replicas,
+    in its dtype; an integer or bool value's common value, and a ValueError naming `where`
+    when the replicas differ, since integers have no mean to fold them into."""
+    if jnp.issubdtype(values.dtype, jnp.inexact):
+        return jnp.mean(values, axis=0).astype(values.dtype)
+    rows = np.asarray(values)
+    if not (rows == rows[0]).all():
+        raise ValueError(
+            f"{where} holds a different {rows.dtype} value on each replica, and integers have "
+            "no mean to fold them into one; read them with strategy.experimental_local_results"
+        )
+    return rows[0]
+
+
+def is_traced(leaf: Any) -> bool:
+    """Arrays (another library's too) and Python numbers are traced; bools, strings,
+    functions and other objects are not."""
+    if isinstance(leaf, bool):
+        return False
+    return isinstance(
+        leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic | int | float | complex
+    ) or is_foreign_array(leaf)
+
+
+def flatten_arguments(
+    args: tuple,
+    kwargs: dict,
+    layout_of: Callable[[Any], Layout],
+    static_argnums: frozenset[int],
+    static_argnames: frozenset[str],
+    where: Callable[[str], str],
+) -> tuple[list[Any], Signature]:
+    """The traced arrays of `(args, kwargs)` and the step's signature.
+
+    Args:
+        layout_of: the strategy's layout of an array.
+        where: turns an argument path (`args[0]['w']`) into the name used in errors.
+    """
+    args = tuple(_Declared(a) if i in static_argnums else a for i, a in enumerate(args))
+    kwargs = {k: _Declared(v) if k in static_argnames else v for k, v in kwargs.items()}
+    args, kwargs = _equinox_numbers_static((args, kwargs))
+    args, kwargs = _state_numbers_strong((args, kwargs))
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    arrays: list[Any] = []
+    specs: list[ArraySpec | Static] = []
+    for index, leaf in enumerate(leaves):
+        if not is_traced(leaf):
+            specs.append(_static(leaf, lambda i=index: where(_leaf_path(args, kwargs, i))))
+            continue
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"{where(_leaf_path(args, kwargs, index))} was donated to an earlier call of a "
+                "compiled step (donate_argnums or donate_argnames) and deleted; pass the "
+                "array that call returned, or donate nothing"
+            )
+        if is_foreign_array(leaf):  # read on the host, then placed like a numpy array
+            leaf = np.asarray(leaf)
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract: lowered, never run
+            layout = layout_of(leaf)
+            spec = ArraySpec(leaf.shape, _dtype_name(leaf.dtype), layout, None, leaf.weak_type)
+            specs.append(spec)
+            arrays.append(leaf)
+            continue
+        number = not isinstance(leaf, jax.Array | np.ndarray | np.generic)
+        # A Python number is weakly typed, and one out of range fails, as under jax.jit.
+        array = jnp.asarray(leaf) if number else leaf
+        array, impl = _unwrap_key(array)
+        layout = layout_of(leaf)
+        # a numpy int64 runs as int32 without x64, as the array the step hands back for it
+        dtype = jax.dtypes.canonicalize_dtype(array.dtype) if impl is None else array.dtype
+        specs.append(ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number))
+        arrays.append(array)
+    return arrays, Signature(treedef, tuple(specs))
+
+
+def _state_numbers_strong(tree: Any) -> Any:
+    """Python numbers inside a training state (flax `TrainState.create`'s `step=0`) as
+    strongly typed arrays: the step hands them back as such, and a weak type on the first
+    call only would compile the step twice (`strategy.replicate` converts them too)."""
+
+    def strong(leaf: Any) -> Any:
+        if not isinstance(leaf, int | float) or isinstance(leaf, bool):
+            return leaf
+        return np.asarray(leaf, jax.dtypes.canonicalize_dtype(np.result_type(leaf)))
+
+    return jax.tree.map(
+        lambda x: jax.tree.map(strong, x) if is_state_type(x) else x, tree, is_leaf=is_state_type
+    )
+
+
+def _equinox_numbers_static(tree: Any) -> Any:
+    """Python numbers inside equinox modules are static, as `eqx.filter_jit` has them (a
+    dropout probability, a sequence length used in a shape); elsewhere they are traced, so
+    a learning rate that changes does not compile again."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return tree
+
+    def declare(module: Any) -> Any:
+        return jax.tree.map(
+            lambda x: (
+                _Declared(x)
+                if isinstance(x, int | float | complex) and not isinstance(x, bool)
+                else x
+            ),
+            module,
+        )
+
+    is_module = lambda x: isinstance(x, eqx.Module)  # noqa: E731
+    return jax.tree.map(lambda x: declare(x) if is_module(x) else x, tree, is_leaf=is_module)
+
+
+def argument_paths(signature: Signature) -> list[str]:
+    """The path of each traced leaf, `args[0]['w']` or `kwargs['batch']`."""
+    indices = jax.tree.unflatten(signature.treedef, range(len(signature.leaves)))
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(indices)[0]]
+    return [
+        arg_path(path)
+        for path, leaf in zip(paths, signature.leaves, strict=True)
+        if isinstance(leaf, ArraySpec)
+    ]
+
+
+@dataclass
+class Outputs:
+    """What a step returned, apart from its traced arrays: the structure, the static leaves,
+    and which traced leaves were typed keys. Filled in while the step is traced."""
+
+    treedef: Any = None
+    leaves: tuple[Any, ...] = ()  # a static value, or an ArraySpec-less marker (a key impl)
+    names: tuple[str, ...] = ()  # the path of each traced output
+    # the argument leaves the step changed in place (NNX variables), returned after the
+    # result's traced outputs, with their key types
+    written: tuple[int, ...] = ()
+    written_keys: tuple[str | None, ...] = ()
+
+    def split(self, result: Any, written: WrittenState | None = None) -> list[Any]:
+        """Record `result`'s structure and static leaves; return its traced arrays, then
+        the new values of what the step changed in place (`in_place_state`)."""
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(_equinox_numbers_static(result))
+        traced, leaves, names = [], [], []
+        for path, leaf in flat:
+            if isinstance(leaf, _Declared):  # an equinox module's number comes back as is
+                leaves.append(leaf.value)
+            elif is_traced(leaf):
+                array, impl = _unwrap_key(jnp.asarray(leaf))
+                traced.append(array)
+                leaves.append(_TracedOutput(impl))
+                names.append("output" + jax.tree_util.keystr(path))
+            else:
+                leaves.append(leaf)
+        unwrapped = [_unwrap_key(jnp.asarray(v)) for v in written.values] if written else []
+        self.written = written.indices if written else ()
+        self.written_keys = tuple(impl for _, impl in unwrapped)
+        names += [f"{name} (in place)" for name in (written.names if written else ())]
+        self.leaves, self.names = tuple(leaves), tuple(names)
+        return traced + [array for array, _ in unwrapped]
+
+    def traced_indices(self) -> list[int]:
+        """Leaf positions of the traced outputs, in order."""
+        return [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, _TracedOutput)]
+
+    def in_place(self, arrays: Sequence[Any]) -> list[Any]:
+        """The new values of what the step changed in place (keys wrapped)."""
+        tail = arrays[len(arrays) - len(self.written) :] if self.written else []
+        return [_wrap_key(a, impl) for a, impl in zip(tail, self.written_keys, strict=True)]
+
+    def join(self, arrays: Sequence[Any]) -> Any:
+        """The step's result from its traced outputs: keys wrapped, static leaves put back."""
+        traced = iter(arrays)
+        leaves = [
+            _wrap_key(next(traced), leaf.key_impl) if isinstance(leaf, _TracedOutput) else leaf
+            for leaf in self.leaves
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclass(frozen=True)
+class _TracedOutput:
+    key_impl: str | None
+
+
+def _static(leaf: Any, where: Callable[[], str]) -> Static:
+    value = leaf.value if isinstance(leaf, _Declared) else leaf
+    try:
+        hash(value)
+    except TypeError as exc:
+        if (key := _tree_key(value)) is not None:  # as eqx.filter_jit keys a static part
+            return Static(key, leaf)
+        kind = "declared static" if isinstance(leaf, _Declared) else "not an array, so static"
+        raise TypeError(
+            f"{where()} is {kind} and must be hashable (it is part of the compile cache key), "
+            f"but a {type(value).__name__} is not: {exc}. Pass it as an array, make it "
+            "hashable, or close over it in the step"
+        ) from None
+    return Static(_typed(value), leaf)
+
+
+def _tree_key(value: Any) -> Any:
+    """An unhashable pytree (an `eqx.partition` static part holding a list) keyed by its
+    structure and typed leaves, when those hash; None otherwise."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    if treedef.num_nodes == 1:  # a leaf itself: nothing to look inside
+        return None
+    key = (treedef, tuple(_typed(leaf) for leaf in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _typed(value: Any) -> Any:
+    """`value` with the type of each of its parts, for comparing static values."""
+    if isinstance(value, tuple | list | frozenset):
+        return (type(value), tuple(_typed(v) for v in value))
+    return (type(value), value)
+
+
+def _unwrap_key(array: Any) -> tuple[Any, str | None]:
+    if _is_key(array.dtype):
+        return jax.random.key_data(array), str(jax.random.key_impl(array))
+    return array, None
+
+
+@functools.cache
+def _is_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@functools.cache
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype)
+
+
+def _wrap_key(array: Any, impl: str | None) -> Any:
+    return array if impl is None else jax.random.wrap_key_data(array, impl=impl)
+
+
+def _leaf_path(args: tuple, kwargs: dict, index: int) -> str:
+    path = jax.tree_util.tree_flatten_with_path((args, kwargs))[0][index][0]
+    return arg_path(path)
+
+
+def arg_path(path: tuple[Any, ...]) -> str:
+    """Paths of the (args, kwargs) pair read as `args[0]['w']` or `kwargs['batch']`."""
+    head, rest = path[0], path[1:]
+    return path_str("args" if getattr(head, "idx", 0) == 0 else "kwargs", rest)

@@ -1,0 +1,397 @@
+"""`strategy.compile`: capture a per-replica step, run the pass pipeline, lower it to XLA.
+
+Executables are cached per input signature (tree structure, shapes, dtypes, each array's
+layout, and the static values), like `jax.jit`: a new structure, shape or static value
+retraces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xla_strategies.core.context import ReplicaContext, replica_scope
+from xla_strategies.core.errors import StoppedAfterCompile
+from xla_strategies.core.reduce_op import ReduceOp
+from xla_strategies.core.trees import copy_to
+from xla_strategies.passes.base import PassContext
+from xla_strategies.passes.bridge.capture import capture
+from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
+from xla_strategies.passes.bridge.lowering import lower
+from xla_strategies.passes.ir.graph import Graph
+from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.runtime import cluster_health
+from xla_strategies.runtime.dispatch_pacing import CPU_PACER
+from xla_strategies.step import in_place_state, replica_rng_streams
+from xla_strategies.step.argument_declarations import declared_arguments
+from xla_strategies.step.arguments import (
+    Layout,
+    Outputs,
+    Signature,
+    argument_paths,
+    flatten_arguments,
+)
+from xla_strategies.step.compile_program import LoweredStep
+from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
+from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
+from xla_strategies.step.recompiles import warn_if_recompiling
+from xla_strategies.step.state import DeclaredState, declared_outputs, donated_state, state_pairs
+from xla_strategies.step.step_pipeline import (
+    PipelineOptions,
+    check_sharding_options,
+    step_pipeline,
+)
+
+if TYPE_CHECKING:
+    from xla_strategies.distribute.strategy import Strategy
+
+
+# Executables a compiled step keeps, the least recently used dropped first (jax.jit's own
+# cache of a function is bounded alike)
+CACHE_SIZE = 64
+
+
+@dataclass
+class Executable:
+    """One compiled program of a step, for one input signature."""
+
+    graph: Graph
+    run: Callable[..., tuple[jax.Array, ...]]
+    outputs: Outputs
+    donated: tuple[int, ...]
+    # per traced argument: where a mirrored one is put before the call (replicated, or split
+    # when a pass holds it sharded); None for per-replica arguments, placed already
+    placements: tuple[NamedSharding | None, ...]
+    captured_text_stats: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    # what the passes recorded (`PassContext.stats`: their decisions and counts, by pass
+    # name) and their remarks (what they left undone, and why), as the dump prints them
+    pass_stats: dict[str, Any] = field(default_factory=dict)
+    remarks: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def rooted(self) -> tuple[bool, ...]:
+        """Per output, whether only the root replica's copy is right (read once: every
+        call of the step asks)."""
+        return tuple(a.rooted for a in self.graph.io.outputs)
+
+
+class CompiledStep:
+    """A per-replica step compiled for a strategy. Call it like the original function."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        fn: Callable[..., Any],
+        *,
+        gradient_reduction: ReduceOp | str | None = None,
+        mirrored_outputs: Any = None,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        axis_name: str | None = None,
+        pipeline: str | PassPipeline | None = None,
+        shard_weight_updates: bool | None = None,
+        shard_parameters: bool | None = None,
+        donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
+        name: str | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"strategy.compile needs a function, got a {type(fn).__name__}")
+        op = (
+            None
+            if gradient_reduction is None
+            else ReduceOp.of(gradient_reduction, "gradient_reduction")
+        )
+        if op not in (None, ReduceOp.MEAN, ReduceOp.SUM):
+            raise ValueError(
+                f"gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got {op.name}"
+            )
+        if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+            raise TypeError(f"axis_name must be a non-empty string, got {axis_name!r}")
+        check_sharding_options(strategy, shard_weight_updates, shard_parameters)
+        self.strategy = strategy
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "step")
+        self.gradient_reduction = op
+        self.mirrored_outputs = mirrored_outputs
+        self.static_argnums, self.static_argnames = declared_arguments(
+            fn, static_argnums, static_argnames, "static"
+        )
+        self.declared_state = DeclaredState(
+            *declared_arguments(fn, donate_argnums, donate_argnames, "donate")
+        )
+        both = (self.declared_state.donate_argnums & self.static_argnums) | (
+            self.declared_state.donate_argnames & self.static_argnames
+        )
+        if both:
+            raise ValueError(f"arguments {sorted(map(str, both))} are both static and donated")
+        self.axis_name = axis_name
+        self.pipeline_options = PipelineOptions(
+            pipeline, op, shard_weight_updates, shard_parameters
+        )
+        self.pipeline = step_pipeline(strategy, self.pipeline_options)
+        self._cache: OrderedDict[Signature, Executable] = OrderedDict()
+        self._compiled = 0  # programs built, the evicted included
+        self.__wrapped__ = fn
+        self.__doc__ = fn.__doc__
+
+    # the public surface
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.strategy.completes_steps and (gone := cluster_health.unavailable()):
+            raise gone  # a peer worker died: no step can run
+        flat, signature = self._flatten(args, kwargs)
+        abstract = self.strategy.compile_only or any(
+            isinstance(leaf, jax.ShapeDtypeStruct) for leaf in flat
+        )
+        if abstract and not DumpOptions.from_env().stop_after_compile:
+            what = (
+                f"{self.strategy!r} only compiles"
+                if self.strategy.compile_only
+                else "its arguments are abstract (jax.ShapeDtypeStruct)"
+            )
+            raise TypeError(
+                f"{self.name} cannot run: {what}. Use {self.name}.lower(*args).compile() for "
+                "the executable, or xla-strategies aot for a summary of it"
+            )
+        executable = self._executable(signature)
+        pacer = CPU_PACER if self.strategy.devices_share_host_cores else None
+        if pacer is not None:
+            pacer.before_dispatch()
+        outs = cluster_health.dispatched(
+            lambda: executable.run(*self._place(flat, executable)), self.strategy.completes_steps
+        )
+        if any(executable.rooted):  # only the root replica's copy is right
+            pairs = zip(outs, executable.rooted, strict=True)
+            outs = [self.strategy.root_copy(o) if r else o for o, r in pairs]
+        if pacer is not None:
+            pacer.after_dispatch(outs)
+        outputs = executable.outputs
+        in_place_state.write_back(outputs.written, outputs.in_place(outs), args, kwargs)
+        return outputs.join(outs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
+        """The lowered program for these arguments, as `jax.jit(...).lower` gives it:
+        arrays or abstract `jax.ShapeDtypeStruct`s whose sharding says their layout (none:
+        mirrored; `strategy.split_sharding()`: a global batch). Its `compile()` returns the
+        executable for the strategy's devices: a TPU executable on a compile-only strategy."""
+        flat, signature = self._flatten(args, kwargs)
+        executable = self._executable(signature)
+        lowered = executable.run.lower(*self._place(flat, executable))
+        return LoweredStep.of(lowered, self.strategy, self.name)
+
+    def graph(self, *args: Any, after: str = "capture", **kwargs: Any) -> Graph:
+        """The IR for these arguments after capture or after the pass named `after`."""
+        _, signature = self._flatten(args, kwargs)
+        graph, _ = self._capture(signature)
+        if after != "capture":
+            self.pipeline.run(graph, self._pass_context(), stop_after=after)
+        return graph
+
+    def executable(self, *args: Any, **kwargs: Any) -> Executable:
+        """The cached executable for these arguments (built if needed)."""
+        return self._executable(self._flatten(args, kwargs)[1])
+
+    @property
+    def cache_size(self) -> int:
+        return len(self._cache)
+
+    # building
+
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[list[Any], Signature]:
+        return flatten_arguments(
+            args,
+            kwargs,
+            self.strategy.layout,
+            self.static_argnums,
+            self.static_argnames,
+            lambda path: f"{self.name} argument {path}",
+        )
+
+    def _place(self, flat: list[Any], executable: Executable) -> list[Any]:
+        """Mirrored leaves where the program takes them (replicated, or split across the
+        replicas for state a pass holds sharded); a donated buffer that is also passed
+        elsewhere (the same array as two pieces of state, say) copied: XLA cannot donate a
+        buffer that another argument still reads."""
+        placed = [
+            leaf if sharding is None else _put(leaf, sharding, self.strategy)
+            for leaf, sharding in zip(flat, executable.placements, strict=True)
+        ]
+        if executable.donated:
+            uses = Counter(id(leaf) for leaf in placed)
+            for index in executable.donated:
+                if uses[id(placed[index])] > 1 and isinstance(placed[index], jax.Array):
+                    uses[id(placed[index])] -= 1
+                    placed[index] = copy_to(placed[index], placed[index].sharding)
+        return placed
+
+    def _executable(self, signature: Signature) -> Executable:
+        """The executable for `signature`: the cache keeps the `CACHE_SIZE` most recently
+        used, so a value that changes every call (a static one) cannot grow it forever."""
+        cached = self._cache.get(signature)
+        if cached is None:
+            cached = self._cache[signature] = self._build(signature)
+            self._compiled += 1
+            if len(self._cache) > 1:  # the last one used before this one
+                previous = list(self._cache)[-2]
+                warn_if_recompiling(self.name, self._compiled, previous, signature)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(signature)
+        return cached
+
+    def _pass_context(self) -> PassContext:
+        return PassContext(
+            mesh_axes=dict(self.strategy.mesh.shape),
+            topology=self.strategy.topology,
+            synchronous_collectives=self.strategy.devices_share_host_cores,
+        )
+
+    def _capture_mesh(self) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
+        """The mesh the step is traced on, and how its axis names map to the strategy's:
+        with `axis_name`, one axis of that name over all the strategy's devices."""
+        mesh = self.strategy.mesh
+        if self.axis_name is None or mesh.axis_names == (self.axis_name,):
+            return mesh, {}
+        flat = Mesh(mesh.devices.reshape(-1), (self.axis_name,))
+        return flat, {self.axis_name: tuple(mesh.axis_names)}
+
+    def _capture(self, signature: Signature) -> tuple[Graph, Outputs]:
+        strategy = self.strategy
+        mesh, rename = self._capture_mesh()
+        specs = signature.arrays
+        split = replica_spec(mesh)
+        flat_args = [
+            jax.ShapeDtypeStruct(
+                spec.shape,
+                spec.dtype,
+                sharding=NamedSharding(
+                    mesh, PartitionSpec() if spec.layout is Layout.MIRRORED else split
+                ),
+                weak_type=spec.weak_type,
+            )
+            for spec in specs
+        ]
+        context = ReplicaContext(tuple(mesh.axis_names), strategy.num_replicas_in_sync)
+        outputs = Outputs()
+
+        def step(*arrays: Any) -> list[Any]:
+            args, kwargs = signature.rebuild(arrays)
+            before = snapshot(args, kwargs)
+            with replica_scope(strategy, context):
+                with (
+                    replica_rng_streams.drawn_per_replica(args, kwargs, context) as restore,
+                    in_place_state.scalar_metric_updates() as scalar_updated,
+                ):
+                    result = self.fn(*args, **kwargs)
+                    restore(result)
+                written = in_place_state.collect(
+                    before, args, kwargs, result, context, scalar_updated
+                )
+            check_unchanged(self.name, before, args, kwargs, result, written.indices)
+            return outputs.split(result, written)
+
+        graph = capture(
+            step,
+            flat_args,
+            mesh,
+            [spec.layout is not Layout.MIRRORED for spec in specs],
+            stacked=[spec.layout is Layout.STACKED for spec in specs],
+            rename=rename,
+            input_names=argument_paths(signature),
+            name=self.name,
+        )
+        io = graph.io
+        for attrs, name in zip(io.outputs, outputs.names, strict=True):
+            attrs.name = name  # known once the step has been traced
+        state = state_pairs(self.declared_state, signature, outputs, graph)
+        for out, arg in state.outputs.items():
+            io.outputs[out].state_of = arg
+        for arg in state.donated:
+            io.inputs[arg].donated = True
+        if state.unreturned:
+            warnings.warn(
+                f"{self.name}: donated {', '.join(state.unreturned)}, but no output has "
+                "its structure, shapes and dtypes, so nothing can reuse its buffers and it "
+                "is not donated",
+                stacklevel=4,
+            )
+        if self.mirrored_outputs is not None:
+            for index, op in declared_outputs(self.mirrored_outputs, outputs).items():
+                io.outputs[index].mirrored = op is None
+                io.outputs[index].aggregation = op
+        for attrs in io.outputs[len(io.outputs) - len(outputs.written) :]:
+            attrs.mirrored = True  # in-place state: the same everywhere, or an error
+        return graph, outputs
+
+    def _build(self, signature: Signature) -> Executable:
+        """Capture, run the passes (with the dump's instruments), lower; dump if asked."""
+        options = DumpOptions.from_env()
+        seconds: dict[str, float] = {}
+        dump = StepDump(options, self.name, self.strategy)
+        start = time.perf_counter()
+        graph, outputs = self._capture(signature)
+        seconds["capture"] = time.perf_counter() - start
+        dump.progress(f"captured in {seconds['capture']:.1f} s ({len(graph.nodes)} nodes)")
+        captured_stats = _reduction_stats(graph)
+        pipeline = self.pipeline
+        if options.pipeline:  # XLA_STRATEGIES_PIPELINE: the user's spec, by the same rule
+            spec = dataclasses.replace(self.pipeline_options, spec=options.pipeline)
+            pipeline = step_pipeline(self.strategy, spec)
+        start = time.perf_counter()
+        ctx = self._pass_context()
+        dump.instrument(pipeline).run(graph, ctx)
+        seconds["pipeline"] = time.perf_counter() - start
+        dump.progress(f"{len(pipeline.passes)} passes ran in {seconds['pipeline']:.1f} s")
+        seconds["verify"] = ctx.stats["verify_seconds"]  # part of the pipeline's time
+        donated = donated_state(graph)
+        strategy = self.strategy
+        run = lower(
+            graph,
+            strategy.mesh,
+            donated,
+            strategy.stacked_mesh,
+            strategy.compiler_options(),
+            strategy.sharded_mesh,
+        )
+        dump.write(graph, run, signature.arrays)
+        if options.stop_after_compile:
+            raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
+        shardings = input_shardings(graph, strategy.mesh, None, strategy.sharded_mesh)
+        placements = tuple(
+            sharding if spec.layout is Layout.MIRRORED else None
+            for spec, sharding in zip(signature.arrays, shardings, strict=True)
+        )
+        return Executable(
+            graph,
+            run,
+            outputs,
+            donated,
+            placements,
+            captured_stats,
+            seconds,
+            ctx.stats,
+            ctx.remarks,
+        )
+
+
+def _put(leaf: Any, sharding: NamedSharding, strategy: Strategy) -> Any:
+    if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+        return leaf
+    return strategy.place(leaf, sharding)  # a copy where the program reads it, or abstract
+
+
+def _reduction_stats(graph: Graph) -> dict[str, Any]:
+    from xla_strategies.passes.cost.collective_stats import collective_summary
+
+    return collective_summary(graph)

@@ -1,0 +1,2 @@
+"""The strategies (OneDevice, Mirrored, MultiWorkerMirrored, TPU, CentralStorage,
+ParameterServer) and the default strategy. Imports distribute and everything below it."""

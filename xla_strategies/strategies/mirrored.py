@@ -1,0 +1,50 @@
+"""`MirroredStrategy`: synchronous data parallelism over the local devices of one host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from xla_strategies.distribute.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
+from xla_strategies.distribute.strategy import Strategy
+from xla_strategies.hardware.devices import resolve_devices
+from xla_strategies.step.step_pipeline import PipelineChanges
+
+
+class MirroredStrategy(Strategy):
+    """One replica per device in `devices` (default: all local devices).
+
+    Parameters are mirrored on every device, each replica gets a slice of the global batch,
+    and gradients are reduced across replicas (MEAN by default) inside one XLA program.
+    `cross_device_ops` (`xs.NcclAllReduce`, `xs.HierarchicalCopyAllReduce`,
+    `xs.ReductionToOneDevice`) picks how the passes rewrite those reductions
+    (`xla_strategies.distribute.cross_device_ops`); None keeps the default pipeline.
+    """
+
+    pipeline_label = "mirrored"
+
+    def __init__(
+        self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None
+    ) -> None:
+        devices = resolve_devices(devices)
+        self.cross_device_ops = cross_device_ops
+        if cross_device_ops is None:
+            super().__init__(devices)
+            return
+        if not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                "cross_device_ops must be an xs.NcclAllReduce, xs.HierarchicalCopyAllReduce "
+                f"or xs.ReductionToOneDevice, got {type(cross_device_ops).__name__}"
+            )
+        super().__init__(*cross_device_ops.mesh(devices))
+        cross_device_ops.changes(self.devices)  # a bad choice fails here, not at compile
+        # the update runs on one device: there is no update to shard
+        self.shards_weight_updates = not isinstance(cross_device_ops, ReductionToOneDevice)
+
+    def pipeline_changes(self) -> PipelineChanges:
+        if self.cross_device_ops is None:
+            return PipelineChanges()
+        return self.cross_device_ops.changes(self.devices)
+
+    def sub_strategy(self, replicas: int) -> MirroredStrategy:
+        return MirroredStrategy(self.devices[:replicas], self.cross_device_ops)

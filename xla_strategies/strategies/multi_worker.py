@@ -1,0 +1,156 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism across hosts.
+
+Each worker process runs the same script with its own `TF_CONFIG`. The strategy starts
+`jax.distributed` (the coordinator is the chief, or worker 0), uses gloo collectives on CPU
+hosts, and lays the devices out as a ("host", "local") mesh so reductions can be
+decomposed per level. Per-host input goes through `distribute_datasets_from_function`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+from collections import Counter
+
+import jax
+import numpy as np
+
+from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver, TFConfigClusterResolver
+from xla_strategies.distribute.cross_device_ops import (
+    CommunicationOptions,
+    implementation_decomposes,
+)
+from xla_strategies.distribute.strategy import Strategy
+from xla_strategies.hardware.topology import Topology
+from xla_strategies.passes import CombineAllReduces, DecomposeAllReduces
+from xla_strategies.runtime import cluster_health
+from xla_strategies.step.step_pipeline import PipelineChanges, Setting
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """One replica per device of every worker; gradients reduced across all of them."""
+
+    pipeline_label = "multi_worker"
+    # A dead peer is an UnavailableError naming it (`cluster_health`) from the step that
+    # met it. The cost is the host's dispatch of the next step, no longer overlapped with
+    # this one: well under 1% of a multi-host step.
+    completes_steps = True
+
+    def __init__(
+        self,
+        cluster_resolver: SimpleClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ) -> None:
+        self.cluster_resolver = cluster_resolver or TFConfigClusterResolver()
+        self.communication_options = communication_options or CommunicationOptions()
+        _start_distributed(self.cluster_resolver, self.communication_options)
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        try:
+            _check_same_device_counts(devices)
+        except ValueError:
+            _shutdown(meet=False)  # every worker fails the same check: leave in order
+            raise
+        grid = np.asarray(devices, dtype=object).reshape(jax.process_count(), -1)
+        super().__init__(grid, ("host", "local"))
+        self._decomposes = implementation_decomposes(
+            self.communication_options.implementation, devices[0].platform
+        )
+
+    def pipeline_changes(self) -> PipelineChanges:
+        """Reductions are decomposed over the host and local axes, unless
+        `CommunicationOptions(implementation=RING or NCCL)` asks for one flat collective."""
+        return PipelineChanges(add=(DecomposeAllReduces(),) if self._decomposes else ())
+
+    def pipeline_settings(self) -> tuple[Setting, ...]:
+        pack = self.communication_options.bytes_per_pack
+        if not pack:
+            return ()
+        source = f"CommunicationOptions(bytes_per_pack={pack})"
+        return (Setting(CombineAllReduces, source, {"threshold_bytes": pack}),)
+
+    @property
+    def topology(self) -> Topology | None:
+        """On GPUs, the nodes' (from the devices' kind); on CPU hosts, the gloo profile
+        fitted by benchmarks/multi_worker.py, when the hosts have as many devices as it was
+        fitted for; None elsewhere (no estimates)."""
+        if self.devices[0].platform == "gpu":
+            return super().topology
+        if self.devices[0].platform != "cpu" or jax.process_count() == 1:
+            return None  # one worker: no network level to model
+        topology = Topology.from_name(f"{jax.process_count()}xcpu-gloo")
+        return topology if topology.mesh_axes.get("local") == jax.local_device_count() else None
+
+    @property
+    def worker_index(self) -> int:
+        return jax.process_index()
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiWorkerMirroredStrategy(workers={jax.process_count()}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+def _check_same_device_counts(devices: list) -> None:
+    """Every worker must bring as many devices: the mesh is one row per worker."""
+    counts = Counter(d.process_index for d in devices)
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"worker {w} has {n} local devices" for w, n in sorted(counts.items()))
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy needs the same number of devices on every worker: "
+            f"{shown}. Give every worker the same devices (CUDA_VISIBLE_DEVICES, "
+            "jax_num_cpu_devices)"
+        )
+
+
+def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOptions) -> None:
+    """Start `jax.distributed` once per process, with gloo collectives on CPU hosts."""
+    if jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # a dead peer must not abort the survivors (`cluster_health`)
+    jax.config.update("jax_enable_recoverability", True)
+    timeout = max(1, math.ceil(options.timeout_seconds)) if options.timeout_seconds else 300
+    try:
+        jax.distributed.initialize(
+            coordinator_address=resolver.coordinator_address,
+            num_processes=resolver.num_processes,
+            process_id=resolver.process_id,
+            initialization_timeout=timeout,
+            heartbeat_timeout_seconds=timeout,
+            shutdown_timeout_seconds=timeout,
+        )
+    except Exception as exc:
+        raise RuntimeError(
+            f"worker {resolver.process_id} of {resolver.num_processes} could not join the cluster "
+            f"at {resolver.coordinator_address} (timeout {timeout} s): {str(exc).splitlines()[0]}"
+        ) from exc
+    cluster_health.start_watching()
+    atexit.register(_shutdown)
+
+
+def _shutdown(meet: bool = True) -> None:
+    """Leave the cluster at exit. A barrier first (`meet`), so a worker that finishes
+    early waits for the others here. Then the workers leave before the coordinator
+    (worker 0), whose process runs the coordination service: a worker still leaving when
+    the service is gone would be ended by JAX. Once a peer has died there is no one to
+    meet: leave at once, keeping the process's exit status."""
+    from jax._src import distributed
+
+    cluster_health.stop_watching()
+    cluster_health.exit_if_stuck()  # a collective stuck on a dead peer: teardown would abort
+    if cluster_health.known_dead() or distributed.global_state.client is None:
+        return
+    try:
+        if meet:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("xla_strategies shutdown")
+    finally:
+        if distributed.global_state.process_id == 0:
+            cluster_health.dead_workers(wait=_LEAVE_SECONDS)  # returns once they have left
+        jax.distributed.shutdown()
+
+
+# How long the coordinator waits at exit for the other workers to leave the cluster.
+_LEAVE_SECONDS = 60.0

@@ -1,0 +1,220 @@
+"""`TPUStrategy`: synchronous training on a TPU slice or multislice, ICI/DCN-aware.
+
+The mesh has one axis per ICI torus dimension ("x", "y"[, "z"]), plus "dcn" across slices,
+so the compiler can decompose each reduction along the interconnect (decompose-all-reduces,
+driven by the topology's cost model). With `emulate=True` the same mesh is laid out on
+emulated CPU devices, so the program and passes run on a machine without TPUs. With
+`compile_only=True` the mesh is of the devices XLA's TPU compiler (libtpu) describes for
+the topology: steps lower and compile for the real slice on any machine, and nothing runs.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from xla_strategies.distribute.strategy import Strategy
+from xla_strategies.hardware.topology import Topology
+from xla_strategies.passes import DecomposeAllReduces
+from xla_strategies.step.step_pipeline import PipelineChanges
+from xla_strategies.strategies.logical_devices import (
+    assign_to_logical_device,
+    check_device_assignment,
+    replicate_to_logical_devices,
+    split_to_logical_devices,
+)
+
+
+class TPUStrategy(Strategy):
+    """Data parallelism over every chip of a TPU slice (or slices).
+
+    Args:
+        topology: a `Topology` or its name ("v5e-16", "2xv5p-512"). Detected from the TPU
+            devices when None; required with `emulate`.
+        emulate: lay the topology out on emulated CPU devices (as many as it has chips).
+        compile_only: lay it out on the devices XLA's TPU compiler describes for it, on a
+            machine with or without TPUs (`pip install 'xla-strategies[tpu]'`): a step's
+            `lower(...).compile()` returns a TPU executable, and calling it is an error.
+            `xla-strategies aot --topology NAME` makes every TPUStrategy of a script
+            compile-only for NAME (the environment variable `AOT_TOPOLOGY`).
+        tpu_cluster_resolver: kept as `cluster_resolver` (`xs.cluster_resolver.TPUClusterResolver`).
+        experimental_device_assignment: None, or one core per replica
+            (`xla_strategies.strategies.logical_devices` says why a replica is one core).
+        experimental_spmd_xla_partitioning: kept for tf.distribute's signature; with one
+            core per replica there is nothing within a replica to partition.
+    """
+
+    pipeline_label = "tpu"
+
+    def __init__(
+        self,
+        topology: Topology | str | None = None,
+        emulate: bool = False,
+        compile_only: bool = False,
+        *,
+        tpu_cluster_resolver: Any = None,
+        experimental_device_assignment: Any = None,
+        experimental_spmd_xla_partitioning: bool = False,
+    ) -> None:
+        check_device_assignment(experimental_device_assignment)
+        self.cluster_resolver = tpu_cluster_resolver
+        self.experimental_spmd_xla_partitioning = experimental_spmd_xla_partitioning
+        if os.environ.get(AOT_TOPOLOGY):  # `xla-strategies aot`: the script's own topology
+            topology, emulate, compile_only = os.environ[AOT_TOPOLOGY], False, True
+        if isinstance(topology, str):
+            topology = Topology.from_name(topology)
+        if emulate and compile_only:
+            raise ValueError("TPUStrategy: emulate and compile_only exclude each other")
+        if emulate:
+            devices = _emulated_devices(topology)
+        elif compile_only:
+            devices = _slice_mesh(topology, _compile_only_devices(topology))
+        else:
+            tpus = [d for d in jax.devices() if d.platform == "tpu"]
+            topology = _check_tpus(topology, tpus)
+            devices = _slice_mesh(topology, tpus)
+        self._topology = topology
+        self._compile_only = compile_only
+        super().__init__(devices, tuple(topology.mesh_axes))
+
+    @property
+    def compile_only(self) -> bool:
+        return self._compile_only
+
+    # tf.distribute's logical devices: one per replica (`xla_strategies.strategies.logical_devices`)
+
+    def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:
+        return assign_to_logical_device(tensor, logical_device_id)
+
+    def experimental_split_to_logical_devices(
+        self, tensor: Any, partition_dimensions: list[int]
+    ) -> Any:
+        return split_to_logical_devices(tensor, partition_dimensions)
+
+    def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
+        return replicate_to_logical_devices(tensor)
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    def sub_strategy(self, replicas: int) -> Strategy:
+        """Part of a slice is no torus of its own: its first `replicas` chips run the
+        batch as a `MirroredStrategy`."""
+        from xla_strategies.strategies.mirrored import MirroredStrategy
+
+        return MirroredStrategy(self.devices[:replicas])
+
+    def pipeline_changes(self) -> PipelineChanges:
+        """Reductions are decomposed along the ICI and DCN axes."""
+        return PipelineChanges(add=(DecomposeAllReduces(),))
+
+    def __repr__(self) -> str:
+        only = ", compile_only=True" if self._compile_only else ""
+        return (
+            f"TPUStrategy({self._topology}, num_replicas_in_sync={self.num_replicas_in_sync}{only})"
+        )
+
+
+#: Set by `xla-strategies aot`: every TPUStrategy is compile-only for this topology.
+AOT_TOPOLOGY = "XLA_STRATEGIES_AOT_TOPOLOGY"
+
+
+def _emulated_devices(topology: Topology | None) -> np.ndarray:
+    if topology is None:
+        raise ValueError(
+            "TPUStrategy(emulate=True) needs a topology, e.g. TPUStrategy('v5e-16', emulate=True)"
+        )
+    devices = jax.devices()
+    needed = topology.num_devices
+    if len(devices) < needed:
+        raise ValueError(
+            f"emulating {topology} needs {needed} devices but JAX has {len(devices)}; call "
+            f"jax.config.update('jax_num_cpu_devices', {needed}) before JAX first runs"
+        )
+    return np.asarray(devices[:needed], dtype=object).reshape(tuple(topology.mesh_axes.values()))
+
+
+def _compile_only_devices(topology: Topology | None) -> list[Any]:
+    """The chips XLA's TPU compiler describes for `topology`, one device per chip."""
+    if topology is None:
+        raise ValueError("TPUStrategy(compile_only=True) needs a topology, e.g. 'v5e-256'")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ImportError(
+            "TPUStrategy(compile_only=True) compiles with XLA's TPU compiler, which the "
+            "libtpu package provides: pip install 'xla-strategies[tpu]'"
+        )
+    from jax.experimental import topologies
+
+    if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
+        # no TPU chips here to guard: let other processes compile too (libtpu otherwise
+        # holds a lock file for the process that loaded it first)
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    description = topologies.get_topology_desc(
+        topology_name=topology.libtpu_name, platform="tpu", num_slices=topology.slice_count
+    )
+    # libtpu describes v4 without megacore, a device per TensorCore: one per chip
+    return [d for d in description.devices if getattr(d, "core_on_chip", 0) == 0]
+
+
+# Real TPUs below: runs where jax.devices() are TPU chips.
+
+
+def _check_tpus(topology: Topology | None, tpus: list[Any]) -> Topology:
+    if not tpus:
+        kinds = sorted({d.platform for d in jax.devices()})
+        raise RuntimeError(
+            f"TPUStrategy found no TPU devices (JAX sees {', '.join(kinds)}); on a machine "
+            "without TPUs use TPUStrategy('<topology>', emulate=True), e.g. 'v5e-16', or "
+            "compile_only=True"
+        )
+    topology = topology or _detect(tpus)
+    if topology.num_devices != len(tpus):
+        raise ValueError(
+            f"{topology} has {topology.num_devices} chips but JAX sees {len(tpus)} TPUs"
+        )
+    return topology
+
+
+def _slice_mesh(topology: Topology, tpus: list[Any]) -> np.ndarray:
+    """The chips laid out as the topology's mesh axes, as on the real slices."""
+    from jax.experimental import mesh_utils
+
+    sizes = topology.mesh_axes
+    ici = [size for axis, size in sizes.items() if axis != "dcn"]
+    if "dcn" in sizes:
+        dcn = [sizes["dcn"]] + [1] * len(ici)
+        return mesh_utils.create_hybrid_device_mesh([1, *ici], dcn, tpus)
+    return mesh_utils.create_device_mesh(ici, tpus)
+
+
+_GENERATIONS = {
+    "tpu v4": "v4",
+    "tpu v5 lite": "v5e",
+    "tpu v5e": "v5e",
+    "tpu v5p": "v5p",
+    "tpu v5": "v5p",
+    "tpu v6 lite": "v6e",
+    "tpu v6e": "v6e",
+}
+_NAMED_BY_CORES = {"v4", "v5p"}  # their slice names count TensorCores, two per chip
+
+
+def _detect(tpus: list[Any]) -> Topology:
+    """The slice's name from the chips' kind, count and slice indices."""
+    kind = tpus[0].device_kind.lower()
+    generation = next((g for k, g in _GENERATIONS.items() if kind.startswith(k)), None)
+    if generation is None:
+        raise ValueError(
+            f"unknown TPU kind {tpus[0].device_kind!r}; pass TPUStrategy(topology=...)"
+        )
+    slices = len({getattr(d, "slice_index", 0) for d in tpus})
+    chips = len(tpus) // slices
+    size = chips * (2 if generation in _NAMED_BY_CORES else 1)
+    prefix = f"{slices}x" if slices > 1 else ""
+    return Topology.from_name(f"{prefix}{generation}-{size}")
