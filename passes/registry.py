@@ -1,4 +1,5 @@
-"""The pass registry: each pass's spec name -> its class. Pipelines are built from it."""
+"""The passes, listed once: their run order, the registry of spec names pipelines are built
+from, and the default pipeline."""
 
 from __future__ import annotations
 
@@ -15,38 +16,36 @@ from xla_strategies.passes.transforms.schedule_all_reduces import ScheduleAllRed
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 
-PASS_REGISTRY: dict[str, type[Pass]] = {
-    cls.name: cls
-    for cls in (
-        InsertReductions,
-        FoldInvariantReductions,
-        HoistAllReduces,
-        ScheduleAllReduces,
-        ReassociateAllReduces,
-        ShardParameters,
-        ShardWeightUpdates,
-        CombineAllReduces,
-        DecomposeAllReduces,
-        PrefetchAllGathers,
-        ReduceToOneDevice,
-    )
-}
-
-# The order passes run in when present: a pass a strategy or a compile option adds goes
-# before the first pass that comes after it here. Autodiff's reductions get their meaning
-# first; the state is split before the loop passes move reductions, so each layer's
+# Every pass, in the order passes run when present: a pass a strategy or a compile option
+# adds goes before the first pass that comes after it here. Autodiff's reductions get their
+# meaning first; the state is split before the loop passes move reductions, so each layer's
 # gradient is reduce-scattered inside the loop; weight-update sharding and the reduction to
 # one device go before bucketing, so their collectives are bucketed and decomposed too.
-PASS_ORDER: tuple[str, ...] = (
-    InsertReductions.name,
-    FoldInvariantReductions.name,
-    ShardParameters.name,
-    ScheduleAllReduces.name,
-    HoistAllReduces.name,
-    ReassociateAllReduces.name,
-    ShardWeightUpdates.name,
-    ReduceToOneDevice.name,
-    CombineAllReduces.name,
-    PrefetchAllGathers.name,
-    DecomposeAllReduces.name,
+PASSES: tuple[type[Pass], ...] = (
+    InsertReductions,
+    FoldInvariantReductions,
+    ShardParameters,
+    ScheduleAllReduces,
+    HoistAllReduces,
+    ReassociateAllReduces,
+    ShardWeightUpdates,
+    ReduceToOneDevice,
+    CombineAllReduces,
+    PrefetchAllGathers,
+    DecomposeAllReduces,
+)
+PASS_REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
+PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
+
+# What every synchronous strategy runs by default, in this order: give autodiff's
+# reductions their meaning, drop reductions of values already the same everywhere, hold
+# the state split where it does not fit a chip (before the loops' reductions move), move
+# reductions out of loops or leave them pipelined there (the topology's cost model
+# decides), merge the parts of tied weights, shard the weight update where the cost model
+# says it pays, bucket what is left, then let layer loops gather their next layer's
+# parameters while the current one computes.
+DEFAULT_PIPELINE = (
+    "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
+    "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
+    "combine-all-reduces,prefetch-all-gathers{mode=auto}"
 )

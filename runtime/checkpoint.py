@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from xla_strategies.core.layout import Layout, fold_stacked
 from xla_strategies.core.trees import map_arrays, with_functions_of, without_functions
 from xla_strategies.runtime.checkpoint_tree import (
     CheckpointError,
@@ -46,10 +47,9 @@ from xla_strategies.runtime.checkpoint_tree import (
     check_structure,
     normalized,
 )
-from xla_strategies.step.arguments import Layout, fold_stacked
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.core.protocols import StrategyLike
 
 
 class CheckpointManager:
@@ -73,7 +73,7 @@ class CheckpointManager:
     def __init__(
         self,
         directory: str | Path,
-        strategy: Strategy,
+        strategy: StrategyLike,
         max_to_keep: int = 3,
         save_interval_steps: int = 1,
         async_save: bool = True,

@@ -24,7 +24,7 @@ from xla_strategies.runtime.input_options import InputContext, InputOptions, Inp
 from xla_strategies.runtime.prefetch import Producer
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.core.protocols import StrategyLike
 
 
 class DistributedDataset:
@@ -32,7 +32,7 @@ class DistributedDataset:
     batches and places its own replicas' slices."""
 
     def __init__(
-        self, strategy: Strategy, dataset: Iterable[Any], options: InputOptions | None = None
+        self, strategy: StrategyLike, dataset: Iterable[Any], options: InputOptions | None = None
     ) -> None:
         if not isinstance(dataset, Iterable):
             raise TypeError(f"dataset must be iterable, got {type(dataset).__name__}")
@@ -67,7 +67,7 @@ class DistributedDatasetFromFunction(DistributedDataset):
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: StrategyLike,
         dataset_fn: Callable[[InputContext], Iterable[Any]],
         options: InputOptions | None = None,
     ) -> None:
@@ -118,7 +118,7 @@ class _Concatenated:
             )
 
 
-def _per_replica_datasets(strategy: Strategy, dataset_fn: Callable[..., Any]) -> _Concatenated:
+def _per_replica_datasets(strategy: StrategyLike, dataset_fn: Callable[..., Any]) -> _Concatenated:
     """`dataset_fn` once per local replica, each replica its own input pipeline."""
     n = strategy.num_replicas_in_sync
     local = [i for i, d in enumerate(strategy.devices) if d.process_index == jax.process_index()]

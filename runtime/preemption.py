@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.core.protocols import StrategyLike
     from xla_strategies.runtime.checkpoint import CheckpointManager
 
 # What a preempted worker exits with, so a supervisor can tell "restart me" from a crash.
@@ -69,7 +69,7 @@ class PreemptionCheckpointHandler:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: StrategyLike,
         checkpoint_manager: CheckpointManager,
         dataset_iterator: Any = None,
         exit_code: int = PREEMPTION_EXIT_CODE,

@@ -1,5 +1,5 @@
-"""The package's modules import each other without a circle, lazy imports included
-(an import inside a function is still a dependency; only `TYPE_CHECKING` blocks are not)."""
+"""The package's layers: each subpackage imports only the ones below it (the table), type-only
+and function-local imports included, and no modules import each other in a circle."""
 
 from __future__ import annotations
 
@@ -12,8 +12,26 @@ PACKAGES = {
     "xla_strategies.passes": ROOT / "passes",
     "xla_strategies.runtime": ROOT / "runtime",
 }
-# Optional frontends are imported lazily on purpose, by the scope that needs them.
-OPTIONAL = {("xla_strategies.distribute.strategy", "xla_strategies.keras")}
+_BELOW_STEP = {"core", "cluster_resolver", "passes", "hardware", "runtime"}
+_BELOW_FRONTENDS = _BELOW_STEP | {"step", "distribute", "strategies"}
+#: Which subpackage of `xla_strategies` may import which, bottom up. "" is the package's own
+#: `__init__` (the public names), which may import anything.
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": set(),
+    "cluster_resolver": {"core"},
+    "passes": {"core"},
+    "hardware": {"core", "passes"},
+    "runtime": {"core", "cluster_resolver", "hardware"},
+    "step": _BELOW_STEP,
+    "distribute": _BELOW_STEP | {"step"},
+    "strategies": _BELOW_STEP | {"step", "distribute"},
+    "keras": _BELOW_FRONTENDS,
+    "torch": _BELOW_FRONTENDS,
+    "experimental": _BELOW_FRONTENDS,
+    "cli": _BELOW_FRONTENDS | {"demo"},
+    "demo": _BELOW_FRONTENDS,
+    "": _BELOW_FRONTENDS | {"keras", "torch", "experimental", "cli", "demo"},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -27,17 +45,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
-    tree = ast.parse(path.read_text())
-    skipped = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for n in ast.walk(node)
-    }
     names = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:  # `from pkg import submodule` needs pkg/__init__ too,
                 sub = f"{node.module}.{alias.name}"  # but that is Python's own business
@@ -51,8 +60,6 @@ def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
     graph = {name: _imports(path, known) - {name} for name, path in modules.items()}
-    for source, target in OPTIONAL:
-        graph[source].discard(target)
     # `import xla_strategies.x` also runs `xla_strategies/__init__`: ignore that edge, as
     # Python does for a package importing its own submodules.
     for name in graph:
@@ -80,6 +87,35 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
+
+
+def _subpackage(module: str) -> str:
+    return module.split(".")[1] if module.count(".") >= 1 else ""
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for source, targets in sorted(graph.items()):
+        here = _subpackage(source)
+        for target in sorted(targets):
+            there = _subpackage(target)
+            if there != here and there not in MAY_IMPORT[here]:
+                found.append(f"{source} -> {target}")
+    return found
+
+
+def test_every_subpackage_has_a_place_in_the_table():
+    assert {_subpackage(m) for m in _modules()} <= set(MAY_IMPORT)
+
+
+def test_imports_point_down_the_layers():
+    upward = _upward(_graph())
+    assert not upward, "imports against the table:\n" + "\n".join(upward)
+
+
+def test_the_checker_finds_an_upward_import():
+    graph = {"xla_strategies.core.context": {"xla_strategies.distribute.strategy"}}
+    assert _upward(graph) == ["xla_strategies.core.context -> xla_strategies.distribute.strategy"]
 
 
 def test_no_import_circle():

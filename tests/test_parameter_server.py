@@ -1,4 +1,4 @@
-"""ParameterServerStrategy on a local Ray cluster: layout and partitioners, convergence
+"""ParameterServerStrategy on a local Ray cluster: placement and partitioners, convergence
 with 2 workers and 2 PS tasks, a worker killed mid-step (and restarted), a PS task killed,
 and a user error."""
 
@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import xla_strategies as xs
-from xla_strategies.runtime.parameter_server.layout import Layout
+from xla_strategies.runtime.parameter_server.placement import Placement
 
 ray = pytest.importorskip("ray")
 
@@ -76,12 +76,12 @@ def _setup(partitioner=None, delay=0.0):
 
 def test_partitioners_split_large_variables_and_placement_balances():
     params = {"big": np.zeros((100, 10), np.float32), "small": np.zeros(3, np.float32)}
-    layout = Layout.build(params, 2, xs.partitioners.MinSizePartitioner(1000, 4))
-    big = [p for p in layout.pieces if p.name.startswith("['big']")]
+    placement = Placement.build(params, 2, xs.partitioners.MinSizePartitioner(1000, 4))
+    big = [p for p in placement.pieces if p.name.startswith("['big']")]
     assert [p.stop - p.start for p in sorted(big, key=lambda p: p.start)] == [25, 25, 25, 25]
-    assert layout.elements_per_ps() == [503, 500] or layout.elements_per_ps() == [500, 503]
+    assert placement.elements_per_ps() == [503, 500] or placement.elements_per_ps() == [500, 503]
     tree = {"big": np.arange(1000.0).reshape(100, 10), "small": np.arange(3.0)}
-    jax.tree.map(np.testing.assert_array_equal, layout.join(layout.split(tree)), tree)
+    jax.tree.map(np.testing.assert_array_equal, placement.join(placement.split(tree)), tree)
     assert xs.partitioners.FixedShardsPartitioner(3)((2, 5), np.float32) == [2, 1]
     with pytest.raises(ValueError, match="max_shards must be a positive integer, got 0"):
         xs.partitioners.MinSizePartitioner(10, 0)

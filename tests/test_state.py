@@ -11,8 +11,8 @@ import pytest
 from jax import lax
 
 import xla_strategies as xs
+from xla_strategies.core.layout import Layout
 from xla_strategies.hardware.hlo import count_hlo_collectives
-from xla_strategies.step.arguments import Layout
 
 R = 8
 

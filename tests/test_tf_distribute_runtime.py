@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import xla_strategies as xs
-from xla_strategies.step.arguments import Layout
+from xla_strategies.core.layout import Layout
 
 R = 8  # replicas (tests/conftest.py)
 

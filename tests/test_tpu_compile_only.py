@@ -16,10 +16,10 @@ import optax
 import pytest
 
 import xla_strategies as xs
+from xla_strategies.core.layout import Layout
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.hardware.hlo import count_hlo_collectives, executed_collectives
 from xla_strategies.passes.cost.collective_stats import collective_summary
-from xla_strategies.step.arguments import Layout
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
 

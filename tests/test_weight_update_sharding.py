@@ -13,8 +13,8 @@ import pytest
 import xla_strategies as xs
 from tests import helpers
 from tests.helpers import assert_close_to_scale
+from xla_strategies.core.layout import Layout
 from xla_strategies.demo import models
-from xla_strategies.step.arguments import Layout
 
 STEPS = 3
 

@@ -290,7 +290,3 @@ class Graph:
 
     def count_ops(self, op: str) -> int:
         return sum(1 for node in self.walk() if node.op == op)
-
-
-# The JAX frontend's declarations: IR text names JAX ops, with or without a capture.
-from xla_strategies.passes.bridge import ops as jax_ops  # noqa: E402, F401

@@ -4,9 +4,10 @@ block when run on blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
-from xla_strategies.passes.ir.graph import Node, Value
+from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 
 # The attribute of an all_gather a pass defers: the value is held split, and gathered only
@@ -53,3 +54,21 @@ def unit_reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> in
     if [src[d] for d in kept_src] != [dst[d] for d in kept_dst] or dim not in kept_src:
         return None
     return kept_dst[kept_src.index(dim)]
+
+
+class BlockRewriter(Protocol):
+    """What a rewrite of nested regions on blocks (`branch_blocks`) needs of the rewriter
+    that found them (`block_sharder.BlockSharder`): its blocks so far, and a fresh rewriter
+    of the same kind for each region (`type(rewriter)(axes, mesh_axes, created_by)`)."""
+
+    axes: list[str]
+    mesh_axes: Mapping[str, int]
+    created_by: str
+    blocks: dict[Value, tuple[Value, int]]
+    nodes: list[Node]
+    stats: dict[str, Any]
+    remarks: list[str]
+
+    def block_of(self, full: Value, dim: int) -> Value: ...
+    def slice(self, value: Value, dim: int) -> Value: ...
+    def rewrite_region(self, graph: Graph, returnable: range) -> dict[int, int]: ...

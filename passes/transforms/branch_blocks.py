@@ -10,16 +10,11 @@ any other output as a block gathers it before returning.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from xla_strategies.passes.ir.graph import Graph, Node, Value
-from xla_strategies.passes.transforms.blocks import DEFERRED
-
-if TYPE_CHECKING:
-    from xla_strategies.passes.transforms.block_sharder import BlockSharder
+from xla_strategies.passes.transforms.blocks import DEFERRED, BlockRewriter
 
 
-def shard_branches(sharder: BlockSharder, node: Node) -> bool:
+def shard_branches(sharder: BlockRewriter, node: Node) -> bool:
     """Rewrite the branching `node` on blocks; False when its predicate is a block or
     differs across replicas (replicas in different branches would not meet in the
     branches' collectives)."""
@@ -59,7 +54,7 @@ def shard_branches(sharder: BlockSharder, node: Node) -> bool:
     return True
 
 
-def _operand_blocks(sharder: BlockSharder, operands: list[Value]) -> dict[int, tuple]:
+def _operand_blocks(sharder: BlockRewriter, operands: list[Value]) -> dict[int, tuple]:
     """Operand position -> (block, dim): blocks as they are, and mirrored operands with a
     block operand's shape cut as it is (the accumulated gradient beside the gradient)."""
     split = {k: sharder.blocks[v] for k, v in enumerate(operands) if v in sharder.blocks}
@@ -71,7 +66,7 @@ def _operand_blocks(sharder: BlockSharder, operands: list[Value]) -> dict[int, t
     return split
 
 
-def _rewrite_branch(sharder: BlockSharder, region: Graph, split: dict) -> dict[int, int]:
+def _rewrite_branch(sharder: BlockRewriter, region: Graph, split: dict) -> dict[int, int]:
     """The branch on its blocks (each defined again by a deferred gather, so the rewrite
     gathers only where something reads it whole); returns the outputs left as blocks."""
     prologue = []
@@ -90,7 +85,7 @@ def _rewrite_branch(sharder: BlockSharder, region: Graph, split: dict) -> dict[i
     return returned
 
 
-def _gather_into(sharder: BlockSharder, region: Graph, index: int, whole: Value, dim: int) -> None:
+def _gather_into(sharder: BlockRewriter, region: Graph, index: int, whole: Value, dim: int) -> None:
     block = region.outputs[index]
     attrs = {"axes": sharder.axes, "dimension": dim}
     region.nodes.append(Node("all_gather", [block], [whole], attrs, created_by=sharder.created_by))

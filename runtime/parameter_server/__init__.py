@@ -1,1 +1,1 @@
-"""Parameter-server training on Ray: variable layout, PS shards, workers, the coordinator."""
+"""Parameter-server training on Ray: variable placement, PS shards, workers, the coordinator."""

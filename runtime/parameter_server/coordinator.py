@@ -23,12 +23,16 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from xla_strategies.core.errors import CancelledError, UnavailableError
 
-if TYPE_CHECKING:
-    from xla_strategies.strategies.parameter_server import ParameterServerStrategy
+
+class WorkerPool(Protocol):
+    """What the coordinator needs of its strategy (`ParameterServerStrategy`): its workers,
+    started."""
+
+    def start_workers(self) -> list[Any]: ...
 
 
 class RemoteValue:
@@ -129,9 +133,9 @@ MAX_FAILURES_IN_A_ROW = 5
 class ClusterCoordinator:
     """Schedule functions on `strategy`'s workers. See the module docstring for failures."""
 
-    def __init__(self, strategy: ParameterServerStrategy) -> None:
+    def __init__(self, strategy: WorkerPool) -> None:
         self.strategy = strategy
-        self.workers = strategy._start_workers()
+        self.workers = strategy.start_workers()
         self._queue: queue.Queue[_Closure | None] = queue.Queue()
         self._lock = threading.Condition()
         self._pending = 0

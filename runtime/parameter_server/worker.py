@@ -30,13 +30,15 @@ _running: contextvars.ContextVar[_Closure | None] = contextvars.ContextVar(
 
 
 class Worker:
-    """Worker task `index`. `shards` are the PS actors, `layout` says which piece is where."""
+    """Worker task `index`. `shards` are the PS actors, `placement` says which piece is
+    where, and `make_strategy` (the parameter-server strategy passes `MirroredStrategy`)
+    gives the strategy that runs the worker's functions on its devices."""
 
-    def __init__(self, index: int, shards: list[Any], layout: Any) -> None:
-        from xla_strategies.strategies.mirrored import MirroredStrategy
-
-        self.index, self.shards, self.layout = index, shards, layout
-        self.strategy = MirroredStrategy()
+    def __init__(
+        self, index: int, shards: list[Any], placement: Any, make_strategy: Callable[[], Any]
+    ) -> None:
+        self.index, self.shards, self.placement = index, shards, placement
+        self.strategy = make_strategy()
         self.iterators: dict[str, Any] = {}
         self._steps: dict[str, Any] = {}
 
@@ -64,10 +66,10 @@ class Worker:
         versions, parts = zip(*call_shards(self.shards, "pull"), strict=True)
         if uid not in self._steps:
             self._steps[uid] = self.strategy.compile(grad_fn)
-        params = self.strategy.replicate(self.layout.join(list(parts)))
+        params = self.strategy.replicate(self.placement.join(list(parts)))
         split = NamedSharding(self.strategy.mesh, self.strategy.input_spec(True))
         grads, aux = self._steps[uid](params, jax.device_put(batch, split))
-        grad_parts = self.layout.split(jax.tree.map(np.asarray, grads))
+        grad_parts = self.placement.split(jax.tree.map(np.asarray, grads))
         pushes = [(g, v, push_id) for g, v in zip(grad_parts, versions, strict=True)]
         call_shards(self.shards, "push", pushes)
         return jax.tree.map(np.asarray, aux)

@@ -17,7 +17,7 @@ from flax.training import train_state
 import xla_strategies as xs
 from tests import helpers
 from tests.frameworks.reference import R, assert_trees_close, distribute, mean_of, replica_slices
-from xla_strategies.step.arguments import Layout
+from xla_strategies.core.layout import Layout
 
 
 class TrainState(train_state.TrainState):

@@ -19,7 +19,7 @@ from tests.frameworks.reference import (
     regression_batches,
     replica_slices,
 )
-from xla_strategies.step.arguments import Layout
+from xla_strategies.core.layout import Layout
 
 
 def forward(x, is_training):

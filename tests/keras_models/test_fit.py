@@ -20,7 +20,7 @@ from tests.keras_models.models import (
     regression_data,
     sequential,
 )
-from xla_strategies.step.arguments import Layout
+from xla_strategies.core.layout import Layout
 
 
 @pytest.mark.parametrize("make", [sequential, functional, Subclassed])

@@ -15,7 +15,7 @@ from typing import Any
 
 from xla_strategies.cli.run_until_compiled import runs_in_process
 from xla_strategies.hardware.hlo import executed_collectives
-from xla_strategies.passes import DEFAULT_PIPELINE, PassContext, parse, print_graph
+from xla_strategies.passes import PassContext, parse, print_graph
 from xla_strategies.passes.dump import IRPrinter
 from xla_strategies.passes.ir.render import to_dot, to_json_text
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
@@ -282,4 +282,4 @@ def ledger(args: Namespace) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_PIPELINE", "aot", "dump", "ledger", "opt", "show"]
+__all__ = ["aot", "dump", "ledger", "opt", "show"]

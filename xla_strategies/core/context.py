@@ -20,7 +20,7 @@ from jax import lax
 from xla_strategies.core.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.core.protocols import StrategyLike
 
 _local = threading.local()
 
@@ -95,7 +95,7 @@ class ReplicaContext:
 _DEFAULT_REPLICA_CONTEXT = ReplicaContext((), 1)
 
 
-ScopeHook = Callable[["Strategy"], AbstractContextManager[Any]]
+ScopeHook = Callable[["StrategyLike"], AbstractContextManager[Any]]
 # What a frontend does while a strategy's scope is active (Keras: models compiled there
 # belong to the strategy), registered by the frontend when it is imported, so the strategy
 # itself knows no frontend.
@@ -109,7 +109,7 @@ def register_scope_hook(hook: ScopeHook) -> None:
 
 
 @contextlib.contextmanager
-def user_scope(strategy: Strategy) -> Iterator[Strategy]:
+def user_scope(strategy: StrategyLike) -> Iterator[StrategyLike]:
     """`strategy.scope()`: the strategy in scope, with every frontend's hook."""
     with strategy_scope(strategy), contextlib.ExitStack() as hooks:
         for hook in _SCOPE_HOOKS:
@@ -117,19 +117,19 @@ def user_scope(strategy: Strategy) -> Iterator[Strategy]:
         yield strategy
 
 
-def _default_strategy() -> Strategy:
+def _default_strategy() -> StrategyLike:
     """The default context's one-device strategy, once `default_strategy.py` (imported by
     the package) has registered it: this module depends on no strategy class."""
     raise RuntimeError("no default strategy is registered; import xla_strategies")
 
 
-def register_default_strategy(make: Callable[[], Strategy]) -> None:
+def register_default_strategy(make: Callable[[], StrategyLike]) -> None:
     global _default_strategy
     _default_strategy = make
 
 
 @contextlib.contextmanager
-def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
+def strategy_scope(strategy: StrategyLike) -> Iterator[StrategyLike]:
     stack = _stack("strategies")
     stack.append(strategy)
     try:
@@ -139,7 +139,7 @@ def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
 
 
 @contextlib.contextmanager
-def replica_scope(strategy: Strategy, context: ReplicaContext) -> Iterator[ReplicaContext]:
+def replica_scope(strategy: StrategyLike, context: ReplicaContext) -> Iterator[ReplicaContext]:
     with strategy_scope(strategy):
         stack = _stack("replicas")
         stack.append(context)
@@ -162,7 +162,7 @@ def cross_replica_scope() -> Iterator[None]:
         stack[:] = saved
 
 
-def strategy_in_scope() -> Strategy | None:
+def strategy_in_scope() -> StrategyLike | None:
     """The innermost strategy whose scope is active, or None (see `xs.get_strategy`)."""
     stack = _stack("strategies")
     return stack[-1] if stack else None

@@ -89,3 +89,9 @@ def copy_to(array: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     if isinstance(array, jax.Array):
         array = jax.numpy.copy(array)
     return jax.device_put(array, sharding)
+
+
+def arg_path(path: tuple[Any, ...]) -> str:
+    """Paths of the (args, kwargs) pair read as `args[0]['w']` or `kwargs['batch']`."""
+    head, rest = path[0], path[1:]
+    return path_str("args" if getattr(head, "idx", 0) == 0 else "kwargs", rest)

@@ -16,7 +16,7 @@ from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.hardware.devices import resolve_device, resolve_devices
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.core.protocols import StrategyLike
 
 _FUNCTIONAL_STATE = (
     "state is functional here: there are no tf.Variables to {what}; a step takes the "
@@ -27,7 +27,7 @@ _FUNCTIONAL_STATE = (
 class StrategyExtended:
     """What `tf.distribute.StrategyExtended` offers, for `strategy`."""
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: StrategyLike) -> None:
         self._strategy = strategy
 
     @property

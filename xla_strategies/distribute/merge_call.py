@@ -31,11 +31,11 @@ from xla_strategies.passes.bridge.trace_hooks import varying_axes
 
 if TYPE_CHECKING:
     from xla_strategies.core.context import ReplicaContext
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.core.protocols import StrategyLike
 
 
 def merge_call(
-    strategy: Strategy,
+    strategy: StrategyLike,
     context: ReplicaContext,
     merge_fn: Callable[..., Any],
     args: tuple,
@@ -72,7 +72,7 @@ class CrossReplicaView:
     """The strategy as `merge_fn` sees it: the gathered `[replicas, ...]` arrays are
     per-replica values; everything else is asked of the strategy itself."""
 
-    def __init__(self, strategy: Strategy, stacked: dict[int, Any]) -> None:
+    def __init__(self, strategy: StrategyLike, stacked: dict[int, Any]) -> None:
         self._strategy = strategy
         self._stacked = stacked
         self.extended = StrategyExtended(self)

@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.core.context import user_scope
+from xla_strategies.core.layout import SHARDED_PREFIX, STACKED_PREFIX, Layout, refuse_foreign_split
 from xla_strategies.core.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.core.trees import abstract_like, copy_to, map_arrays
 from xla_strategies.distribute.extended import StrategyExtended
@@ -43,19 +44,9 @@ from xla_strategies.runtime.distributed_dataset import (
     DistributedDatasetFromFunction,
 )
 from xla_strategies.runtime.input_options import InputContext, InputOptions
-from xla_strategies.step.arguments import (
-    SHARDED_PREFIX,
-    STACKED_PREFIX,
-    Layout,
-    refuse_foreign_split,
-)
 from xla_strategies.step.compiled_step import CompiledStep
-from xla_strategies.step.step_pipeline import (
-    PipelineChanges,
-    PipelineOptions,
-    Setting,
-    step_pipeline,
-)
+from xla_strategies.step.protocols import PipelineChanges, Setting
+from xla_strategies.step.step_pipeline import PipelineOptions, step_pipeline
 
 
 class Strategy:

@@ -19,7 +19,7 @@ import numpy as np
 from xla_strategies.core.trees import as_array, path_str
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.core.protocols import StrategyLike
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ValueContext:
             )
 
 
-def distribute_values_from_function(strategy: Strategy, value_fn: Callable[..., Any]) -> Any:
+def distribute_values_from_function(strategy: StrategyLike, value_fn: Callable[..., Any]) -> Any:
     """`value_fn(ValueContext)` for each of this process's replicas, stacked per leaf (see
     the module docstring). Every replica's value must have the same structure, shapes and
     dtypes, as a stacked array's rows do."""
@@ -72,7 +72,7 @@ def distribute_values_from_function(strategy: Strategy, value_fn: Callable[..., 
     return jax.tree_util.tree_unflatten(treedef, stacked)
 
 
-def _stacked_leaf(strategy: Strategy, rows: dict[int, np.ndarray], where: str) -> Any:
+def _stacked_leaf(strategy: StrategyLike, rows: dict[int, np.ndarray], where: str) -> Any:
     """One `[replicas, ...]` array from this process's rows, each on its replica's device."""
     shapes = {(r.shape, r.dtype) for r in rows.values()}
     if len(shapes) > 1:

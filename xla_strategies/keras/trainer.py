@@ -33,10 +33,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from xla_strategies.core.context import get_replica_context
+from xla_strategies.core.layout import fold_stacked, is_stacked
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.keras.loss_reduction import replica_losses
 from xla_strategies.keras.synchronized_batch_norm import global_moments
-from xla_strategies.step.arguments import fold_stacked, is_stacked
 
 
 def attach(model: Any, strategy: Any) -> None:

@@ -13,7 +13,7 @@ import jax
 from xla_strategies.core.errors import OutOfMemoryError
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.step.protocols import StepStrategy
 
 _NEEDED = re.compile(r"\(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)")
 
@@ -25,7 +25,7 @@ class LoweredStep(jax.stages.Lowered):
     __slots__ = ("strategy", "name")
 
     @classmethod
-    def of(cls, lowered: jax.stages.Lowered, strategy: Strategy, name: str) -> LoweredStep:
+    def of(cls, lowered: jax.stages.Lowered, strategy: StepStrategy, name: str) -> LoweredStep:
         step = object.__new__(cls)
         for slot in jax.stages.Lowered.__slots__:
             setattr(step, slot, getattr(lowered, slot))

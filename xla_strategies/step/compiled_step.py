@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
+from xla_strategies.core.layout import Layout
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.core.trees import copy_to
 from xla_strategies.passes.base import PassContext
@@ -33,26 +34,16 @@ from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
 from xla_strategies.step import in_place_state, replica_rng_streams
 from xla_strategies.step.argument_declarations import declared_arguments
-from xla_strategies.step.arguments import (
-    Layout,
-    Outputs,
-    Signature,
-    argument_paths,
-    flatten_arguments,
-)
+from xla_strategies.step.arguments import Outputs, Signature, argument_paths, flatten_arguments
 from xla_strategies.step.compile_program import LoweredStep
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
-from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDump
+from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDumper
 from xla_strategies.step.recompiles import warn_if_recompiling
 from xla_strategies.step.state import DeclaredState, declared_outputs, donated_state, state_pairs
-from xla_strategies.step.step_pipeline import (
-    PipelineOptions,
-    check_sharding_options,
-    step_pipeline,
-)
+from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
+    from xla_strategies.step.protocols import StepStrategy
 
 
 # Executables a compiled step keeps, the least recently used dropped first (jax.jit's own
@@ -90,7 +81,7 @@ class CompiledStep:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: StepStrategy,
         fn: Callable[..., Any],
         *,
         gradient_reduction: ReduceOp | str | None = None,
@@ -338,7 +329,7 @@ class CompiledStep:
         """Capture, run the passes (with the dump's instruments), lower; dump if asked."""
         options = DumpOptions.from_env()
         seconds: dict[str, float] = {}
-        dump = StepDump(options, self.name, self.strategy)
+        dump = StepDumper(options, self.name, self.strategy)
         start = time.perf_counter()
         graph, outputs = self._capture(signature)
         seconds["capture"] = time.perf_counter() - start
@@ -385,7 +376,7 @@ class CompiledStep:
         )
 
 
-def _put(leaf: Any, sharding: NamedSharding, strategy: Strategy) -> Any:
+def _put(leaf: Any, sharding: NamedSharding, strategy: StepStrategy) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
     return strategy.place(leaf, sharding)  # a copy where the program reads it, or abstract

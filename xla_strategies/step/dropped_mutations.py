@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from xla_strategies.core.errors import DroppedMutationError
-from xla_strategies.step.arguments import arg_path
+from xla_strategies.core.trees import arg_path
 
 
 def snapshot(args: tuple, kwargs: dict) -> tuple[list[tuple[Any, Any]], Any]:

@@ -18,7 +18,7 @@ class DumpError(ValueError):
 
 
 @dataclass(frozen=True)
-class StepDump:
+class DumpedStep:
     name: str
     directory: Path
 
@@ -96,12 +96,12 @@ def _strip_header(text: str) -> str:
     return "".join(line for line in lines if not line.startswith("// "))
 
 
-def steps(directory: Path) -> list[StepDump]:
+def steps(directory: Path) -> list[DumpedStep]:
     """Every dumped step under `directory` (or `directory` itself when it is one)."""
     if not directory.is_dir():
         raise DumpError(f"{directory} is not a directory")
     candidates = [directory] + sorted(p for p in directory.iterdir() if p.is_dir())
-    found = [StepDump(p.name, p) for p in candidates if StepDump(p.name, p).passes()]
+    found = [DumpedStep(p.name, p) for p in candidates if DumpedStep(p.name, p).passes()]
     if not found:
         raise DumpError(
             f"{directory} holds no dumps: no NNNN.<pipeline>.after_<pass>.txt files in it or in "
@@ -110,7 +110,7 @@ def steps(directory: Path) -> list[StepDump]:
     return found
 
 
-def select_step(directory: Path, name: str | None) -> StepDump:
+def select_step(directory: Path, name: str | None) -> DumpedStep:
     found = steps(directory)
     if name is None:
         if len(found) > 1:
@@ -125,4 +125,4 @@ def select_step(directory: Path, name: str | None) -> StepDump:
     )
 
 
-__all__ = ["DumpError", "StepDump", "dump_header", "select_step", "steps"]
+__all__ = ["DumpError", "DumpedStep", "dump_header", "select_step", "steps"]

@@ -57,7 +57,7 @@ class DumpOptions:
         )
 
 
-class StepDump:
+class StepDumper:
     """What one step's build prints and writes, as `DumpOptions` ask: the pipeline's
     instruments (timer, IR printer, IR dumper, ledger), then the artifacts."""
 

@@ -34,7 +34,7 @@ import numpy as np
 from xla_strategies.core.context import ReplicaContext
 from xla_strategies.core.patching import patched
 from xla_strategies.core.reduce_op import ReduceOp
-from xla_strategies.step.arguments import arg_path
+from xla_strategies.core.trees import arg_path
 
 
 @dataclass(frozen=True)

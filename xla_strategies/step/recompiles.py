@@ -8,7 +8,8 @@ import warnings
 
 import jax
 
-from xla_strategies.step.arguments import ArraySpec, Signature, arg_path
+from xla_strategies.core.trees import arg_path
+from xla_strategies.step.arguments import ArraySpec, Signature
 
 #: After this many programs for one step, a warning names what keeps changing.
 RECOMPILES_WARNED_AFTER = 8

@@ -14,13 +14,11 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes import DEFAULT_PIPELINE
-from xla_strategies.passes.base import Pass
 from xla_strategies.passes.pipeline import (
     PassPipeline,
     dropping_pass,
@@ -31,28 +29,10 @@ from xla_strategies.passes.pipeline import (
 from xla_strategies.passes.transforms.insert_reductions import InsertReductions
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
+from xla_strategies.step.protocols import Setting
 
 if TYPE_CHECKING:
-    from xla_strategies.distribute.strategy import Strategy
-
-
-@dataclass(frozen=True)
-class PipelineChanges:
-    """What a strategy changes in the default pipeline: passes it adds (in place of a pass
-    of the same name, else where `PASS_ORDER` puts them) and passes it leaves out."""
-
-    add: tuple[Pass, ...] = ()
-    leave_out: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class Setting:
-    """Options a user-facing setting (`source`, named in conflicts) gives every
-    `pass_class` pass of a pipeline, wherever the pipeline came from."""
-
-    pass_class: type[Pass]
-    source: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    from xla_strategies.step.protocols import StepStrategy
 
 
 @dataclass(frozen=True)
@@ -75,7 +55,7 @@ class PipelineOptions:
         )
 
 
-def step_pipeline(strategy: Strategy, options: PipelineOptions) -> PassPipeline:
+def step_pipeline(strategy: StepStrategy, options: PipelineOptions) -> PassPipeline:
     """The pipeline a step of `strategy` runs, by the rule in this module's docstring."""
     pipeline = _base(strategy, options.spec)
     for setting in (*strategy.pipeline_settings(), *options.settings()):
@@ -83,7 +63,7 @@ def step_pipeline(strategy: Strategy, options: PipelineOptions) -> PassPipeline:
     return _forced(pipeline, options.shard_weight_updates, options.shard_parameters)
 
 
-def _base(strategy: Strategy, spec: str | PassPipeline | None) -> PassPipeline:
+def _base(strategy: StepStrategy, spec: str | PassPipeline | None) -> PassPipeline:
     if isinstance(spec, PassPipeline):
         return spec
     if spec is not None:
@@ -99,7 +79,7 @@ def _base(strategy: Strategy, spec: str | PassPipeline | None) -> PassPipeline:
     return pipeline
 
 
-def _warn_if_dropping_strategy_passes(strategy: Strategy, pipeline: PassPipeline) -> None:
+def _warn_if_dropping_strategy_passes(strategy: StepStrategy, pipeline: PassPipeline) -> None:
     """A spec is taken as written: say so when it leaves out a pass the strategy adds
     (a spec built from DEFAULT_PIPELINE drops TPUStrategy's decompose-all-reduces)."""
     names = {p.name for p in pipeline.passes}
@@ -132,7 +112,7 @@ def _forced(
 
 
 def check_sharding_options(
-    strategy: Strategy, shard_weight_updates: bool | None, shard_parameters: bool | None
+    strategy: StepStrategy, shard_weight_updates: bool | None, shard_parameters: bool | None
 ) -> None:
     """The step's sharding options are each True, False or None, and agree with each
     other and with the strategy."""

@@ -8,7 +8,7 @@ from typing import Any
 from xla_strategies.distribute.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.devices import resolve_devices
-from xla_strategies.step.step_pipeline import PipelineChanges
+from xla_strategies.step.protocols import PipelineChanges
 
 
 class MirroredStrategy(Strategy):

@@ -24,7 +24,7 @@ from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes import CombineAllReduces, DecomposeAllReduces
 from xla_strategies.runtime import cluster_health
-from xla_strategies.step.step_pipeline import PipelineChanges, Setting
+from xla_strategies.step.protocols import PipelineChanges, Setting
 
 
 class MultiWorkerMirroredStrategy(Strategy):

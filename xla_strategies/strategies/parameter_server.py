@@ -35,9 +35,10 @@ import numpy as np
 
 from xla_strategies.cluster_resolver.tf_config import TFConfigClusterResolver
 from xla_strategies.core.errors import UnavailableError
-from xla_strategies.runtime.parameter_server.layout import Layout
+from xla_strategies.runtime.parameter_server.placement import Placement
 from xla_strategies.runtime.parameter_server.shard import ParameterShard, call_shards
 from xla_strategies.runtime.parameter_server.worker import PSStep, Worker
+from xla_strategies.strategies.mirrored import MirroredStrategy
 
 
 def _reachable(address: str, timeout: float) -> None:
@@ -99,7 +100,7 @@ class ParameterServerStrategy:
         if address is not None:
             _reachable(address, connect_timeout)
         self._start_ray(address, runtime_env)
-        self.layout: Layout | None = None
+        self.placement: Placement | None = None
         self.shards: list[Any] = []
 
     def _start_ray(self, address: str | None, runtime_env: dict[str, Any] | None) -> None:
@@ -127,16 +128,17 @@ class ParameterServerStrategy:
         import ray
 
         host = jax.tree.map(np.asarray, params)
-        self.layout = Layout.build(host, self.num_ps, self.variable_partitioner)
+        self.placement = Placement.build(host, self.num_ps, self.variable_partitioner)
         actor = ray.remote(ParameterShard).options(num_cpus=0, max_restarts=0)
         self.shards = [
-            actor.remote(i, pieces, optimizer) for i, pieces in enumerate(self.layout.split(host))
+            actor.remote(i, pieces, optimizer)
+            for i, pieces in enumerate(self.placement.split(host))
         ]
 
     def variables(self, timeout: float = 60) -> Any:
         """The current variables, assembled from the PS tasks, as numpy arrays."""
         parts = self._from_shards("pull", timeout)
-        return self._layout().join([p for _, p in parts])
+        return self._placement().join([p for _, p in parts])
 
     def staleness(self, timeout: float = 60) -> Counter[int]:
         """How many updates behind each applied gradient was, counted over all PS tasks."""
@@ -150,13 +152,13 @@ class ParameterServerStrategy:
         return [s["version"] for s in self._from_shards("stats", timeout)]
 
     def _from_shards(self, method: str, timeout: float) -> list[Any]:
-        self._layout()
+        self._placement()
         return call_shards(self.shards, method, timeout=timeout)
 
-    def _layout(self) -> Layout:
-        if self.layout is None:
+    def _placement(self) -> Placement:
+        if self.placement is None:
             raise RuntimeError("call strategy.create_variables(params, optimizer) first")
-        return self.layout
+        return self.placement
 
     # steps and workers
 
@@ -167,17 +169,21 @@ class ParameterServerStrategy:
             raise TypeError(f"grad_fn must be callable, got {type(grad_fn).__name__}")
         return PSStep(grad_fn)
 
-    def _start_workers(self) -> list[Any]:
+    def start_workers(self) -> list[Any]:
+        """Start the worker tasks on Ray (the coordinator calls it once)."""
         import ray
 
-        layout = self._layout()
+        placement = self._placement()
         env: dict[str, Any] = {}
         if self.devices_per_worker is not None:
             flag = f"--xla_force_host_platform_device_count={self.devices_per_worker}"
             env = {"env_vars": {"XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}}
         # A killed worker is restarted by Ray and used again; its closures run elsewhere.
         actor = ray.remote(Worker).options(num_cpus=0, max_restarts=-1, runtime_env=env)
-        return [actor.remote(i, self.shards, layout) for i in range(self.num_workers)]
+        return [
+            actor.remote(i, self.shards, placement, MirroredStrategy)
+            for i in range(self.num_workers)
+        ]
 
     def shutdown(self) -> None:
         import ray

@@ -21,7 +21,7 @@ import numpy as np
 from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes import DecomposeAllReduces
-from xla_strategies.step.step_pipeline import PipelineChanges
+from xla_strategies.step.protocols import PipelineChanges
 from xla_strategies.strategies.logical_devices import (
     assign_to_logical_device,
     check_device_assignment,

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torchax.ops import mappings
 
-from xla_strategies.step.arguments import fold_stacked, is_stacked
+from xla_strategies.core.layout import fold_stacked, is_stacked
 from xla_strategies.torch.traced_hyperparameters import current_values, without_traced
 
 _CHILDREN = ("params", "buffers", "opt_state", "rng", "hyperparams")

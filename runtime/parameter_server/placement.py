@@ -25,7 +25,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     pieces: tuple[Piece, ...]
@@ -34,7 +34,7 @@ class Layout:
     @classmethod
     def build(
         cls, params: Any, num_ps: int, partitioner: Callable[..., list[int]] | None = None
-    ) -> Layout:
+    ) -> Placement:
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         if not paths_leaves:
             raise ValueError("variables has no arrays")

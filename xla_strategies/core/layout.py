@@ -1,0 +1,69 @@
+"""The layout vocabulary: where an array lives and what each replica sees of it, and the
+mesh axis-name prefixes that mark per-replica stacks and state held split."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+#: Stacked per-replica values live on a mesh whose axis names carry this prefix.
+STACKED_PREFIX = "stacked:"
+#: Mirrored state a pass holds split across the replicas (weight-update sharding) lives on a
+#: mesh whose axis names carry this prefix, so it never looks like a split batch.
+SHARDED_PREFIX = "sharded:"
+
+
+class Layout(enum.Enum):
+    """Where an array lives and what each replica sees of it."""
+
+    MIRRORED = "mirrored"  # whole, on every replica
+    SPLIT = "split"  # a global batch: dim 0 split across the replicas
+    STACKED = "stacked"  # one value per replica, stacked on a leading replica axis
+
+
+def refuse_foreign_split(array: Any, sharding: Any) -> None:
+    """A batch another strategy split (its mesh's replica axes on dim 0) would pass here as
+    mirrored, every replica the whole batch: an error instead. State another strategy
+    holds split or stacked (its reserved axis names) is a value, read whole."""
+    first = sharding.spec[0] if sharding.spec else None
+    axes = first if isinstance(first, tuple) else (first,)
+    if first is None or sharding.is_fully_replicated:
+        return
+    if any(str(a).startswith((SHARDED_PREFIX, STACKED_PREFIX)) for a in axes):
+        return
+    raise ValueError(
+        f"an array of shape {tuple(array.shape)} is split on its first dimension over another "
+        f"mesh's axes {list(axes)} (another strategy's batch?); this strategy would give every "
+        "replica all of it. Distribute batches with this strategy "
+        "(experimental_distribute_dataset, or jax.ShapeDtypeStruct with "
+        "sharding=strategy.split_sharding() for a compile-only one), or pass host arrays"
+    )
+
+
+def is_stacked(array: Any) -> bool:
+    """Whether `array` holds per-replica values stacked on a leading replica axis, for
+    any strategy: it lives on a stacked mesh (every axis named `STACKED_PREFIX...`). Whether
+    it is stacked over a given strategy's replicas is `Strategy.layout`'s question."""
+    sharding = getattr(array, "sharding", None)
+    axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
+    stacked_mesh = bool(axes) and all(str(a).startswith(STACKED_PREFIX) for a in axes)
+    return stacked_mesh and bool(sharding.spec) and sharding.spec[0] is not None
+
+
+def fold_stacked(values: Any, where: str) -> Any:
+    """Per-replica values (stacked on a leading replica axis) as one value, as
+    tf.distribute reads a `SyncOnRead` variable: a floating value's mean over the replicas,
+    in its dtype; an integer or bool value's common value, and a ValueError naming `where`
+    when the replicas differ, since integers have no mean to fold them into."""
+    if jnp.issubdtype(values.dtype, jnp.inexact):
+        return jnp.mean(values, axis=0).astype(values.dtype)
+    rows = np.asarray(values)
+    if not (rows == rows[0]).all():
+        raise ValueError(
+            f"{where} holds a different {rows.dtype} value on each replica, and integers have "
+            "no mean to fold them into one; read them with strategy.experimental_local_results"
+        )
+    return rows[0]
