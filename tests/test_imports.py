@@ -141,3 +141,24 @@ def test_every_package_is_in_the_wheel():
         for init in (root / folder).rglob("__init__.py"):
             parts = init.parent.relative_to(root / folder).parts
             assert ".".join((package, *parts)) in listed, init
+
+
+def test_every_strategy_is_what_the_lower_layers_read():
+    """The Protocols the layers below the Strategy base type a strategy with name members
+    every strategy has (a member renamed in one place would fail here)."""
+    import xla_strategies as xs
+    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.step.protocols import StepStrategy
+
+    strategies = [
+        xs.OneDeviceStrategy(),
+        xs.MirroredStrategy(),
+        xs.experimental.CentralStorageStrategy(),
+        xs.TPUStrategy("v5e-8", emulate=True),
+        xs.TPUStrategy("v5e-16", compile_only=True),
+        xs.get_strategy(),
+    ]
+    for strategy in strategies:
+        assert isinstance(strategy, StrategyLike), type(strategy).__name__
+        assert isinstance(strategy, StepStrategy), type(strategy).__name__
+    assert not isinstance(object(), StrategyLike)

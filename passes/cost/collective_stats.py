@@ -11,17 +11,16 @@ from collections import Counter
 from typing import Any
 
 from xla_strategies.passes.ir.graph import Graph
-from xla_strategies.passes.ir.walk import walk_per_step
+from xla_strategies.passes.ir.walk import collectives_per_step, payload_bytes
 
 
 def collective_counts(graph: Graph) -> tuple[Counter[str], Counter[str]]:
     """(executions per step, bytes per step per replica) for each collective op."""
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
-    for node, times in walk_per_step(graph):
-        if node.is_collective:
-            counts[node.op] += times
-            nbytes[node.op] += times * sum(v.nbytes for v in node.inputs)
+    for node, times in collectives_per_step(graph):
+        counts[node.op] += times
+        nbytes[node.op] += times * payload_bytes(node)
     return counts, nbytes
 
 

@@ -13,17 +13,15 @@ from typing import Any
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.timeline import step_estimate
 from xla_strategies.passes.ir.graph import Graph
-from xla_strategies.passes.ir.walk import walk_per_step
+from xla_strategies.passes.ir.walk import collectives_per_step, payload_bytes
 from xla_strategies.passes.pipeline import Instrument
 
 
 def collectives(graph: Graph, topology: Any = None) -> list[dict[str, Any]]:
     """One entry per collective node, in schedule order."""
     entries = []
-    for node, trips in walk_per_step(graph):
-        if not node.is_collective:
-            continue
-        nbytes = sum(v.nbytes for v in node.inputs)
+    for node, trips in collectives_per_step(graph):
+        nbytes = payload_bytes(node)
         estimate = None
         if topology is not None and node.op in ("all_reduce", "reduce_scatter", "all_gather"):
             estimate = trips * topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))

@@ -33,10 +33,17 @@ def walk_per_step(graph: Graph, times: int = 1) -> Iterator[tuple[Node, int]]:
             yield from walk_per_step(region, times * trips)
 
 
+def collectives_per_step(graph: Graph) -> Iterator[tuple[Node, int]]:
+    """Every collective that runs in a step, with how many times it runs."""
+    return ((node, times) for node, times in walk_per_step(graph) if node.is_collective)
+
+
+def payload_bytes(node: Node) -> int:
+    """Bytes per replica one run of the collective `node` moves: its operands'. Every count
+    of collective bytes (statistics, ledger, timeline) is made of this."""
+    return sum(v.nbytes for v in node.inputs)
+
+
 def collective_bytes(graph: Graph) -> int:
     """Bytes per replica that `graph`'s collectives move when it runs once."""
-    return sum(
-        times * sum(v.nbytes for v in node.inputs)
-        for node, times in walk_per_step(graph)
-        if node.is_collective
-    )
+    return sum(times * payload_bytes(node) for node, times in collectives_per_step(graph))

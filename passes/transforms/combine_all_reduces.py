@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.cost.model import bucket_bytes
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 
 # Without a topology (CPU, plain MirroredStrategy): chosen from the sweep in
@@ -203,8 +204,6 @@ def _pack_of(graph: Graph, num_packs: int) -> dict[Node, int]:
 def _threshold_for(ctx: PassContext) -> int:
     if ctx.topology is None:
         return DEFAULT_THRESHOLD_BYTES
-    from xla_strategies.passes.cost.model import bucket_bytes
-
     return bucket_bytes(ctx.topology.axis_links(tuple(ctx.mesh_axes)))
 
 

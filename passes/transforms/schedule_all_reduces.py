@@ -37,7 +37,7 @@ from xla_strategies.passes.cost.model import pipelined_exposure
 from xla_strategies.passes.cost.timeline import compute_seconds
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.ir.walk import regions_per_step, walk_per_step
+from xla_strategies.passes.ir.walk import payload_bytes, regions_per_step, walk_per_step
 from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
 
 CHOICES = ("hoist", "pipeline")
@@ -133,8 +133,7 @@ def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     found, elapsed = [], 0.0
     for node, cost in zip(body.nodes, costs, strict=True):
         if node.op == "all_reduce":
-            nbytes = sum(v.nbytes for v in node.inputs)
-            found.append(Readiness(node, nbytes, elapsed, total - elapsed))
+            found.append(Readiness(node, payload_bytes(node), elapsed, total - elapsed))
         elapsed += cost
     return found
 

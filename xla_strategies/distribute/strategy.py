@@ -35,6 +35,7 @@ from xla_strategies.core.layout import SHARDED_PREFIX, STACKED_PREFIX, Layout, r
 from xla_strategies.core.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.core.trees import abstract_like, copy_to, map_arrays
 from xla_strategies.distribute.extended import StrategyExtended
+from xla_strategies.distribute.merge_call import merge_call
 from xla_strategies.distribute.values import distribute_values_from_function
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.layouts import replica_spec
@@ -319,8 +320,6 @@ class Strategy:
         self, context: Any, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
         """`ReplicaContext.merge_call` inside this strategy's step (`merge_call.py`)."""
-        from xla_strategies.distribute.merge_call import merge_call
-
         return merge_call(self, context, merge_fn, args, kwargs)
 
     @functools.cached_property

@@ -28,6 +28,7 @@ from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
 from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
 from xla_strategies.passes.bridge.lowering import lower
+from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.runtime import cluster_health
@@ -383,6 +384,4 @@ def _put(leaf: Any, sharding: NamedSharding, strategy: StepStrategy) -> Any:
 
 
 def _reduction_stats(graph: Graph) -> dict[str, Any]:
-    from xla_strategies.passes.cost.collective_stats import collective_summary
-
     return collective_summary(graph)

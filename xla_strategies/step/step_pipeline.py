@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes import DEFAULT_PIPELINE
@@ -29,10 +28,7 @@ from xla_strategies.passes.pipeline import (
 from xla_strategies.passes.transforms.insert_reductions import InsertReductions
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
-from xla_strategies.step.protocols import Setting
-
-if TYPE_CHECKING:
-    from xla_strategies.step.protocols import StepStrategy
+from xla_strategies.step.protocols import Setting, StepStrategy
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from xla_strategies.strategies.logical_devices import (
     replicate_to_logical_devices,
     split_to_logical_devices,
 )
+from xla_strategies.strategies.mirrored import MirroredStrategy
 
 
 class TPUStrategy(Strategy):
@@ -106,8 +107,6 @@ class TPUStrategy(Strategy):
     def sub_strategy(self, replicas: int) -> Strategy:
         """Part of a slice is no torus of its own: its first `replicas` chips run the
         batch as a `MirroredStrategy`."""
-        from xla_strategies.strategies.mirrored import MirroredStrategy
-
         return MirroredStrategy(self.devices[:replicas])
 
     def pipeline_changes(self) -> PipelineChanges:
