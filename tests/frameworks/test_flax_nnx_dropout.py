@@ -12,6 +12,7 @@ from flax import nnx
 
 import xla_strategies as xs
 from tests.frameworks.reference import R, mean_of, replica_slices
+from xla_strategies.core.layout import Layout
 
 
 class MLP(nnx.Module):  # as flax's docs write a model with dropout
@@ -117,6 +118,6 @@ def test_a_returned_stream_comes_back_mirrored(rngs_in):
 
         _, state = strategy.compile(functional)(state, x)
         stream = nnx.merge(graphdef, state).rngs
-    assert strategy.layout(stream.key[...]) is xs.arguments.Layout.MIRRORED
+    assert strategy.layout(stream.key[...]) is Layout.MIRRORED
     np.testing.assert_array_equal(jax.random.key_data(stream.key[...]), key_before)
     assert int(stream.count[...]) == 1
