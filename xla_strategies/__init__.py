@@ -24,7 +24,7 @@ from xla_strategies.distribute.cross_device_ops import (
 )
 from xla_strategies.distribute.extended import StrategyExtended
 from xla_strategies.distribute.strategy import Strategy
-from xla_strategies.hardware import libtpu_backend as _libtpu_backend  # noqa: F401  (quiet without TPUs)
+from xla_strategies.hardware import accelerator_plugins as _plugins  # noqa: F401  (see there)
 from xla_strategies.hardware.devices import emulate_cpu_devices
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.axis_names import UnknownAxisError

@@ -39,14 +39,18 @@ def dump(args: Namespace) -> int:
 
 
 def aot(args: Namespace) -> int:
-    """Compile the script's first TPUStrategy step for a TPU topology, on this machine,
-    and print what XLA's TPU compiler says of it: does it fit, and its communication."""
-    from xla_strategies.hardware.topology import Topology, hardware_config
-    from xla_strategies.strategies.tpu import AOT_TOPOLOGY
+    """Compile the script's first step for a TPU slice (its TPUStrategy) or GPU nodes (its
+    MirroredStrategy for one node, MultiWorkerMirroredStrategy for several), on this
+    machine, and print what XLA's compiler says of it: does it fit, and its communication."""
+    from xla_strategies.hardware.topology import AOT_TOPOLOGY, Topology, hardware_config
 
     topology = Topology.from_name(args.topology)
-    if hardware_config(topology.hardware)["kind"] != "tpu":
-        raise ValueError(f"--topology {args.topology!r} is not a TPU topology (e.g. v5e-256)")
+    kind = hardware_config(topology.hardware)["kind"]
+    if kind not in ("tpu", "gpu"):
+        raise ValueError(
+            f"--topology {args.topology!r} is neither a TPU slice nor GPU nodes "
+            "(e.g. v5e-256, dgx-h100, 2xdgx-h100)"
+        )
     env = {AOT_TOPOLOGY: topology.name, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     out = Path(args.out)
     started = time.time()
@@ -56,15 +60,23 @@ def aot(args: Namespace) -> int:
     if returncode != 0:
         return returncode  # a previous run's summaries in --out are not this run's
     fresh = [s for s in steps(out) if _written_since(s.directory / "summary.txt", started)]
-    on_tpu = [s for s in fresh if _platform(s.directory) == "tpu"]
-    for step in on_tpu:
+    on_target = [s for s in fresh if _platform(s.directory) == kind]
+    for step in on_target:
         print((step.directory / "summary.txt").read_text(), end="")
-    if not on_tpu:
+    if not on_target:
         compiled = ", ".join(f"{s.name} for {_platform(s.directory)}" for s in fresh)
+        strategies = (
+            "xs.TPUStrategy(...)"
+            if kind == "tpu"
+            else "xs.MultiWorkerMirroredStrategy()"
+            if topology.mesh_axes.get("host", 1) > 1
+            else "xs.MirroredStrategy()"
+        )
         print(
-            "xla-strategies aot: the script compiled no TPU step"
+            f"xla-strategies aot: the script compiled no {kind.upper()} step"
             + (f" (it compiled {compiled})" if compiled else "")
-            + "; it must build its strategy with xs.TPUStrategy(...) and call a compiled step",
+            + f"; for {topology.name} it must build its strategy with {strategies} and call "
+            "a compiled step",
             file=sys.stderr,
         )
         return 1
@@ -89,7 +101,8 @@ def report(args: Namespace) -> int:
     with the reader the step reports use, and print its collectives and their cost."""
     import json
 
-    from xla_strategies.hardware.compiled_report import hlo_report, summary_text
+    from xla_strategies.hardware.compiled_report import hlo_report
+    from xla_strategies.hardware.report_text import summary_text
     from xla_strategies.hardware.topology import Topology
 
     text = Path(args.file).read_text(errors="replace")

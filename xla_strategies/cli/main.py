@@ -34,10 +34,14 @@ def _parser() -> argparse.ArgumentParser:
 
     aot = commands.add_parser(
         "aot",
-        help="compile a script's first step for a TPU topology, without TPUs",
+        help="compile a script's first step for a TPU slice or GPU nodes, without them",
         usage="xla-strategies aot --topology v5e-256 [--out DIR] -- python train.py ARGS...",
     )
-    aot.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e-256, 2xv5p-512")
+    aot.add_argument(
+        "--topology",
+        required=True,
+        help="a TPU slice (v5e-256, 2xv5p-512) or GPU nodes (dgx-h100, 2xdgx-h100)",
+    )
     aot.add_argument("--out", default="aot_dumps", help="dump directory (default: aot_dumps)")
     aot.add_argument(
         "--timeout",

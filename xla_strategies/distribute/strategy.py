@@ -60,9 +60,13 @@ class Strategy:
     #: The cluster's resolver, as tf.distribute has it: None for strategies of one host.
     cluster_resolver: Any = None
 
-    def __init__(self, devices: Any, axis_names: tuple[str, ...] = ("replica",)) -> None:
-        """`devices`: a sequence (one axis) or an array with one dimension per axis name."""
+    def __init__(
+        self, devices: Any, axis_names: tuple[str, ...] = ("replica",), compile_only: bool = False
+    ) -> None:
+        """`devices`: a sequence (one axis) or an array with one dimension per axis name;
+        `compile_only`: they are the devices a compiler describes for a topology."""
         array = np.asarray(devices, dtype=object)
+        self._compile_only = compile_only
         if array.ndim != len(axis_names):
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
         self._mesh = Mesh(array, axis_names)
@@ -204,10 +208,11 @@ class Strategy:
 
     @property
     def compile_only(self) -> bool:
-        """Whether the strategy's devices only compile (`TPUStrategy(compile_only=True)`):
-        its values are abstract `jax.ShapeDtypeStruct`s that carry their sharding, and its
-        steps are lowered and compiled, never run."""
-        return False
+        """Whether the strategy's devices only compile (`TPUStrategy(compile_only=True)`,
+        `MirroredStrategy(topology="dgx-h100", compile_only=True)`): its values are
+        abstract `jax.ShapeDtypeStruct`s that carry their sharding, and its steps are
+        lowered and compiled, never run."""
+        return self._compile_only
 
     def split_sharding(self) -> NamedSharding:
         """Where a global batch lives: dim 0 split across the replicas (what
@@ -382,7 +387,11 @@ class Strategy:
         return [jax.device_put(part, d) for part, d in zip(parts, devices, strict=False)]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+        only = f"{self.topology}, " if self.compile_only else ""
+        tail = ", compile_only=True" if self.compile_only else ""
+        return (
+            f"{type(self).__name__}({only}num_replicas_in_sync={self.num_replicas_in_sync}{tail})"
+        )
 
 
 def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:

@@ -29,6 +29,7 @@ from xla_strategies.hardware.hlo import (
     participants,
     replica_groups,
 )
+from xla_strategies.hardware.hlo_flops import hlo_flops, matmul_seconds
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _EMITTER = re.compile(r'"emitter":"(\w+)"')
@@ -100,6 +101,8 @@ class CompiledReport:
     collectives: list[Collective]
     compile_seconds: float
     estimate: dict[str, float | None] = field(default_factory=dict)
+    #: where XLA reports no flops (its GPU compiler), the HLO's matmul flops by element type
+    flops_by_dtype: dict[str, float] | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -256,14 +259,20 @@ def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
     costs = compiled.cost_analysis() or {}
     costs = costs[0] if isinstance(costs, list) else costs
     topology = strategy.topology
+    by_dtype = None if costs.get("flops") else dict(hlo_flops(text))  # GPU: no cost analysis
     report = CompiledReport(
         platform=strategy.devices[0].platform,
         topology=getattr(topology, "name", None),
         hbm_bytes=getattr(topology, "hbm_bytes", None),
         memory=Memory.of(compiled.memory_analysis()),
-        flops=_flops_per_step(float(costs.get("flops", 0.0)), text),
+        flops=(
+            sum(by_dtype.values())
+            if by_dtype is not None
+            else _flops_per_step(float(costs.get("flops", 0.0)), text)
+        ),
         collectives=collectives(text),
         compile_seconds=float(getattr(compiled, "compile_seconds", 0.0)),
+        flops_by_dtype=by_dtype,
     )
     report.estimate = step_estimate(report, topology, total_cycles(text))
     return report
@@ -295,13 +304,16 @@ def _flops_per_step(flops: float, hlo_text: str) -> float:
 
 def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[str, float | None]:
     """Seconds per step: compute from XLA's flops (per step, loops per trip) at the chip's
-    bf16 peak; communication
+    bf16 peak, or where XLA reports none (GPU) from the HLO's matmul flops at each element
+    type's peak (`hlo_flops`); communication
     from the topology's cost model per collective XLA kept; exposed communication from
     XLA's schedule (an asynchronous collective hides behind the share of the compute,
     by XLA's cycle estimates, scheduled between its start and done). None where the
     topology does not know a rate."""
     peak = getattr(topology, "peak_flops", None)
     compute = report.flops / peak if peak and report.flops is not None else None
+    if report.flops_by_dtype is not None:
+        compute = matmul_seconds(report.flops_by_dtype, topology)
     if topology is None:
         return {"compute_s": compute, "communication_s": None, "exposed_s": None, "step_s": None}
     communication = exposed = 0.0
@@ -339,56 +351,3 @@ def _collective_seconds(c: Collective, topology: Any) -> float:
     # XLA's own algorithm for the group: the cost model's `flat` (on a TPU slice, its
     # multi-dimensional torus algorithm), not the best of the algorithms passes choose from
     return topology.collective_time(op, whole, tuple(axes), algorithm="flat")
-
-
-def summary_text(report: CompiledReport, name: str) -> str:
-    """The report as a few lines for a terminal."""
-    lines = [f"step {name} on {report.topology or report.platform}", _memory_line(report)]
-    kinds: dict[str, list[int]] = {}
-    for c in report.collectives:
-        count_bytes = kinds.setdefault(c.kind, [0, 0])
-        count_bytes[0] += c.times
-        count_bytes[1] += c.times * c.nbytes
-    kept = ", ".join(f"{k} x{n} ({b:,} B)" for k, (n, b) in sorted(kinds.items())) or "none"
-    lines.append(f"  collectives/step  {kept}")
-    asynchronous = [c for c in report.collectives if c.asynchronous]
-    if asynchronous:
-        hidden = sum(1 for c in asynchronous if c.overlapped_ops)
-        lines.append(
-            f"  asynchronous      {len(asynchronous)} collective(s), {hidden} with compute "
-            "scheduled between start and done"
-        )
-    est = report.estimate
-    if est.get("step_s") is None and est.get("communication_s") is not None:
-        lines.append(
-            f"  communication     {est['communication_s'] * 1e3:.3f} ms (estimated: the "
-            "topology's cost model per collective; compute needs the executable)"
-        )
-    if est.get("step_s") is not None:
-        share = est["exposed_s"] / est["step_s"] if est["step_s"] else 0.0
-        ms = {k: (v or 0.0) * 1e3 for k, v in est.items()}
-        lines.append(
-            f"  estimated step    {ms['step_s']:.3f} ms: compute {ms['compute_s']:.3f} ms (XLA "
-            f"flops at peak), communication {ms['communication_s']:.3f} ms, exposed "
-            f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
-        )
-    if report.memory is not None:  # read from an executable, not from text
-        lines.append(f"  compile time      {report.compile_seconds:.1f} s")
-    return "\n".join(lines)
-
-
-def _memory_line(report: CompiledReport) -> str:
-    gib = 2**30
-    memory = report.memory
-    if memory is None:
-        return (
-            "  memory per chip   unknown (read from HLO text; XLA's memory analysis needs "
-            "the executable)"
-        )
-    fits = {True: "fits", False: "DOES NOT FIT", None: "chip memory unknown"}[report.fits]
-    hbm = f" of {report.hbm_bytes / gib:.2f} GiB HBM" if report.hbm_bytes else ""
-    return (
-        f"  memory per chip   {memory.total_bytes / gib:.3f} GiB{hbm} ({fits}): arguments "
-        f"{memory.argument_bytes / gib:.3f}, temporaries {memory.temp_bytes / gib:.3f}, outputs "
-        f"{memory.output_bytes / gib:.3f}, aliased {memory.alias_bytes / gib:.3f}"
-    )

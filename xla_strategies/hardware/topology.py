@@ -10,6 +10,7 @@ The numbers come from `tpu_configs/<hardware>.toml`, each with its public source
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, replace
@@ -24,6 +25,22 @@ _NAME = re.compile(
     r"^(?:(?P<count>\d+)x)?(?P<hardware>v\d+[a-z]*|[a-z][\w\-]*?)(?:-(?P<slice>\d+))?$"
 )
 _ICI_AXES = ("x", "y", "z")
+
+
+#: Set by `xla-strategies aot --topology NAME`: a strategy built for NAME's kind of hardware
+#: (TPUStrategy for a TPU slice; MirroredStrategy for one GPU node, MultiWorkerMirroredStrategy
+#: for several) is compile-only for NAME.
+AOT_TOPOLOGY = "XLA_STRATEGIES_AOT_TOPOLOGY"
+
+
+def aot_topology(kind: str) -> Topology | None:
+    """The topology `xla-strategies aot` compiles this script for, when it is of `kind`
+    ("tpu" or "gpu"); None otherwise."""
+    name = os.environ.get(AOT_TOPOLOGY)
+    if not name:
+        return None
+    topology = Topology.from_name(name)
+    return topology if hardware_config(topology.hardware)["kind"] == kind else None
 
 
 @cache
@@ -60,6 +77,8 @@ class Topology:
     #: whether the compiler runs a reduce-scatter over several torus axes as an all-reduce
     #: and a slice (TPU), so that one axis at a time moves half the bytes
     reduce_scatter_over_axes_is_all_reduce: bool = False
+    #: each device's dense f32 matmul peak (flop/s; TF32 on GPUs); None: the bf16 peak
+    peak_f32_flops: float | None = None
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -92,6 +111,7 @@ class Topology:
             config.get("hbm_bytes"),
             tuple(tile) if tile else None,
             bool(config.get("reduce_scatter_over_axes_is_all_reduce", False)),
+            config.get("peak_tf32_flops_per_s"),
         )
 
     @classmethod

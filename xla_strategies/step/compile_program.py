@@ -49,16 +49,41 @@ def compile_lowered(compile_: Callable[[], Any], strategy: Any, name: str) -> An
             raise
         raise OutOfMemoryError(_out_of_memory(str(exc), strategy, name)) from exc
     compiled.compile_seconds = time.perf_counter() - start
+    if strategy.compile_only:
+        _check_fits(compiled, strategy, name)
     return compiled
 
 
-def _out_of_memory(message: str, strategy: Any, name: str) -> str:
+def _check_fits(compiled: Any, strategy: Any, name: str) -> None:
+    """XLA's GPU compiler compiles a program whatever its size (the runtime fails when it
+    allocates): for a compile-only strategy, the memory analysis is held against the
+    device's memory here, as XLA's TPU compiler does itself."""
+    hbm = getattr(strategy.topology, "hbm_bytes", None)
+    stats = compiled.memory_analysis()
+    if not hbm or stats is None:
+        return
+    needed = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+        + stats.generated_code_size_in_bytes
+    )
+    if needed > hbm:
+        needs = f"needs {needed / 2**30:.2f} GiB per device, {hbm / 2**30:.2f} GiB available"
+        said = "its memory analysis (arguments, outputs, temporaries) exceeds the device's memory"
+        raise OutOfMemoryError(_out_of_memory(said, strategy, name, needs=needs))
+
+
+def _out_of_memory(message: str, strategy: Any, name: str, needs: str | None = None) -> str:
     topology = strategy.topology
     where = str(topology) if topology is not None else f"{strategy.num_replicas_in_sync} devices"
     hbm = getattr(topology, "hbm_bytes", None)
-    chip = f"{hbm / 2**30:.2f} GiB of HBM per chip" if hbm else "an unknown memory size"
+    per = "memory per GPU" if strategy.devices[0].platform == "gpu" else "HBM per chip"
+    chip = f"{hbm / 2**30:.2f} GiB of {per}" if hbm else "an unknown memory size"
     found = _NEEDED.search(message)
-    needs = f"needs {found[1]}B per chip, {found[2]}B available" if found else "does not fit"
+    if needs is None:
+        needs = f"needs {found[1]}B per chip, {found[2]}B available" if found else "does not fit"
     first = message.strip().splitlines()[0].rstrip(".")
     return (
         f"step {name} {needs} on {where} ({chip}). XLA's compiler says: {first}. "

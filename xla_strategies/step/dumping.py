@@ -24,7 +24,8 @@ from typing import Any
 
 import jax
 
-from xla_strategies.hardware.compiled_report import compiled_report, summary_text
+from xla_strategies.hardware.compiled_report import compiled_report
+from xla_strategies.hardware.report_text import summary_text
 from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.cost.ledger import LedgerRecorder
 from xla_strategies.passes.cost.timeline import chrome_trace

@@ -8,7 +8,9 @@ from typing import Any
 from xla_strategies.distribute.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.devices import resolve_devices
+from xla_strategies.hardware.topology import Topology
 from xla_strategies.step.protocols import PipelineChanges
+from xla_strategies.strategies.gpu_nodes import compile_only_nodes
 
 
 class MirroredStrategy(Strategy):
@@ -19,24 +21,40 @@ class MirroredStrategy(Strategy):
     `cross_device_ops` (`xs.NcclAllReduce`, `xs.HierarchicalCopyAllReduce`,
     `xs.ReductionToOneDevice`) picks how the passes rewrite those reductions
     (`xla_strategies.distribute.cross_device_ops`); None keeps the default pipeline.
+
+    `topology="dgx-h100", compile_only=True` lays the strategy out on the GPUs XLA's GPU
+    compiler describes for one such node, on a machine without them
+    (`pip install 'xla-strategies[gpu]'`): a step's `lower(...).compile()` returns a GPU
+    executable, and calling it is an error. `xla-strategies aot --topology dgx-h100` makes
+    every MirroredStrategy of a script compile-only for that node.
     """
 
     pipeline_label = "mirrored"
 
     def __init__(
-        self, devices: Sequence[Any] | None = None, cross_device_ops: CrossDeviceOps | None = None
+        self,
+        devices: Sequence[Any] | None = None,
+        cross_device_ops: CrossDeviceOps | None = None,
+        *,
+        topology: Topology | str | None = None,
+        compile_only: bool = False,
     ) -> None:
-        devices = resolve_devices(devices)
+        node, gpus = compile_only_nodes("MirroredStrategy", topology, compile_only, several=False)
+        if gpus is not None and devices is not None:
+            raise ValueError(
+                "MirroredStrategy(compile_only=True) takes the node's GPUs, not devices"
+            )
+        devices = gpus if gpus is not None else resolve_devices(devices)
         self.cross_device_ops = cross_device_ops
         if cross_device_ops is None:
-            super().__init__(devices)
+            super().__init__(devices, compile_only=node is not None)
             return
         if not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
                 "cross_device_ops must be an xs.NcclAllReduce, xs.HierarchicalCopyAllReduce "
                 f"or xs.ReductionToOneDevice, got {type(cross_device_ops).__name__}"
             )
-        super().__init__(*cross_device_ops.mesh(devices))
+        super().__init__(*cross_device_ops.mesh(devices), compile_only=node is not None)
         cross_device_ops.changes(self.devices)  # a bad choice fails here, not at compile
         # the update runs on one device: there is no update to shard
         self.shards_weight_updates = not isinstance(cross_device_ops, ReductionToOneDevice)

@@ -25,6 +25,7 @@ from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes import CombineAllReduces, DecomposeAllReduces
 from xla_strategies.runtime import cluster_health
 from xla_strategies.step.protocols import PipelineChanges, Setting
+from xla_strategies.strategies.gpu_nodes import compile_only_nodes
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -40,18 +41,34 @@ class MultiWorkerMirroredStrategy(Strategy):
         self,
         cluster_resolver: SimpleClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
+        *,
+        topology: Topology | str | None = None,
+        compile_only: bool = False,
     ) -> None:
-        self.cluster_resolver = cluster_resolver or TFConfigClusterResolver()
+        """`topology="2xdgx-h100", compile_only=True`: compile for those GPU nodes on a
+        machine without them, one process (`pip install 'xla-strategies[gpu]'`); the mesh
+        is laid out as on the real cluster, one row per node. `xla-strategies aot
+        --topology 2xdgx-h100` makes every MultiWorkerMirroredStrategy of a script so."""
         self.communication_options = communication_options or CommunicationOptions()
-        _start_distributed(self.cluster_resolver, self.communication_options)
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        try:
-            _check_same_device_counts(devices)
-        except ValueError:
-            _shutdown(meet=False)  # every worker fails the same check: leave in order
-            raise
-        grid = np.asarray(devices, dtype=object).reshape(jax.process_count(), -1)
-        super().__init__(grid, ("host", "local"))
+        nodes, gpus = compile_only_nodes(
+            "MultiWorkerMirroredStrategy", topology, compile_only, several=True
+        )
+        self._nodes = nodes
+        if gpus is not None:
+            self.cluster_resolver = cluster_resolver
+            devices, hosts = gpus, nodes.mesh_axes["host"]
+        else:
+            self.cluster_resolver = cluster_resolver or TFConfigClusterResolver()
+            _start_distributed(self.cluster_resolver, self.communication_options)
+            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+            try:
+                _check_same_device_counts(devices)
+            except ValueError:
+                _shutdown(meet=False)  # every worker fails the same check: leave in order
+                raise
+            hosts = jax.process_count()
+        grid = np.asarray(devices, dtype=object).reshape(hosts, -1)
+        super().__init__(grid, ("host", "local"), compile_only=gpus is not None)
         self._decomposes = implementation_decomposes(
             self.communication_options.implementation, devices[0].platform
         )
@@ -85,6 +102,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         return jax.process_index()
 
     def __repr__(self) -> str:
+        if self._nodes is not None:
+            return (
+                f"MultiWorkerMirroredStrategy({self._nodes}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync}, compile_only=True)"
+            )
         return (
             f"MultiWorkerMirroredStrategy(workers={jax.process_count()}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from xla_strategies.distribute.strategy import Strategy
-from xla_strategies.hardware.topology import Topology
+from xla_strategies.hardware.topology import Topology, aot_topology
 from xla_strategies.passes import DecomposeAllReduces
 from xla_strategies.step.protocols import PipelineChanges
 from xla_strategies.strategies.logical_devices import (
@@ -42,7 +42,7 @@ class TPUStrategy(Strategy):
             machine with or without TPUs (`pip install 'xla-strategies[tpu]'`): a step's
             `lower(...).compile()` returns a TPU executable, and calling it is an error.
             `xla-strategies aot --topology NAME` makes every TPUStrategy of a script
-            compile-only for NAME (the environment variable `AOT_TOPOLOGY`).
+            compile-only for NAME (`hardware.topology.AOT_TOPOLOGY`).
         tpu_cluster_resolver: kept as `cluster_resolver` (`xs.cluster_resolver.TPUClusterResolver`).
         experimental_device_assignment: None, or one core per replica
             (`xla_strategies.strategies.logical_devices` says why a replica is one core).
@@ -65,8 +65,8 @@ class TPUStrategy(Strategy):
         check_device_assignment(experimental_device_assignment)
         self.cluster_resolver = tpu_cluster_resolver
         self.experimental_spmd_xla_partitioning = experimental_spmd_xla_partitioning
-        if os.environ.get(AOT_TOPOLOGY):  # `xla-strategies aot`: the script's own topology
-            topology, emulate, compile_only = os.environ[AOT_TOPOLOGY], False, True
+        if aot := aot_topology("tpu"):  # `xla-strategies aot`: the script's own topology
+            topology, emulate, compile_only = aot, False, True
         if isinstance(topology, str):
             topology = Topology.from_name(topology)
         if emulate and compile_only:
@@ -80,12 +80,7 @@ class TPUStrategy(Strategy):
             topology = _check_tpus(topology, tpus)
             devices = _slice_mesh(topology, tpus)
         self._topology = topology
-        self._compile_only = compile_only
-        super().__init__(devices, tuple(topology.mesh_axes))
-
-    @property
-    def compile_only(self) -> bool:
-        return self._compile_only
+        super().__init__(devices, tuple(topology.mesh_axes), compile_only)
 
     # tf.distribute's logical devices: one per replica (`xla_strategies.strategies.logical_devices`)
 
@@ -114,14 +109,10 @@ class TPUStrategy(Strategy):
         return PipelineChanges(add=(DecomposeAllReduces(),))
 
     def __repr__(self) -> str:
-        only = ", compile_only=True" if self._compile_only else ""
+        only = ", compile_only=True" if self.compile_only else ""
         return (
             f"TPUStrategy({self._topology}, num_replicas_in_sync={self.num_replicas_in_sync}{only})"
         )
-
-
-#: Set by `xla-strategies aot`: every TPUStrategy is compile-only for this topology.
-AOT_TOPOLOGY = "XLA_STRATEGIES_AOT_TOPOLOGY"
 
 
 def _emulated_devices(topology: Topology | None) -> np.ndarray:

@@ -1,0 +1,128 @@
+"""Matmul and convolution flops of a compiled program, read from its HLO, for backends whose
+executables report none (XLA's GPU compiler: `cost_analysis()` is None).
+
+Counted: `dot`s (also inside fusions, such as XLA's Triton GEMM fusions), cuBLAS GEMM
+custom calls, `convolution`s and cuDNN convolution custom calls, each 2 flops per
+multiply-add, once per execution (a while body's once per trip). Not counted: elementwise
+and reduction ops, which are bound by memory bandwidth, not the matmul peak. The result is
+keyed by the operands' element type, so each can be priced at its own peak.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from typing import Any
+
+from xla_strategies.hardware.hlo import CALLEE, OPERAND, Op, computations, executions
+
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+_CONV_TARGETS = {  # where the forward output and the kernel are: (result or operand index)
+    "__cudnn$convForward": ("result", 1),
+    "__cudnn$convBiasActivationForward": ("result", 1),
+    "__cudnn$convBackwardInput": (0, 1),
+    "__cudnn$convBackwardFilter": (1, "result"),
+}
+
+
+def hlo_flops(hlo_text: str) -> Counter[str]:
+    """Flops one step runs, by element type (`bf16`, `f32`, ...)."""
+    comps, entry = computations(hlo_text)
+    total: Counter[str] = Counter()
+    for name, times in executions(comps, entry).items():
+        for dtype, flops in _computation_flops(name, comps).items():
+            total[dtype] += times * flops
+    return total
+
+
+_HALF_WIDTH = ("bf16", "f16", "f8e4m3fn", "f8e5m2")
+
+
+def matmul_seconds(flops_by_dtype: dict[str, float], topology: Any) -> float | None:
+    """The matmul flops at the device's peaks: bf16, f16 and fp8 operands at its dense bf16
+    peak, every wider type at its f32 matmul peak (TF32 tensor cores on GPUs, where XLA's
+    default precision runs f32 dots). None where the topology knows no peak."""
+    peak = getattr(topology, "peak_flops", None)
+    if not peak:
+        return None
+    wide = getattr(topology, "peak_f32_flops", None) or peak
+    return sum(f / (peak if d in _HALF_WIDTH else wide) for d, f in flops_by_dtype.items())
+
+
+def _computation_flops(name: str, comps: dict[str, list[Op]]) -> Counter[str]:
+    ops = comps.get(name, [])
+    types = {op_name: op_types for op_name, op_types, _, _ in ops}
+    found: Counter[str] = Counter()
+    for _, op_types, opcode, rest in ops:
+        if opcode == "fusion":
+            for callee in CALLEE.findall(rest):
+                found.update(_computation_flops(callee, comps))
+            continue
+        counted = _op_flops(opcode, op_types, rest, types)
+        if counted:
+            found[counted[0]] += counted[1]
+    return found
+
+
+def _op_flops(opcode: str, result: str, rest: str, types: dict[str, str]) -> tuple[str, int] | None:
+    operands = _operand_types(rest, types)
+    if opcode == "dot" and operands:
+        return _matmul(result, operands[0], _CONTRACTING.search(rest))
+    if opcode == "convolution" and len(operands) >= 2:
+        return _convolution(result, operands[1], rest, operands[0])
+    if opcode != "custom-call" or not (target := _TARGET.search(rest)):
+        return None
+    if target.group(1) in _GEMM_TARGETS and operands:
+        return _matmul(result, operands[0], _CUBLAS_CONTRACTING.search(rest))
+    where = _CONV_TARGETS.get(target.group(1))
+    if where is None or len(operands) < 2:
+        return None
+    output, kernel = (result if w == "result" else operands[w] for w in where)
+    return _convolution(output, kernel, rest, operands[0])
+
+
+def _matmul(result: str, lhs: str, contracting: re.Match | None) -> tuple[str, int] | None:
+    result_dims, lhs_dims = _dims(result), _dims(lhs)
+    if result_dims is None or lhs_dims is None or contracting is None:
+        return None
+    axes = [int(d.strip('" ')) for d in contracting.group(1).split(",") if d.strip('" ')]
+    depth = math.prod(lhs_dims[a] for a in axes)
+    return _dtype(lhs), 2 * math.prod(result_dims) * depth
+
+
+def _convolution(output: str, kernel: str, rest: str, lhs: str) -> tuple[str, int] | None:
+    """2 x output elements x (kernel elements per output feature)."""
+    output_dims, kernel_dims, labels = _dims(output), _dims(kernel), _DIM_LABELS.search(rest)
+    if output_dims is None or kernel_dims is None or labels is None:
+        return None
+    out_feature = labels.group(1).index("o")
+    per_output = math.prod(kernel_dims) // max(kernel_dims[out_feature], 1)
+    return _dtype(lhs), 2 * math.prod(output_dims) * per_output
+
+
+def _operand_types(rest: str, types: dict[str, str]) -> list[str]:
+    """Each operand's type: printed beside it, or its defining instruction's."""
+    inside = rest.split(")", 1)[0]
+    found = []
+    for part in inside.split(", "):
+        if "[" in part:
+            found.append(part)
+        elif names := OPERAND.findall(part):
+            found.append(types.get(names[0], ""))
+    return found
+
+
+def _dims(types: str) -> list[int] | None:
+    first = _ARRAY.search(types)
+    return [int(d) for d in first.group(2).split(",") if d] if first else None
+
+
+def _dtype(types: str) -> str:
+    first = _ARRAY.search(types)
+    return first.group(1) if first else "unknown"
