@@ -46,6 +46,13 @@ from xla_strategies.step.compile_program import compile_lowered
 RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
 TOPOLOGIES = ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512")
 VARIANTS = ("a", "b", "c", "d", "e")
+#: The pass a variant leaves out of its strategy's pipeline: (e) the prefetch; on GPU nodes
+#: (`benchmarks.gpu_aot`), (f) and (g) are (a) and (d) without the decomposition across nodes.
+LEFT_OUT = {
+    "e": "prefetch-all-gathers",
+    "f": "decompose-all-reduces",
+    "g": "decompose-all-reduces",
+}
 
 
 def abstract_state(workload: Any, tx: optax.GradientTransformation) -> tuple[Any, Any]:
@@ -60,15 +67,14 @@ def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:
     tx = optax.adamw(1e-4)
     variables, opt_state = abstract_state(workload, tx)
     state = strategy.replicate(variables), strategy.replicate(opt_state)
+    left_out = LEFT_OUT.get(variant)
     step = strategy.compile(
         workload.step(tx, "batch"),
         axis_name="batch",
         donate_argnums=(0, 1),
         shard_weight_updates=True if variant == "b" else None,
-        shard_parameters=True if variant in ("d", "e") else None,
-        pipeline=without_pass(strategy.pipeline(None), "prefetch-all-gathers")
-        if variant == "e"
-        else None,
+        shard_parameters=True if variant in ("d", "e", "g") else None,
+        pipeline=without_pass(strategy.pipeline(None), left_out) if left_out else None,
         name=f"{workload.name} ({variant})",
     )
     return step, (*state, _batch(strategy, workload))
@@ -166,13 +172,28 @@ def cell(strategy: Any, workload: Any, variant: str) -> dict[str, Any]:
     }
 
 
+def compile_only_strategy(topology: str) -> Any:
+    """The strategy a user trains on `topology` with, compile-only: a TPU slice's
+    TPUStrategy, one GPU node's MirroredStrategy, several nodes' MultiWorkerMirroredStrategy."""
+    found = xs.Topology.from_name(topology)
+    if found.hardware.startswith("v"):
+        return xs.TPUStrategy(topology, compile_only=True)
+    if found.mesh_axes.get("host", 1) > 1:
+        return xs.MultiWorkerMirroredStrategy(topology=topology, compile_only=True)
+    return xs.MirroredStrategy(topology=topology, compile_only=True)
+
+
 def measure(models: list[str], topologies: list[str], variants: list[str]) -> list[dict]:
+    return measure_cells([(m, t, v) for m in models for t in topologies for v in variants])
+
+
+def measure_cells(jobs: list[tuple[str, str, str]]) -> list[dict]:
+    """Each (model, topology, variant) compiled and summarised, with progress."""
     rows = []
-    jobs = [(m, t, v) for m in models for t in topologies for v in variants]
     strategies: dict[str, Any] = {}
     for model, topology, variant in tqdm(jobs, desc="compile", unit="program"):
         if topology not in strategies:
-            strategies[topology] = xs.TPUStrategy(topology, compile_only=True)
+            strategies[topology] = compile_only_strategy(topology)
         workload = WORKLOADS[model]()
         row = cell(strategies[topology], workload, variant)
         rows.append({"model": workload.name, "topology": topology, **row})

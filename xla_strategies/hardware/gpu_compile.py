@@ -17,7 +17,8 @@ from typing import Any
 
 from xla_strategies.hardware.topology import Topology, hardware_config
 
-CUDA_PLUGIN = "jax_plugins.xla_cuda12"
+#: JAX's CUDA plugins (the `[gpu]` extra installs the CUDA 12 one)
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
 
 def target_config(hardware: str) -> str:
@@ -39,7 +40,7 @@ def compile_only_gpus(topology: Topology) -> list[Any]:
         raise ValueError(
             f"{topology.name} is not a GPU topology (its hardware is {config['kind']})"
         )
-    if _find_spec(CUDA_PLUGIN) is None:
+    if all(_find_spec(plugin) is None for plugin in CUDA_PLUGINS):
         raise ImportError(
             f"compiling for {topology.name} without its GPUs needs XLA's GPU compiler, which "
             "JAX's CUDA plugin provides: pip install 'xla-strategies[gpu]'"

@@ -1,0 +1,64 @@
+"""What XLA's GPU compiler says of real training steps on DGX H100 nodes, compiled on this
+machine without a GPU (`MirroredStrategy(topology="dgx-h100", compile_only=True)`,
+`MultiWorkerMirroredStrategy(topology="2xdgx-h100", compile_only=True)`; the `[gpu]`
+extra's CUDA plugin). The same train steps and summaries as `benchmarks.tpu_aot`:
+
+- (a) ours with the default pipeline; (f) the same without the decomposition of reductions
+  across nodes (`decompose-all-reduces`, which MultiWorkerMirroredStrategy adds);
+- (d) ours with `shard_parameters=True`; (g) the same without the decomposition;
+- (c) plain `jax.jit` with `NamedSharding`s on the same GPUs (data parallel, or FSDP
+  shardings where that does not fit).
+
+Compute is the HLO's matmul flops at the GPU's peaks (XLA's GPU executables report no
+flops); communication is the cost model's, per collective XLA kept.
+
+    python -m benchmarks.gpu_aot                 # every cell below
+    python -m benchmarks.gpu_aot --table         # the recorded table, no compiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU here: the CUDA plugin only compiles
+
+from benchmarks.tpu_aot import _row_text, markdown, measure_cells  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "gpu_aot.json"
+CELLS = [
+    ("gpt2-medium", "dgx-h100", "a"),
+    ("gpt2-medium", "dgx-h100", "c"),
+    ("gpt2-medium", "2xdgx-h100", "a"),
+    ("gpt2-medium", "2xdgx-h100", "f"),
+    ("gpt2-medium", "2xdgx-h100", "c"),
+    ("llama2-7b", "dgx-h100", "d"),
+    ("llama2-7b", "dgx-h100", "c"),
+    ("llama2-7b", "2xdgx-h100", "d"),
+    ("llama2-7b", "2xdgx-h100", "g"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", help="only these models' cells")
+    parser.add_argument("--table", action="store_true", help="print the recorded table")
+    args = parser.parse_args()
+    if args.table:
+        print(markdown(json.loads(RESULTS.read_text())["rows"]))
+        return
+    cells = [c for c in CELLS if not args.models or c[0] in args.models]
+    rows = measure_cells(cells)
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
+    done = {(r["model"], r["topology"], r["variant"]) for r in rows}
+    kept = [r for r in old["rows"] if (r["model"], r["topology"], r["variant"]) not in done]
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
+    print("\n".join(_row_text(r) for r in rows))
+    print(markdown(kept + rows))
+
+
+if __name__ == "__main__":
+    main()
