@@ -118,3 +118,30 @@ def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update
         executable = step.executable(p_on, s_on, batch)
         replicated = executable.pass_stats["shard-parameters"]["replicated"]
         assert {"f64[5]"} <= {r["type"] for r in replicated}
+
+
+def test_a_stacks_moments_are_split_where_the_stack_is_when_its_layers_divide():
+    """8 layers on 8 replicas: the layer dimension divides too, but the stack is split
+    after it (each layer is gathered in the loop), and its Adam moments must be split on
+    the same dimension, or XLA gathers every moment whole to meet the stack's blocks (a
+    7B model on 8 GPUs needed 65 GiB per GPU, not 18)."""
+    with jax.enable_x64(True):
+        strategy = xs.MirroredStrategy()
+        params, make_step, batches = scanned_lm(np.float64, layers=8)
+        tx = clipped_adamw()
+        (p_on, s_on), _ = train_on(
+            strategy, make_step(tx), params, tx, batches, shard_parameters=True
+        )
+        (p_ref, s_ref), _ = train_on(xs.OneDeviceStrategy(), make_step(tx), params, tx, batches)
+        assert_close_to_scale((p_on, s_on), (p_ref, s_ref), 1e-12)
+        kernel = ("ScanCheckpointBlock_0", "Dense_0", "kernel")
+        stack = p_on[kernel[0]][kernel[1]][kernel[2]]
+        assert {s.data.shape for s in stack.addressable_shards} == {(8, 2, 32)}
+        moments = [
+            leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(s_on)
+            if [getattr(k, "key", None) for k in path[-3:]] == list(kernel)
+        ]
+        assert len(moments) == 2  # Adam's mu and nu
+        for moment in moments:
+            assert {s.data.shape for s in moment.addressable_shards} == {(8, 2, 32)}

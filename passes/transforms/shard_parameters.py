@@ -155,11 +155,15 @@ class _Splitter:
 
     def split_state(self, graph: Graph) -> None:
         scanned = {v for n in graph.nodes if n.has(Trait.COUNTED_LOOP) for v in _xs(n)}
+        # a stack's optimizer state (its moments, of the stack's shape) is split where the
+        # stack is, so the update meets blocks of one dimension: split on the layer
+        # dimension instead (where it divides), every moment would be gathered whole
+        stack_shapes = {v.shape for v in scanned}
         for arg in graph.io.state_inputs():
             value, attrs = graph.inputs[arg], graph.io.inputs[arg]
             if value.varying_axes or attrs.stacked or attrs.sharded:
                 continue
-            skip = 1 if value in scanned else 0  # a stack's layer dimension stays whole
+            skip = 1 if value.shape in stack_shapes else 0  # a stack's layers stay whole
             dim = shard_dimension(value.shape[skip:], self.replicas)
             if dim is None:
                 self.stats["replicated_state"] += 1
