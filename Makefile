@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.pod_collectives
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_ablation
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.gpu_aot
 	$(BIN)/python -m benchmarks.multi_worker
 	$(BIN)/python -m benchmarks.checkpoint
 	$(BIN)/python -m benchmarks.preemption

@@ -4,7 +4,8 @@ machine without a GPU (`MirroredStrategy(topology="dgx-h100", compile_only=True)
 extra's CUDA plugin). The same train steps and summaries as `benchmarks.tpu_aot`:
 
 - (a) ours with the default pipeline; (f) the same without the decomposition of reductions
-  across nodes (`decompose-all-reduces`, which MultiWorkerMirroredStrategy adds);
+  across nodes (`decompose-all-reduces`, which MultiWorkerMirroredStrategy adds); (h) the
+  same without weight-update sharding (`shard_weight_updates=False`);
 - (d) ours with `shard_parameters=True`; (g) the same without the decomposition;
 - (c) plain `jax.jit` with `NamedSharding`s on the same GPUs (data parallel, or FSDP
   shardings where that does not fit).
@@ -30,6 +31,7 @@ from benchmarks.tpu_aot import _row_text, markdown, measure_cells  # noqa: E402
 RESULTS = Path(__file__).parent / "results" / "gpu_aot.json"
 CELLS = [
     ("gpt2-medium", "dgx-h100", "a"),
+    ("gpt2-medium", "dgx-h100", "h"),
     ("gpt2-medium", "dgx-h100", "c"),
     ("gpt2-medium", "2xdgx-h100", "a"),
     ("gpt2-medium", "2xdgx-h100", "f"),
@@ -38,6 +40,7 @@ CELLS = [
     ("llama2-7b", "dgx-h100", "c"),
     ("llama2-7b", "2xdgx-h100", "d"),
     ("llama2-7b", "2xdgx-h100", "g"),
+    ("llama2-7b", "2xdgx-h100", "c"),
 ]
 
 

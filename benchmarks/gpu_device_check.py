@@ -143,7 +143,8 @@ def speed(steps: int = 20) -> dict[str, Any]:
             loss.block_until_ready()
             if i >= 3:
                 seconds.append(time.perf_counter() - started)
-        timings[name] = {"median_ms": 1e3 * statistics.median(seconds), "loss": float(np.mean(loss))}
+        median = 1e3 * statistics.median(seconds)
+        timings[name] = {"median_ms": median, "loss": float(np.mean(loss))}
     ratio = timings["ours"]["median_ms"] / timings["jax.jit"]["median_ms"]
     return {**timings, "ours_over_jit": ratio}
 

@@ -72,7 +72,7 @@ def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:
         workload.step(tx, "batch"),
         axis_name="batch",
         donate_argnums=(0, 1),
-        shard_weight_updates=True if variant == "b" else None,
+        shard_weight_updates={"b": True, "h": False}.get(variant),
         shard_parameters=True if variant in ("d", "e", "g") else None,
         pipeline=without_pass(strategy.pipeline(None), left_out) if left_out else None,
         name=f"{workload.name} ({variant})",
