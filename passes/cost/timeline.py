@@ -22,6 +22,8 @@ FLOPS_PER_S = 1e12
 BYTES_PER_S = 1e11
 COLLECTIVE_BYTES_PER_S = 1e10  # without a topology
 _COMPUTE, _COLLECTIVES = 1, 2
+# type casts of the capture (varying across replicas or not) and constants: no work
+_FREE = frozenset({"pvary", "pinvariant", "constant"})
 
 
 def compute_seconds(node: Node, topology: Any = None) -> float:
@@ -32,7 +34,14 @@ def compute_seconds(node: Node, topology: Any = None) -> float:
     if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
         contracting = node.attrs.get("dimension_numbers", [[[], []]])[0][0]
         flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
-    moved = sum(v.nbytes for v in node.inputs + node.outputs)
+    if node.op in _FREE:
+        return 0.0
+    # XLA fuses elementwise ops, broadcasts and reshapes into the ops that read or write
+    # their values: their memory traffic is those ops', counted there
+    fused = node.has(Trait.ELEMENTWISE) or node.has(Trait.BROADCAST_IN_DIM) or node.has(
+        Trait.RESHAPE
+    )
+    moved = 0 if fused else sum(v.nbytes for v in node.inputs + node.outputs)
     peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S
     bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
     return max(flops / peak, moved / bandwidth)
