@@ -146,3 +146,12 @@ def test_aot_compiles_a_scripts_mirrored_step_for_a_gpu_node(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step <lambda> on dgx-h100" in done.stdout
     assert "of 80.00 GiB HBM (fits)" in done.stdout
+
+
+def test_an_h200_node_compiles_for_its_own_target_config():
+    strategy = xs.MirroredStrategy(topology="dgx-h200", compile_only=True)
+    assert {d.device_kind for d in strategy.devices} == {"NVIDIA H200"}
+    step, args = _sgd_step(strategy)
+    report = compiled_report(step.lower(*args).compile(), strategy)
+    assert report.platform == "gpu" and report.fits
+    assert report.hbm_bytes == strategy.topology.hbm_bytes > 80 * 2**30
