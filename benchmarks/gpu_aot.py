@@ -26,7 +26,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU here: the CUDA plugin only compiles
 
-from benchmarks.tpu_aot import _row_text, markdown, measure_cells  # noqa: E402
+from benchmarks.tpu_aot import markdown, measure_cells, record  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gpu_aot.json"
 CELLS = [
@@ -53,14 +53,7 @@ def main() -> None:
         print(markdown(json.loads(RESULTS.read_text())["rows"]))
         return
     cells = [c for c in CELLS if not args.models or c[0] in args.models]
-    rows = measure_cells(cells)
-    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
-    done = {(r["model"], r["topology"], r["variant"]) for r in rows}
-    kept = [r for r in old["rows"] if (r["model"], r["topology"], r["variant"]) not in done]
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
-    print("\n".join(_row_text(r) for r in rows))
-    print(markdown(kept + rows))
+    record(measure_cells(cells), RESULTS)
 
 
 if __name__ == "__main__":

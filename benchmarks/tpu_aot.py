@@ -271,12 +271,17 @@ def main() -> None:
     if args.compute_check:
         compute_check(args.models, args.topologies)
         return
-    rows = measure(args.models, args.topologies, args.variants)
-    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
+    record(measure(args.models, args.topologies, args.variants), RESULTS)
+
+
+def record(rows: list[dict[str, Any]], results: Path) -> None:
+    """Write `rows` into `results` in place of the same cells measured before, and print
+    them and the whole table."""
+    old = json.loads(results.read_text()) if results.exists() else {"rows": []}
     done = {(r["model"], r["topology"], r["variant"]) for r in rows}
     kept = [r for r in old["rows"] if (r["model"], r["topology"], r["variant"]) not in done]
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
+    results.parent.mkdir(exist_ok=True)
+    results.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
     print("\n".join(_row_text(r) for r in rows))
     print(markdown(kept + rows))
 
