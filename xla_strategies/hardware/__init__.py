@@ -1,3 +1,4 @@
-"""The machines: topologies and their links, device resolution, libtpu's start-up, and
-the reader of XLA's compiled programs (HLO, the compiled report). Imports core and the
+"""The machines: topologies and their links, device resolution, JAX's accelerator plugins
+where their chips are absent, XLA's GPU compiler without a GPU, and the reader of
+compiled programs (HLO, its matmul flops, the compiled report). Imports core and the
 passes' IR and cost model."""

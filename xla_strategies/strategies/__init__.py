@@ -1,2 +1,3 @@
 """The strategies (OneDevice, Mirrored, MultiWorkerMirrored, TPU, CentralStorage,
-ParameterServer) and the default strategy. Imports distribute and everything below it."""
+ParameterServer), the default strategy, and what they share: tf's logical devices and
+partitioners, GPU nodes to compile for. Imports distribute and everything below it."""
