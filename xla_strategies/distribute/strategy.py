@@ -387,11 +387,10 @@ class Strategy:
         return [jax.device_put(part, d) for part, d in zip(parts, devices, strict=False)]
 
     def __repr__(self) -> str:
-        only = f"{self.topology}, " if self.compile_only else ""
-        tail = ", compile_only=True" if self.compile_only else ""
-        return (
-            f"{type(self).__name__}({only}num_replicas_in_sync={self.num_replicas_in_sync}{tail})"
-        )
+        shown = f"num_replicas_in_sync={self.num_replicas_in_sync}"
+        if self.compile_only:
+            shown = f"{self.topology}, {shown}, compile_only=True"
+        return f"{type(self).__name__}({shown})"
 
 
 def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
