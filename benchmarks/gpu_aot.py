@@ -26,7 +26,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU here: the CUDA plugin only compiles
 
-from benchmarks.tpu_aot import markdown, measure_cells, record  # noqa: E402
+from benchmarks.tpu_aot import compute_check, markdown, measure_cells, record  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gpu_aot.json"
 CELLS = [
@@ -48,7 +48,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", help="only these models' cells")
     parser.add_argument("--table", action="store_true", help="print the recorded table")
+    parser.add_argument(
+        "--compute-check",
+        action="store_true",
+        help="only refill the cost model's compute estimate of the recorded cells of ours",
+    )
     args = parser.parse_args()
+    if args.compute_check:
+        compute_check(RESULTS, args.models)
+        return
     if args.table:
         print(markdown(json.loads(RESULTS.read_text())["rows"]))
         return
