@@ -117,6 +117,9 @@ def test_report_reads_a_peers_hlo_text_with_the_same_reader(tmp_path, capsys):
     reductions = [c for c in found.collectives if c.kind == "all-reduce"]
     assert reductions and all(c.group_size == 16 for c in reductions)
     assert found.estimate["communication_s"] > 0 and found.memory is None
+    # compute from the text's own matmuls: forward and the weight's gradient, 16 rows each
+    assert found.flops == 2 * 2 * 16 * 1024 * 1024
+    assert found.estimate["step_s"] > found.estimate["compute_s"] > 0
     path = tmp_path / "peer.hlo.txt"
     path.write_text(text)
     assert cli.main(["report", str(path), "--topology", "v5e-16", "--json"]) == 0

@@ -280,16 +280,18 @@ def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
 
 def hlo_report(hlo_text: str, topology: Any) -> CompiledReport:
     """Read a program from its compiled HLO text alone (ours, `jax.jit`'s, MaxText's dump):
-    its collectives and their communication on `topology`. Memory and flops need the
-    executable, so they are None, and so are the compute and step estimates."""
+    its collectives and their communication on `topology`, and its compute from the HLO's
+    matmul flops (`hlo_flops`). Memory needs the executable, so it is None."""
+    by_dtype = dict(hlo_flops(hlo_text))
     report = CompiledReport(
         platform=getattr(topology, "hardware", None) or "unknown",
         topology=getattr(topology, "name", None),
         hbm_bytes=getattr(topology, "hbm_bytes", None),
         memory=None,
-        flops=None,
+        flops=sum(by_dtype.values()),
         collectives=collectives(hlo_text),
         compile_seconds=0.0,
+        flops_by_dtype=by_dtype,
     )
     report.estimate = step_estimate(report, topology, total_cycles(hlo_text))
     return report

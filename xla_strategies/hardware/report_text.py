@@ -27,7 +27,7 @@ def summary_text(report: CompiledReport, name: str) -> str:
     if est.get("step_s") is None and est.get("communication_s") is not None:
         lines.append(
             f"  communication     {est['communication_s'] * 1e3:.3f} ms (estimated: the "
-            "topology's cost model per collective; compute needs the executable)"
+            "topology's cost model per collective; the topology knows no peak flops)"
         )
     if est.get("step_s") is not None:
         share = est["exposed_s"] / est["step_s"] if est["step_s"] else 0.0
