@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import xla_strategies as xs
 from xla_strategies.cli import main as cli
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.hardware.hlo import HloReadError, computations, group_size, hlo_bytes
+from xla_strategies.hardware.hlo_flops import hlo_flops
 from xla_strategies.hardware.topology import Topology
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
@@ -128,3 +130,38 @@ def test_report_reads_a_peers_hlo_text_with_the_same_reader(tmp_path, capsys):
     (tmp_path / "not.txt").write_text("hello")
     assert cli.main(["report", str(tmp_path / "not.txt")]) == 1
     assert "not HLO text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        # XLA's TPU compiler writes a batched matmul as a convolution whose window spans the
+        # whole padded batch dimension: one tap per output reads input
+        (
+            "batched matmul",
+            lambda: (jnp.einsum, ("bij,bjk->bik",), [(32, 64, 128), (32, 128, 256)]),
+        ),
+        ("3x3 convolution", lambda: (_conv, (), [(8, 32, 32, 16), (3, 3, 16, 64)])),
+    ],
+)
+def test_hlo_flops_of_tpu_convolutions_match_the_arithmetic(name, make):
+    from jax.experimental import topologies
+
+    fn, static, shapes = make()
+    device = topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
+    mesh = jax.sharding.Mesh(np.array([device]), ("d",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=whole) for s in shapes]
+    text = jax.jit(lambda *a: fn(*static, *a)).lower(*args).compile().as_text()
+    if name == "batched matmul":
+        expected = 2 * 32 * 64 * 128 * 256
+    else:  # SAME padding: the border outputs read fewer taps
+        rows = sum(min(o + 1, 31) - max(o - 1, 0) + 1 for o in range(32))
+        expected = 2 * 8 * rows * rows * 16 * 64
+    assert sum(hlo_flops(text).values()) == expected
+
+
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )

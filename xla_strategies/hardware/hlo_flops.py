@@ -21,7 +21,8 @@ _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 _CONV_TARGETS = {  # where the forward output and the kernel are: (result or operand index)
     "__cudnn$convForward": ("result", 1),
@@ -97,13 +98,60 @@ def _matmul(result: str, lhs: str, contracting: re.Match | None) -> tuple[str, i
 
 
 def _convolution(output: str, kernel: str, rest: str, lhs: str) -> tuple[str, int] | None:
-    """2 x output elements x (kernel elements per output feature)."""
-    output_dims, kernel_dims, labels = _dims(output), _dims(kernel), _DIM_LABELS.search(rest)
-    if output_dims is None or kernel_dims is None or labels is None:
+    """2 x the multiply-adds: for each output element, the kernel's input features times
+    the window taps that land on input (not padding or dilation holes). XLA writes batched
+    matmuls as convolutions whose window spans a whole padded dimension, where only one
+    tap per output lands on input."""
+    output_dims, kernel_dims, lhs_dims = _dims(output), _dims(kernel), _dims(lhs)
+    labels = _DIM_LABELS.search(rest)
+    if output_dims is None or kernel_dims is None or lhs_dims is None or labels is None:
         return None
-    out_feature = labels.group(1).index("o")
-    per_output = math.prod(kernel_dims) // max(kernel_dims[out_feature], 1)
-    return _dtype(lhs), 2 * math.prod(output_dims) * per_output
+    lhs_labels, kernel_labels, out_labels = labels.group(1), labels.group(2), labels.group(3)
+    window = _window(rest)
+    macs = math.prod(output_dims) * kernel_dims[kernel_labels.index("i")]
+    for n, digit in enumerate(sorted(c for c in kernel_labels if c.isdigit())):
+        size = kernel_dims[kernel_labels.index(digit)]
+        out = output_dims[out_labels.index(digit)]
+        given = {key: values[n] for key, values in window.items() if n < len(values)}
+        taps = _taps(lhs_dims[lhs_labels.index(digit)], size, out, given)
+        macs = macs * taps // max(out, 1)
+    return _dtype(lhs), 2 * macs
+
+
+def _window(rest: str) -> dict[str, list[str]]:
+    """A convolution's window attributes, per spatial dimension (`size=3x3 pad=1_1x1_1`)."""
+    found = _WINDOW.search(rest)
+    if not found:
+        return {}
+    return {
+        key: value.split("x")
+        for key, value in (item.split("=", 1) for item in found.group(1).split() if "=" in item)
+    }
+
+
+def _taps(in_size: int, size: int, out: int, window: dict[str, str]) -> int:
+    """The (output position, window tap) pairs of one spatial dimension that read input."""
+    low = int(window.get("pad", "0_0").split("_")[0])
+    stride = int(window.get("stride", "1"))
+    lhs_dilate = int(window.get("lhs_dilate", "1"))
+    rhs_dilate = int(window.get("rhs_dilate", "1"))
+    taps = 0
+    for tap in range(size):
+        offset = tap * rhs_dilate - low  # input position of output 0 through this tap
+        if lhs_dilate == 1:  # the outputs whose position lands in [0, in_size)
+            first = max(0, -(offset // stride) if offset < 0 else 0)
+            first = max(first, (-offset + stride - 1) // stride)
+            last = min(out - 1, (in_size - 1 - offset) // stride)
+            taps += max(0, last - first + 1)
+            continue
+        taps += sum(
+            1
+            for position in range(out)
+            if (at := position * stride + offset) >= 0
+            and at % lhs_dilate == 0
+            and at // lhs_dilate < in_size
+        )
+    return taps
 
 
 def _operand_types(rest: str, types: dict[str, str]) -> list[str]:
