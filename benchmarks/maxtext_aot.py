@@ -3,9 +3,9 @@ our reader (`xla-strategies report`), so MaxText is measured the way ours is.
 
 MaxText installs in an environment of its own (its dependencies pin their own releases):
 
-    python3.12 -m venv /tmp/maxtext && /tmp/maxtext/bin/pip install \\
+    python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install \\
         "maxtext[tpu]==0.2.5" "jax[tpu]==0.12.0.1" "jaxlib==0.12.0.1"
-    JAX_PLATFORMS=cpu /tmp/maxtext/bin/python benchmarks/maxtext_aot.py maxtext.hlo.txt
+    JAX_PLATFORMS=cpu .venv-maxtext/bin/python benchmarks/maxtext_aot.py maxtext.hlo.txt
     xla-strategies report maxtext.hlo.txt --topology v5e-256
 
 It prints MaxText's per-chip bytes (arguments + outputs - aliased + temporaries + code)
