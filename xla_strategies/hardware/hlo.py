@@ -16,7 +16,8 @@ from xla_strategies.passes.ir.graph import itemsize
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+#: An array type in HLO text (`f32[8,4]`): its element type and dimensions.
+ARRAY_TYPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 CALLEE = re.compile(r"(?:body|calls|to_apply|condition)=%([\w.\-]+)")
 OPERAND = re.compile(r"%([\w.\-]+)")
@@ -90,7 +91,7 @@ def group_size(kind: str, rest: str, everyone: int, name: str = "") -> int:
 def hlo_bytes(types: str) -> int:
     """The bytes of every array in an HLO type (`f32[8,4]`, a tuple of them)."""
     total = 0
-    for dtype, dims in _ARRAY.findall(types):
+    for dtype, dims in ARRAY_TYPE.findall(types):
         total += math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
     return total
 

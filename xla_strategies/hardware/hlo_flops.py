@@ -15,9 +15,15 @@ import re
 from collections import Counter
 from typing import Any
 
-from xla_strategies.hardware.hlo import CALLEE, OPERAND, Op, computations, executions
+from xla_strategies.hardware.hlo import (
+    ARRAY_TYPE,
+    CALLEE,
+    OPERAND,
+    Op,
+    computations,
+    executions,
+)
 
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
@@ -167,10 +173,10 @@ def _operand_types(rest: str, types: dict[str, str]) -> list[str]:
 
 
 def _dims(types: str) -> list[int] | None:
-    first = _ARRAY.search(types)
+    first = ARRAY_TYPE.search(types)
     return [int(d) for d in first.group(2).split(",") if d] if first else None
 
 
 def _dtype(types: str) -> str:
-    first = _ARRAY.search(types)
+    first = ARRAY_TYPE.search(types)
     return first.group(1) if first else "unknown"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from xla_strategies.core.errors import OutOfMemoryError
+from xla_strategies.hardware.compiled_report import Memory
 
 if TYPE_CHECKING:
     from xla_strategies.step.protocols import StepStrategy
@@ -62,13 +63,7 @@ def _check_fits(compiled: Any, strategy: Any, name: str) -> None:
     stats = compiled.memory_analysis()
     if not hbm or stats is None:
         return
-    needed = (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-        + stats.temp_size_in_bytes
-        + stats.generated_code_size_in_bytes
-    )
+    needed = Memory.of(stats).total_bytes
     if needed > hbm:
         needs = f"needs {needed / 2**30:.2f} GiB per device, {hbm / 2**30:.2f} GiB available"
         said = "its memory analysis (arguments, outputs, temporaries) exceeds the device's memory"

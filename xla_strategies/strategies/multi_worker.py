@@ -53,7 +53,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         nodes, gpus = compile_only_nodes(
             "MultiWorkerMirroredStrategy", topology, compile_only, several=True
         )
-        self._nodes = nodes
         if gpus is not None:
             self.cluster_resolver = cluster_resolver
             devices, hosts = gpus, nodes.mesh_axes["host"]
@@ -102,11 +101,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         return jax.process_index()
 
     def __repr__(self) -> str:
-        if self._nodes is not None:
-            return (
-                f"MultiWorkerMirroredStrategy({self._nodes}, "
-                f"num_replicas_in_sync={self.num_replicas_in_sync}, compile_only=True)"
-            )
+        if self.compile_only:
+            return super().__repr__()
         return (
             f"MultiWorkerMirroredStrategy(workers={jax.process_count()}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
