@@ -5,7 +5,8 @@ each asynchronous one.
 The numbers come from the executable (`memory_analysis()`, `cost_analysis()`, its
 scheduled HLO text), not from our cost model. Where an estimate is needed, it is labelled:
 communication time from the topology's cost model, compute time from `cost_analysis()`'s
-flops at the chip's peak, and the share of that compute XLA scheduled behind each
+flops at the chip's peak (where there are none, a GPU executable's or HLO text alone, the
+HLO's own matmul flops: `hlo_flops`), and the share of that compute XLA scheduled behind each
 asynchronous collective from XLA's own per-op cycle estimates.
 """
 
@@ -101,7 +102,8 @@ class CompiledReport:
     collectives: list[Collective]
     compile_seconds: float
     estimate: dict[str, float | None] = field(default_factory=dict)
-    #: where XLA reports no flops (its GPU compiler), the HLO's matmul flops by element type
+    #: where XLA reports no flops (its GPU compiler, or HLO text alone), the HLO's matmul
+    #: flops by element type
     flops_by_dtype: dict[str, float] | None = None
 
     @property
@@ -313,9 +315,10 @@ def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[st
     by XLA's cycle estimates, scheduled between its start and done). None where the
     topology does not know a rate."""
     peak = getattr(topology, "peak_flops", None)
-    compute = report.flops / peak if peak and report.flops is not None else None
     if report.flops_by_dtype is not None:
         compute = matmul_seconds(report.flops_by_dtype, topology)
+    else:
+        compute = report.flops / peak if peak and report.flops is not None else None
     if topology is None:
         return {"compute_s": compute, "communication_s": None, "exposed_s": None, "step_s": None}
     communication = exposed = 0.0
