@@ -21,6 +21,7 @@ import concurrent.futures
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,8 @@ from xla_strategies.core.errors import UnavailableError
 
 # How long a failed step waits for the service to say which peer is gone.
 _CONFIRM_SECONDS = 3.0
+# How long the coordinator lets the service's last shutdown reply travel before it exits.
+_REPLY_SECONDS = 0.5
 # What a collective says when its peer's process has ended.
 _PEER_GONE = ("closed by peer", "reset by peer", "Connection refused", "Broken pipe")
 _dead: list[int] = []  # confirmed by the watcher
@@ -67,6 +70,27 @@ def dead_workers(wait: float | None = None) -> list[int] | None:
         return answer.result(timeout=wait)
     except concurrent.futures.TimeoutError:
         return None
+
+
+def wait_until_others_left(seconds: float) -> None:
+    """Block until the service counts every other worker gone (each has shut its client
+    down), for at most `seconds`. One answer is not enough: the service's list of live
+    tasks is a barrier, and a peer's watcher may still be inside its last call, which
+    completes the barrier with everyone alive. Then a short wait, so the service's reply to
+    the last worker's shutdown leaves this process before the process (and the service in
+    it) ends; a worker whose reply is lost is aborted by JAX."""
+    deadline = time.monotonic() + seconds
+    others = set(range(1, jax.process_count()))
+    while (left := deadline - time.monotonic()) > 0:
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        _in_thread(_ask_service, answer)
+        try:
+            gone = set(answer.result(timeout=left))
+        except concurrent.futures.TimeoutError:
+            return
+        if others <= gone or 0 in gone:  # 0: the service itself cannot answer
+            time.sleep(_REPLY_SECONDS)
+            return
 
 
 def known_dead() -> list[int]:

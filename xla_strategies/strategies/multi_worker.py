@@ -166,7 +166,7 @@ def _shutdown(meet: bool = True) -> None:
             multihost_utils.sync_global_devices("xla_strategies shutdown")
     finally:
         if distributed.global_state.process_id == 0:
-            cluster_health.dead_workers(wait=_LEAVE_SECONDS)  # returns once they have left
+            cluster_health.wait_until_others_left(_LEAVE_SECONDS)
         jax.distributed.shutdown()
 
 
