@@ -73,24 +73,23 @@ def dead_workers(wait: float | None = None) -> list[int] | None:
 
 
 def wait_until_others_left(seconds: float) -> None:
-    """Block until the service counts every other worker gone (each has shut its client
-    down), for at most `seconds`. One answer is not enough: the service's list of live
-    tasks is a barrier, and a peer's watcher may still be inside its last call, which
-    completes the barrier with everyone alive. Then a short wait, so the service's reply to
-    the last worker's shutdown leaves this process before the process (and the service in
-    it) ends; a worker whose reply is lost is aborted by JAX."""
+    """At exit: block until the service counts every other worker gone (each has shut its
+    client down), asking again for up to `seconds`. One answer is not enough: the
+    service's list of live tasks is a barrier, and a peer's watcher may still be inside its
+    last call, which completes the barrier with everyone alive. Then a short wait, so the
+    service's reply to the last worker's shutdown leaves this process before the process
+    (and the service in it) ends; a worker whose reply is lost is aborted by JAX.
+
+    Asked in this thread: Python refuses to start a thread at interpreter shutdown, where
+    this runs. Each answer is bounded by the service's heartbeat timeout, after which a
+    peer that neither asks nor leaves counts as dead."""
     deadline = time.monotonic() + seconds
     others = set(range(1, jax.process_count()))
-    while (left := deadline - time.monotonic()) > 0:
-        answer: concurrent.futures.Future = concurrent.futures.Future()
-        _in_thread(_ask_service, answer)
-        try:
-            gone = set(answer.result(timeout=left))
-        except concurrent.futures.TimeoutError:
-            return
+    while time.monotonic() < deadline:
+        gone = set(_ask_service())
         if others <= gone or 0 in gone:  # 0: the service itself cannot answer
-            time.sleep(_REPLY_SECONDS)
-            return
+            break
+    time.sleep(_REPLY_SECONDS)
 
 
 def known_dead() -> list[int]:
