@@ -163,31 +163,3 @@ def test_preemption_handler_keeps_its_signal_handler_contract(mirrored):
     with xs.PreemptionCheckpointHandler(mirrored, _Manager(), termination_config=config):
         pass
     assert signal.getsignal(signal.SIGTERM) is before
-
-
-# TPUStrategy's logical devices
-
-
-def test_tpu_logical_devices_one_per_replica():
-    strategy = xs.TPUStrategy("v5e-8", emulate=True)
-
-    def step(x):
-        x = strategy.experimental_assign_to_logical_device(x, 0)
-        x = strategy.experimental_split_to_logical_devices(x, [1, 1])
-        return strategy.experimental_replicate_to_logical_devices(x) * 2
-
-    data = np.arange(16, dtype=np.float32).reshape(8, 2)
-    batch = next(iter(strategy.experimental_distribute_dataset([data])))
-    np.testing.assert_array_equal(strategy.run(step, args=(batch,)), (data * 2)[:, None])
-    with pytest.raises(ValueError, match="logical_device_id=1 is out of range"):
-        strategy.experimental_assign_to_logical_device(data, 1)
-    with pytest.raises(ValueError, match=r"split the tensor into 2 parts"):
-        strategy.experimental_split_to_logical_devices(data, [2, 1])
-    with pytest.raises(ValueError, match="a positive int for each of the tensor's 2 dimensions"):
-        strategy.experimental_split_to_logical_devices(data, [1])
-
-    class TwoCoresPerReplica:
-        num_cores_per_replica = 2
-
-    with pytest.raises(NotImplementedError, match="num_cores_per_replica=2.*shard_parameters"):
-        xs.TPUStrategy("v5e-8", emulate=True, experimental_device_assignment=TwoCoresPerReplica())

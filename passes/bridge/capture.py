@@ -38,7 +38,7 @@ from xla_strategies.passes.bridge.equations import (
     user_frames,
     user_source,
 )
-from xla_strategies.passes.bridge.layouts import replica_spec
+from xla_strategies.passes.bridge.layouts import manual_over, replica_spec
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
@@ -78,7 +78,9 @@ def capture(
     Args:
         fn: the user's per-replica step on flat arrays, returning a flat sequence of arrays.
         flat_args: global shapes and dtypes of the flattened arguments.
-        mesh: the capture mesh; all of its axes together form the replica axis.
+        mesh: the capture mesh; its replica axes (all but a model axis) together form the
+            replica axis. A model axis is left to XLA's partitioner: the step sees values
+            whole over it, and lays them out with sharding constraints.
         per_replica: per flat argument, whether it differs across replicas.
         stacked: per flat argument, whether it is stacked (one row per replica, which the
             step sees without the leading axis) rather than a batch split on dim 0.
@@ -97,7 +99,12 @@ def capture(
         return ()
 
     traced = jax.shard_map(
-        body, mesh=mesh.abstract_mesh, in_specs=specs, out_specs=(), check_vma=True
+        body,
+        mesh=mesh.abstract_mesh,
+        in_specs=specs,
+        out_specs=(),
+        check_vma=True,
+        **manual_over(mesh),
     )
     try:
         with (

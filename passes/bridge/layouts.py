@@ -1,5 +1,9 @@
 """Where a graph's inputs and outputs live: their `shard_map` specs and global shardings
-(split batches, stacked per-replica values, mirrored values whole or held split)."""
+(split batches, stacked per-replica values, mirrored values whole or held split).
+
+A mesh may have a model axis (`MODEL_AXIS`): a replica spans its devices, the `shard_map`
+is manual over the replica axes only, and a mirrored value's `model_dim` (from the
+interface) is the dimension it is split on over the model axis between steps."""
 
 from __future__ import annotations
 
@@ -7,13 +11,22 @@ from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from xla_strategies.core.layout import replica_axes
 from xla_strategies.passes.ir.graph import Graph, Split, Value
 
 
 def replica_spec(mesh: Mesh) -> PartitionSpec:
-    """Dim 0 split (or stacked) over all of `mesh`'s axes: a per-replica value's spec."""
-    axes = tuple(mesh.axis_names)
+    """Dim 0 split (or stacked) over `mesh`'s replica axes: a per-replica value's spec."""
+    axes = replica_axes(mesh.axis_names)
     return PartitionSpec(axes if len(axes) > 1 else axes[0])
+
+
+def manual_over(mesh: Mesh) -> dict[str, Any]:
+    """`shard_map`'s keywords for `mesh`: manual over the replica axes only
+    (`axis_names`) where it has a model axis; none otherwise, so such a program is built
+    as it always was."""
+    axes = replica_axes(mesh.axis_names)
+    return {"axis_names": frozenset(axes)} if len(axes) < len(mesh.axis_names) else {}
 
 
 def value_spec(value: Value, mesh: Mesh, split: Split | None = None) -> PartitionSpec:
@@ -33,6 +46,19 @@ def split_spec(split: Split, graph_mesh: Mesh, mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*[None] * split.dim, axes if len(axes) > 1 else axes[0])
 
 
+def _with_model_split(spec: PartitionSpec, model_dim: int | None, mesh: Mesh) -> PartitionSpec:
+    """`spec` (over replica axes) also split over `mesh`'s model axis on `model_dim`: on a
+    dimension the replicas split too, each replica's block is split further."""
+    if model_dim is None:
+        return spec
+    name = next(a for a in mesh.axis_names if a not in replica_axes(mesh.axis_names))
+    entries = list(spec) + [None] * (model_dim + 1 - len(spec))
+    held = entries[model_dim]
+    held = () if held is None else held if isinstance(held, tuple) else (held,)
+    entries[model_dim] = (*held, name) if held else name
+    return PartitionSpec(*entries)
+
+
 def input_shardings(
     graph: Graph, mesh: Mesh, stacked_mesh: Mesh | None = None, sharded_mesh: Mesh | None = None
 ) -> list[Any]:
@@ -40,7 +66,7 @@ def input_shardings(
     inputs held sharded on `sharded_mesh`, the rest on `mesh`."""
     meshes = (mesh, stacked_mesh, sharded_mesh)
     return [
-        _global_sharding(v, a.stacked, a.sharded, meshes)
+        _global_sharding(v, a.stacked, a.sharded, a.model_dim, meshes)
         for v, a in zip(graph.inputs, graph.io.inputs, strict=True)
     ]
 
@@ -52,8 +78,8 @@ def output_shardings(
     the graph holds sharded come back sharded."""
     meshes = (mesh, stacked_mesh, sharded_mesh)
     return [
-        _global_sharding(v, comes_back_stacked(graph, i), graph.io.outputs[i].sharded, meshes)
-        for i, v in enumerate(graph.outputs)
+        _global_sharding(v, comes_back_stacked(graph, i), a.sharded, a.model_dim, meshes)
+        for i, (v, a) in enumerate(zip(graph.outputs, graph.io.outputs, strict=True))
     ]
 
 
@@ -62,7 +88,11 @@ def comes_back_stacked(graph: Graph, index: int) -> bool:
 
 
 def _global_sharding(
-    value: Value, stacked: bool, split: Split | None, meshes: tuple[Mesh, ...]
+    value: Value,
+    stacked: bool,
+    split: Split | None,
+    model_dim: int | None,
+    meshes: tuple[Mesh, ...],
 ) -> NamedSharding:
     mesh, stacked_mesh, sharded_mesh = meshes
     if stacked:
@@ -70,5 +100,6 @@ def _global_sharding(
         return NamedSharding(target, replica_spec(target))
     if split is not None:
         target = sharded_mesh or mesh
-        return NamedSharding(target, split_spec(split, mesh, target))
-    return NamedSharding(mesh, value_spec(value, mesh))
+        held = split_spec(split, mesh, target)
+        return NamedSharding(target, _with_model_split(held, model_dim, target))
+    return NamedSharding(mesh, _with_model_split(value_spec(value, mesh), model_dim, mesh))

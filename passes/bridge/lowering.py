@@ -22,6 +22,7 @@ from xla_strategies.passes.bridge import tree_collectives
 from xla_strategies.passes.bridge.layouts import (
     comes_back_stacked,
     input_shardings,
+    manual_over,
     output_shardings,
     value_spec,
 )
@@ -62,7 +63,12 @@ def lower(
         return tuple(o[None] if s else o for o, s in zip(outs, stacked_out, strict=True))
 
     program = jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        body,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+        **manual_over(mesh),
     )
     meshes = (mesh, stacked_mesh, sharded_mesh)
     return jax.jit(

@@ -150,8 +150,9 @@ def _retrying(loop: Callable[..., Any], keyword: str, position: int) -> Callable
 
 
 def _varying(tree: Any) -> Any:
-    """Every array of `tree` varying over all of the mesh's axes."""
-    axes = frozenset(jax.sharding.get_abstract_mesh().axis_names)
+    """Every array of `tree` varying over all of the mesh's manual (replica) axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = frozenset(getattr(mesh, "manual_axes", mesh.axis_names))
 
     return jax.tree.map(lambda leaf: _varying_over(leaf, axes), tree)
 

@@ -38,8 +38,8 @@ def compute_seconds(node: Node, topology: Any = None) -> float:
         return 0.0
     # XLA fuses elementwise ops, broadcasts and reshapes into the ops that read or write
     # their values: their memory traffic is those ops', counted there
-    fused = node.has(Trait.ELEMENTWISE) or node.has(Trait.BROADCAST_IN_DIM) or node.has(
-        Trait.RESHAPE
+    fused = (
+        node.has(Trait.ELEMENTWISE) or node.has(Trait.BROADCAST_IN_DIM) or node.has(Trait.RESHAPE)
     )
     moved = 0 if fused else sum(v.nbytes for v in node.inputs + node.outputs)
     peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S

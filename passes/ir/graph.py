@@ -185,11 +185,14 @@ class InputAttrs:
     `stacked`: it holds one value per replica (stacked on a leading replica axis outside
     the step), not a split batch. `donated`: its buffer may be reused (declared with
     `donate_argnums`; only state). `sharded`: a mirrored value held split across the
-    replicas between steps, whose type in the graph is the per-replica block."""
+    replicas between steps, whose type in the graph is the per-replica block. `model_dim`:
+    the dimension a mirrored value is split on over the model axis (a replica spanning
+    several devices), left to XLA's partitioner; the graph sees the value whole."""
 
     stacked: bool = False
     donated: bool = False
     sharded: Split | None = None
+    model_dim: int | None = None
 
 
 @dataclass
@@ -201,7 +204,7 @@ class OutputAttrs:
     `mirrored`: declared mirrored, so a pass must reject it if it still varies.
     `aggregation`: declared aggregated by this reduction (`sum`, `mean`, `max`, `min`),
     which makes it mirrored. `rooted`: only the root replica holds it correctly
-    (reduce-to-one-device); the runtime keeps the root's copy."""
+    (reduce-to-one-device); the runtime keeps the root's copy. `model_dim`: as the input's."""
 
     name: str | None = None
     state_of: int | None = None
@@ -209,6 +212,7 @@ class OutputAttrs:
     mirrored: bool = False
     aggregation: str | None = None
     rooted: bool = False
+    model_dim: int | None = None
 
 
 @dataclass

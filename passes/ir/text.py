@@ -15,7 +15,9 @@ the step, rather than a split batch); on a returned value, `mirrored` (declared 
 `aggregate=<op>` (declared aggregated), `rooted` (correct on the root replica only) and
 `state=%K` (the next value of input K). On both, `sharded=D{axes}`: a mirrored value held
 split on dimension D across the replicas between steps, its blocks numbered over the axes
-in that order; its type is one replica's block.
+in that order; its type is one replica's block. `model=D`: a mirrored value split on
+dimension D over the model axis, inside each replica (XLA's partitioner lays it out; the
+graph sees it whole).
 
 Values are renumbered in definition order on printing, so `print(parse(text)) == text` for
 any printed text. Attributes are JSON. `// by <pass>` records the pass that made a node.
@@ -98,6 +100,7 @@ def _output_flags(a: OutputAttrs | None) -> str:
         + (" rooted" if a.rooted else "")
         + (f" state=%{a.state_of}" if a.state_of is not None else "")
         + (f" sharded={a.sharded}" if a.sharded else "")
+        + (f" model={a.model_dim}" if a.model_dim is not None else "")
     )
 
 
@@ -108,6 +111,7 @@ def _printed(graph: Graph) -> _Printer:
         printer.define(v)
         + (" stacked" if a.stacked else "")
         + (f" sharded={a.sharded}" if a.sharded else "")
+        + (f" model={a.model_dim}" if a.model_dim is not None else "")
         + (" donated" if a.donated else "")
         + _loc(v.name)
         for v, a in zip(graph.inputs, attrs, strict=True)
@@ -240,7 +244,7 @@ class _Parser:
 
     def params(self, scope: dict[str, Value]) -> tuple[list[Value], list[InputAttrs]]:
         """The values a function or region takes, and what each is (`stacked`,
-        `sharded=D{axes}`, `donated`)."""
+        `sharded=D{axes}`, `model=D`, `donated`)."""
         self.cur.expect("(")
         values: list[Value] = []
         attrs: list[InputAttrs] = []
@@ -251,6 +255,8 @@ class _Parser:
             a = InputAttrs(stacked=self.cur.accept("stacked"))
             if self.cur.accept("sharded="):
                 a.sharded = self.split()
+            if self.cur.accept("model="):
+                a.model_dim = self.integer("a dimension")
             a.donated = self.cur.accept("donated")
             value.name = self.loc()
             values.append(value)
@@ -304,6 +310,8 @@ class _Parser:
                 a.state_of = self.integer("an input number")
             if self.cur.accept("sharded="):
                 a.sharded = self.split()
+            if self.cur.accept("model="):
+                a.model_dim = self.integer("a dimension")
             a.name = self.loc()
             attrs.append(a)
         return graph, attrs

@@ -14,6 +14,24 @@ STACKED_PREFIX = "stacked:"
 #: Mirrored state a pass holds split across the replicas (weight-update sharding) lives on a
 #: mesh whose axis names carry this prefix, so it never looks like a split batch.
 SHARDED_PREFIX = "sharded:"
+#: The mesh axis a replica spans when it has several devices (logical devices, tensor
+#: parallelism): left to XLA's partitioner, never a replica axis. Also under the prefixes.
+MODEL_AXIS = "model"
+
+
+def replica_axes(axis_names: Any) -> tuple[str, ...]:
+    """The replica axes among a mesh's `axis_names`: all but the model axis."""
+    return tuple(a for a in axis_names if str(a).rpartition(":")[2] != MODEL_AXIS)
+
+
+def model_dim(spec: Any) -> int | None:
+    """The dimension a `PartitionSpec` of a strategy's mesh (or its sharded mesh) splits
+    over the model axis, alone or after replica axes; None where it splits none."""
+    for dim, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if any(str(a).rpartition(":")[2] == MODEL_AXIS for a in names if a is not None):
+            return dim
+    return None
 
 
 class Layout(enum.Enum):

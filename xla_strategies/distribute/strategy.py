@@ -15,6 +15,12 @@ Mirrored state that weight-update sharding holds split across the replicas betwe
 (optimizer state) lives on `strategy.sharded_mesh`, under the prefix `SHARDED_PREFIX`. It is
 still one mirrored value of its logical shape: a step takes it as it is, and anything else
 reads it whole.
+
+A replica may span several devices (`logical_devices_per_replica=k`): the mesh then ends in
+a model axis (`MODEL_AXIS`) of k neighbouring devices, cut from its fastest axis. Replicas
+are the other axes. Inside a step a value is whole over the model axis, and XLA's
+partitioner lays it out from the shardings the step and its arguments declare
+(`with_sharding_constraint`, a parameter created split over "model" under `scope()`).
 """
 
 from __future__ import annotations
@@ -31,11 +37,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.core.context import user_scope
-from xla_strategies.core.layout import SHARDED_PREFIX, STACKED_PREFIX, Layout, refuse_foreign_split
+from xla_strategies.core.layout import (
+    MODEL_AXIS,
+    SHARDED_PREFIX,
+    STACKED_PREFIX,
+    Layout,
+    model_dim,
+    refuse_foreign_split,
+    replica_axes,
+)
 from xla_strategies.core.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.core.trees import abstract_like, copy_to, map_arrays
 from xla_strategies.distribute.extended import StrategyExtended
 from xla_strategies.distribute.merge_call import merge_call
+from xla_strategies.distribute.model_axis import with_model_axis
 from xla_strategies.distribute.values import distribute_values_from_function
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.layouts import replica_spec
@@ -61,15 +76,23 @@ class Strategy:
     cluster_resolver: Any = None
 
     def __init__(
-        self, devices: Any, axis_names: tuple[str, ...] = ("replica",), compile_only: bool = False
+        self,
+        devices: Any,
+        axis_names: tuple[str, ...] = ("replica",),
+        compile_only: bool = False,
+        logical_devices_per_replica: int = 1,
     ) -> None:
         """`devices`: a sequence (one axis) or an array with one dimension per axis name;
-        `compile_only`: they are the devices a compiler describes for a topology."""
+        `compile_only`: they are the devices a compiler describes for a topology;
+        `logical_devices_per_replica`: devices each replica spans, neighbours on the
+        fastest (last) axis, which become the model axis."""
         array = np.asarray(devices, dtype=object)
         self._compile_only = compile_only
         if array.ndim != len(axis_names):
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
+        array, axis_names = with_model_axis(array, axis_names, logical_devices_per_replica)
         self._mesh = Mesh(array, axis_names)
+        self._replica_axes = replica_axes(axis_names)
         self._stacked_mesh = Mesh(array, tuple(STACKED_PREFIX + a for a in axis_names))
         self._sharded_mesh = Mesh(array, tuple(SHARDED_PREFIX + a for a in axis_names))
         self._split_first = self.input_spec(True)[:1]
@@ -89,7 +112,25 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return self._mesh.devices.size
+        return self._mesh.devices.size // self.logical_devices_per_replica
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The mesh axes replicas are laid out on: all but the model axis."""
+        return self._replica_axes
+
+    @property
+    def logical_devices_per_replica(self) -> int:
+        """Devices each replica spans (the model axis's size; 1 without one)."""
+        return dict(self._mesh.shape).get(MODEL_AXIS, 1)
+
+    def model_dim(self, array: Any) -> int | None:
+        """The dimension `array` is split on over this strategy's model axis, or None."""
+        sharding = getattr(array, "sharding", None)
+        if self.logical_devices_per_replica == 1 or not isinstance(sharding, NamedSharding):
+            return None
+        ours = _same_mesh(sharding.mesh, self._mesh) or self.is_held_sharded(array)
+        return model_dim(sharding.spec) if ours else None
 
     @property
     def topology(self) -> Topology | None:
@@ -126,7 +167,7 @@ class Strategy:
     completes_steps: ClassVar[bool] = False
 
     def input_spec(self, per_replica: bool) -> PartitionSpec:
-        """Per-replica inputs split dim 0 over all mesh axes; mirrored ones are whole."""
+        """Per-replica inputs split dim 0 over the replica axes; mirrored ones are whole."""
         return replica_spec(self._mesh) if per_replica else PartitionSpec()
 
     @property
@@ -194,8 +235,12 @@ class Strategy:
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Inside it, `xs.get_strategy()` returns this strategy, and a Keras model
-        compiled there trains, evaluates and predicts on it (`xla_strategies.keras`)."""
-        return user_scope(self)
+        compiled there trains, evaluates and predicts on it (`xla_strategies.keras`).
+        With a model axis, the strategy's mesh is also JAX's mesh context
+        (`jax.set_mesh`): a flax variable annotated with a sharding is created split."""
+        if self.logical_devices_per_replica == 1:
+            return user_scope(self)
+        return _entered_together(user_scope(self), jax.set_mesh(self._mesh))
 
     def sub_strategy(self, replicas: int) -> Strategy:
         """A strategy of this kind on this one's first `replicas` replicas, for a batch
@@ -387,10 +432,23 @@ class Strategy:
         return [jax.device_put(part, d) for part, d in zip(parts, devices, strict=False)]
 
     def __repr__(self) -> str:
-        shown = f"num_replicas_in_sync={self.num_replicas_in_sync}"
+        shown = f"num_replicas_in_sync={self.num_replicas_in_sync}{self._logical_devices_shown()}"
         if self.compile_only:
             shown = f"{self.topology}, {shown}, compile_only=True"
         return f"{type(self).__name__}({shown})"
+
+    def _logical_devices_shown(self) -> str:
+        k = self.logical_devices_per_replica
+        return f", logical_devices_per_replica={k}" if k > 1 else ""
+
+
+@contextlib.contextmanager
+def _entered_together(scope: Any, *others: Any) -> Any:
+    """`scope` and `others` entered in order; yields what `scope` yields."""
+    with scope as entered, contextlib.ExitStack() as stack:
+        for other in others:
+            stack.enter_context(other)
+        yield entered
 
 
 def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:

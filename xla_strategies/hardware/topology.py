@@ -18,6 +18,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from xla_strategies.core.layout import MODEL_AXIS
 from xla_strategies.passes.cost import model as cost_model
 from xla_strategies.passes.cost.model import AxisLink
 
@@ -127,6 +128,11 @@ class Topology:
             ),
             None,
         )
+        model = mesh_axes.get(MODEL_AXIS, 1)
+        if model > 1:  # the replica axes' topology, its fastest axis then cut
+            *rest, (last, size) = [(a, s) for a, s in mesh_axes.items() if a != MODEL_AXIS]
+            whole = cls.for_gpu_mesh(device_kind, {**dict(rest), last: size * model})
+            return whole.split_model_axis(model) if whole else None
         if hardware is None or len(mesh_axes) not in (1, 2):
             return None
         config = hardware_config(hardware)
@@ -142,6 +148,27 @@ class Topology:
         base = cls.from_name(f"{nodes}x{hardware}" if nodes > 1 else hardware)
         return replace(base, axes=axes)
 
+    def split_model_axis(self, size: int) -> Topology:
+        """This topology with its last (fastest) axis cut in two: the replicas' part, and a
+        trailing model axis of `size` devices that are neighbours on that axis (a replica
+        spanning several devices: `logical_devices_per_replica`). Neither part wraps."""
+        *rest, last = self.axes
+        if size == 1:
+            return self
+        if last.size % size:
+            raise ValueError(
+                f"logical_devices_per_replica={size} does not divide {self.name}'s fastest "
+                f"axis {last.name!r} ({last.size} devices); use a divisor of {last.size}"
+            )
+        replicas = replace(last, size=last.size // size, bidirectional=False)
+        model = replace(last, name=MODEL_AXIS, size=size, bidirectional=False)
+        return replace(self, axes=(*rest, replicas, model))
+
+    @property
+    def model_axis_size(self) -> int:
+        """Devices per replica: the model axis's size (1 without one)."""
+        return self.mesh_axes.get(MODEL_AXIS, 1)
+
     @property
     def slice_count(self) -> int:
         """How many slices (or nodes) the topology joins over its slowest network."""
@@ -153,7 +180,8 @@ class Topology:
         config = hardware_config(self.hardware)
         if config["kind"] != "tpu":
             raise ValueError(f"{self.name} is not a TPU topology")
-        shape = [a.size for a in self.axes if a.level == "ici"]
+        shape = [a.size for a in self.axes if a.level == "ici" and a.name != MODEL_AXIS]
+        shape[-1] *= self.model_axis_size  # the model axis is cut from the last torus axis
         return f"{self.hardware}:{'x'.join(map(str, shape))}"
 
     @property

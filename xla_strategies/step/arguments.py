@@ -45,6 +45,8 @@ class ArraySpec:
     layout: Layout
     key_impl: str | None = None
     weak_type: bool = False
+    #: the dimension a mirrored array is split on over the model axis (its sharding's)
+    model_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,11 +111,13 @@ def flatten_arguments(
     static_argnums: frozenset[int],
     static_argnames: frozenset[str],
     where: Callable[[str], str],
+    model_dim_of: Callable[[Any], int | None] = lambda array: None,
 ) -> tuple[list[Any], Signature]:
     """The traced arrays of `(args, kwargs)` and the step's signature.
 
     Args:
         layout_of: the strategy's layout of an array.
+        model_dim_of: the dimension the strategy's model axis splits an array on.
         where: turns an argument path (`args[0]['w']`) into the name used in errors.
     """
     args = tuple(_Declared(a) if i in static_argnums else a for i, a in enumerate(args))
@@ -137,7 +141,14 @@ def flatten_arguments(
             leaf = np.asarray(leaf)
         if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract: lowered, never run
             layout = layout_of(leaf)
-            spec = ArraySpec(leaf.shape, _dtype_name(leaf.dtype), layout, None, leaf.weak_type)
+            spec = ArraySpec(
+                leaf.shape,
+                _dtype_name(leaf.dtype),
+                layout,
+                None,
+                leaf.weak_type,
+                model_dim_of(leaf),
+            )
             specs.append(spec)
             arrays.append(leaf)
             continue
@@ -148,7 +159,8 @@ def flatten_arguments(
         layout = layout_of(leaf)
         # a numpy int64 runs as int32 without x64, as the array the step hands back for it
         dtype = jax.dtypes.canonicalize_dtype(array.dtype) if impl is None else array.dtype
-        specs.append(ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number))
+        dim = model_dim_of(leaf)
+        specs.append(ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number, dim))
         arrays.append(array)
     return arrays, Signature(treedef, tuple(specs))
 

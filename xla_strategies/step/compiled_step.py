@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
-from xla_strategies.core.layout import Layout
+from xla_strategies.core.layout import Layout, replica_axes
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.core.trees import copy_to
 from xla_strategies.passes.base import PassContext
@@ -208,6 +208,7 @@ class CompiledStep:
             self.static_argnums,
             self.static_argnames,
             lambda path: f"{self.name} argument {path}",
+            self.strategy.model_dim,
         )
 
     def _place(self, flat: list[Any], executable: Executable) -> list[Any]:
@@ -244,19 +245,24 @@ class CompiledStep:
 
     def _pass_context(self) -> PassContext:
         return PassContext(
-            mesh_axes=dict(self.strategy.mesh.shape),
+            mesh_axes={a: self.strategy.mesh.shape[a] for a in self.strategy.replica_axes},
             topology=self.strategy.topology,
             synchronous_collectives=self.strategy.devices_share_host_cores,
         )
 
     def _capture_mesh(self) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
         """The mesh the step is traced on, and how its axis names map to the strategy's:
-        with `axis_name`, one axis of that name over all the strategy's devices."""
-        mesh = self.strategy.mesh
-        if self.axis_name is None or mesh.axis_names == (self.axis_name,):
+        with `axis_name`, one replica axis of that name over all the strategy's replicas
+        (and the model axis, if any, as it is)."""
+        strategy = self.strategy
+        mesh, replicas = strategy.mesh, strategy.replica_axes
+        if self.axis_name is None or replicas == (self.axis_name,):
             return mesh, {}
-        flat = Mesh(mesh.devices.reshape(-1), (self.axis_name,))
-        return flat, {self.axis_name: tuple(mesh.axis_names)}
+        model = mesh.axis_names[len(replicas) :]  # the model axis, or nothing
+        devices = mesh.devices.reshape(
+            strategy.num_replicas_in_sync, *[mesh.shape[a] for a in model]
+        )
+        return Mesh(devices, (self.axis_name, *model)), {self.axis_name: replicas}
 
     def _capture(self, signature: Signature) -> tuple[Graph, Outputs]:
         strategy = self.strategy
@@ -274,7 +280,7 @@ class CompiledStep:
             )
             for spec in specs
         ]
-        context = ReplicaContext(tuple(mesh.axis_names), strategy.num_replicas_in_sync)
+        context = ReplicaContext(replica_axes(mesh.axis_names), strategy.num_replicas_in_sync)
         outputs = Outputs()
 
         def step(*arrays: Any) -> list[Any]:
@@ -306,9 +312,12 @@ class CompiledStep:
         io = graph.io
         for attrs, name in zip(io.outputs, outputs.names, strict=True):
             attrs.name = name  # known once the step has been traced
+        for attrs, spec in zip(io.inputs, specs, strict=True):
+            attrs.model_dim = spec.model_dim
         state = state_pairs(self.declared_state, signature, outputs, graph)
         for out, arg in state.outputs.items():
             io.outputs[out].state_of = arg
+            io.outputs[out].model_dim = io.inputs[arg].model_dim  # held as it came
         for arg in state.donated:
             io.inputs[arg].donated = True
         if state.unreturned:
@@ -322,8 +331,10 @@ class CompiledStep:
             for index, op in declared_outputs(self.mirrored_outputs, outputs).items():
                 io.outputs[index].mirrored = op is None
                 io.outputs[index].aggregation = op
-        for attrs in io.outputs[len(io.outputs) - len(outputs.written) :]:
+        in_place = io.outputs[len(io.outputs) - len(outputs.written) :]
+        for attrs, leaf in zip(in_place, outputs.written, strict=True):
             attrs.mirrored = True  # in-place state: the same everywhere, or an error
+            attrs.model_dim = getattr(signature.leaves[leaf], "model_dim", None)
         return graph, outputs
 
     def _build(self, signature: Signature) -> Executable:

@@ -1,13 +1,11 @@
-"""TPUStrategy's logical devices: each replica is one core here, so one logical device.
+"""TPUStrategy's logical devices: the devices one replica spans, as tf.distribute has them.
 
-tf.distribute's TPUStrategy can give a replica several cores (a `DeviceAssignment` with
-`num_cores_per_replica > 1`) and lay a tensor out across them inside the step. A compiled
-step here is traced per replica with every mesh axis manual (`shard_map`), so within a
-replica there is nothing to lay a tensor out on, and a replica spanning several cores
-cannot be expressed. With one core per replica tf.distribute's calls still have their
-meaning, and these functions give it: logical device 0 is the replica's core, a split over
-one logical device keeps the tensor whole, replication is the tensor itself. Anything that
-needs more logical devices is an error that says what to use instead.
+tf.distribute's TPUStrategy gives a replica several cores (a `DeviceAssignment` with
+`num_cores_per_replica > 1`), and a step lays a tensor out across them with
+`experimental_split_to_logical_devices` and its siblings. Here those cores are the model
+axis of the strategy's mesh (`logical_devices_per_replica`). Each call is a sharding
+constraint over that axis, which XLA's SPMD partitioner follows; the values are the same
+as on one device, as in tf.
 """
 
 from __future__ import annotations
@@ -16,61 +14,84 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-#: Logical devices (cores) per replica.
-LOGICAL_DEVICES_PER_REPLICA = 1
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
 
-_MODEL_PARALLEL_INSTEAD = (
-    "a replica here is one core, so model parallelism within a replica is not provided; "
-    "shard the state across replicas instead (compile(shard_parameters=True)), or use "
-    "jax.jit with NamedShardings for tensor parallelism"
-)
+from xla_strategies.core.layout import MODEL_AXIS
 
 
-def check_device_assignment(device_assignment: Any) -> None:
-    """Accept None, or an assignment of one core per replica (`num_cores_per_replica`)."""
+def cores_per_replica(device_assignment: Any, logical_devices_per_replica: int) -> int:
+    """The cores per replica that tf's `experimental_device_assignment` asks for (its
+    `num_cores_per_replica`), reconciled with `logical_devices_per_replica`."""
     if device_assignment is None:
-        return
+        return logical_devices_per_replica
     cores = getattr(device_assignment, "num_cores_per_replica", None)
-    if cores != LOGICAL_DEVICES_PER_REPLICA:
-        raise NotImplementedError(
-            f"experimental_device_assignment with num_cores_per_replica={cores}: "
-            + _MODEL_PARALLEL_INSTEAD
+    if not isinstance(cores, int) or cores < 1:
+        raise ValueError(
+            "experimental_device_assignment must have a positive int num_cores_per_replica, "
+            f"got {cores!r}"
         )
+    if logical_devices_per_replica not in (1, cores):
+        raise ValueError(
+            f"experimental_device_assignment has num_cores_per_replica={cores}, but "
+            f"logical_devices_per_replica={logical_devices_per_replica}; give one of them"
+        )
+    return cores
 
 
-def assign_to_logical_device(tensor: Any, logical_device_id: int) -> Any:
-    """`tensor` on logical device `logical_device_id` of its replica (only 0 exists)."""
-    if not isinstance(logical_device_id, int) or not (
-        0 <= logical_device_id < LOGICAL_DEVICES_PER_REPLICA
-    ):
+def assign_to_logical_device(tensor: Any, logical_device_id: int, devices: int) -> Any:
+    """`tensor` for logical device `logical_device_id` of its replica's `devices`. JAX's
+    partitioner has no public single-device placement, so the tensor is kept whole on
+    every device of the replica: the values are tf's, the placement is replication."""
+    if not isinstance(logical_device_id, int) or not 0 <= logical_device_id < devices:
         raise ValueError(
             f"logical_device_id={logical_device_id!r} is out of range: each replica has "
-            f"{LOGICAL_DEVICES_PER_REPLICA} logical device; " + _MODEL_PARALLEL_INSTEAD
+            f"{devices} logical device{'s' if devices > 1 else ''} (0 to {devices - 1})"
         )
-    return tensor
+    return replicate_to_logical_devices(tensor, devices)
 
 
-def split_to_logical_devices(tensor: Any, partition_dimensions: Sequence[int]) -> Any:
-    """`tensor` split along its dimensions over the replica's logical devices: the number
-    of parts (the product of `partition_dimensions`) must be the logical device count."""
-    import numpy as np
-
+def split_to_logical_devices(tensor: Any, partition_dimensions: Sequence[int], devices: int) -> Any:
+    """`tensor` split over its replica's `devices` logical devices: dimension i into
+    `partition_dimensions[i]` parts, whose product must be the device count (tf's rule).
+    One dimension can be split (the model axis is one mesh axis)."""
     dims = list(partition_dimensions)
-    rank = np.ndim(tensor)
-    if len(dims) != rank or any(not isinstance(d, int) or d < 1 for d in dims):
+    shape = np.shape(tensor)
+    if len(dims) != len(shape) or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims
+    ):
         raise ValueError(
             f"partition_dimensions={dims} must give a positive int for each of the "
-            f"tensor's {rank} dimensions"
+            f"tensor's {len(shape)} dimensions"
         )
-    if math.prod(dims) != LOGICAL_DEVICES_PER_REPLICA:
+    if math.prod(dims) != devices:
         raise ValueError(
             f"partition_dimensions={dims} split the tensor into {math.prod(dims)} parts, but "
-            f"each replica has {LOGICAL_DEVICES_PER_REPLICA} logical device; "
-            + _MODEL_PARALLEL_INSTEAD
+            f"each replica has {devices} logical device{'s' if devices > 1 else ''}"
         )
-    return tensor
+    uneven = [i for i, (size, parts) in enumerate(zip(shape, dims, strict=True)) if size % parts]
+    if uneven:
+        i = uneven[0]
+        raise ValueError(
+            f"partition_dimensions={dims}: dimension {i} of the tensor ({shape[i]}) does not "
+            f"split into {dims[i]} equal parts"
+        )
+    split = [i for i, d in enumerate(dims) if d > 1]
+    if len(split) > 1:
+        raise NotImplementedError(
+            f"partition_dimensions={dims} split dimensions {split}; the {devices} logical "
+            "devices of a replica form one mesh axis, so one dimension can be split over "
+            "them"
+        )
+    if not split:
+        return tensor  # one logical device: nothing to lay out
+    spec = PartitionSpec(*[MODEL_AXIS if i == split[0] else None for i in range(len(dims))])
+    return jax.lax.with_sharding_constraint(tensor, spec)
 
 
-def replicate_to_logical_devices(tensor: Any) -> Any:
-    """`tensor` on every logical device of its replica: the tensor itself."""
-    return tensor
+def replicate_to_logical_devices(tensor: Any, devices: int) -> Any:
+    """`tensor` whole on every logical device of its replica."""
+    if devices == 1:
+        return tensor
+    return jax.lax.with_sharding_constraint(tensor, PartitionSpec())

@@ -27,6 +27,10 @@ class MirroredStrategy(Strategy):
     (`pip install 'xla-strategies[gpu]'`): a step's `lower(...).compile()` returns a GPU
     executable, and calling it is an error. `xla-strategies aot --topology dgx-h100` makes
     every MirroredStrategy of a script compile-only for that node.
+
+    `logical_devices_per_replica=k` makes each replica span k neighbouring devices (a
+    trailing "model" axis; `num_replicas_in_sync` is the device count / k). Inside the
+    step a value is whole; the shardings the step declares over "model" lay it out.
     """
 
     pipeline_label = "mirrored"
@@ -38,6 +42,7 @@ class MirroredStrategy(Strategy):
         *,
         topology: Topology | str | None = None,
         compile_only: bool = False,
+        logical_devices_per_replica: int = 1,
     ) -> None:
         node, gpus = compile_only_nodes("MirroredStrategy", topology, compile_only, several=False)
         if gpus is not None and devices is not None:
@@ -46,15 +51,16 @@ class MirroredStrategy(Strategy):
             )
         devices = gpus if gpus is not None else resolve_devices(devices)
         self.cross_device_ops = cross_device_ops
+        k = logical_devices_per_replica
         if cross_device_ops is None:
-            super().__init__(devices, compile_only=node is not None)
+            super().__init__(devices, compile_only=node is not None, logical_devices_per_replica=k)
             return
         if not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
                 "cross_device_ops must be an xs.NcclAllReduce, xs.HierarchicalCopyAllReduce "
                 f"or xs.ReductionToOneDevice, got {type(cross_device_ops).__name__}"
             )
-        super().__init__(*cross_device_ops.mesh(devices), compile_only=node is not None)
+        super().__init__(*cross_device_ops.mesh(devices), node is not None, k)
         cross_device_ops.changes(self.devices)  # a bad choice fails here, not at compile
         # the update runs on one device: there is no update to shard
         self.shards_weight_updates = not isinstance(cross_device_ops, ReductionToOneDevice)
@@ -65,4 +71,7 @@ class MirroredStrategy(Strategy):
         return self.cross_device_ops.changes(self.devices)
 
     def sub_strategy(self, replicas: int) -> MirroredStrategy:
-        return MirroredStrategy(self.devices[:replicas], self.cross_device_ops)
+        k = self.logical_devices_per_replica
+        return MirroredStrategy(
+            self.devices[: replicas * k], self.cross_device_ops, logical_devices_per_replica=k
+        )

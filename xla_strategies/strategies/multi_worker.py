@@ -44,11 +44,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         *,
         topology: Topology | str | None = None,
         compile_only: bool = False,
+        logical_devices_per_replica: int = 1,
     ) -> None:
         """`topology="2xdgx-h100", compile_only=True`: compile for those GPU nodes on a
         machine without them, one process (`pip install 'xla-strategies[gpu]'`); the mesh
         is laid out as on the real cluster, one row per node. `xla-strategies aot
-        --topology 2xdgx-h100` makes every MultiWorkerMirroredStrategy of a script so."""
+        --topology 2xdgx-h100` makes every MultiWorkerMirroredStrategy of a script so.
+        `logical_devices_per_replica=k`: each replica spans k devices of one worker (a
+        trailing "model" axis inside each node, over NVLink on GPUs)."""
         self.communication_options = communication_options or CommunicationOptions()
         nodes, gpus = compile_only_nodes(
             "MultiWorkerMirroredStrategy", topology, compile_only, several=True
@@ -67,7 +70,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 raise
             hosts = jax.process_count()
         grid = np.asarray(devices, dtype=object).reshape(hosts, -1)
-        super().__init__(grid, ("host", "local"), compile_only=gpus is not None)
+        super().__init__(grid, ("host", "local"), gpus is not None, logical_devices_per_replica)
         self._decomposes = implementation_decomposes(
             self.communication_options.implementation, devices[0].platform
         )
@@ -94,7 +97,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         if self.devices[0].platform != "cpu" or jax.process_count() == 1:
             return None  # one worker: no network level to model
         topology = Topology.from_name(f"{jax.process_count()}xcpu-gloo")
-        return topology if topology.mesh_axes.get("local") == jax.local_device_count() else None
+        if topology.mesh_axes.get("local") != jax.local_device_count():
+            return None
+        return topology.split_model_axis(self.logical_devices_per_replica)
 
     @property
     def worker_index(self) -> int:
@@ -105,7 +110,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             return super().__repr__()
         return (
             f"MultiWorkerMirroredStrategy(workers={jax.process_count()}, "
-            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+            f"num_replicas_in_sync={self.num_replicas_in_sync}{self._logical_devices_shown()})"
         )
 
 

@@ -24,7 +24,7 @@ from xla_strategies.passes import DecomposeAllReduces
 from xla_strategies.step.protocols import PipelineChanges
 from xla_strategies.strategies.logical_devices import (
     assign_to_logical_device,
-    check_device_assignment,
+    cores_per_replica,
     replicate_to_logical_devices,
     split_to_logical_devices,
 )
@@ -44,10 +44,13 @@ class TPUStrategy(Strategy):
             `xla-strategies aot --topology NAME` makes every TPUStrategy of a script
             compile-only for NAME (`hardware.topology.AOT_TOPOLOGY`).
         tpu_cluster_resolver: kept as `cluster_resolver` (`xs.cluster_resolver.TPUClusterResolver`).
-        experimental_device_assignment: None, or one core per replica
-            (`xla_strategies.strategies.logical_devices` says why a replica is one core).
-        experimental_spmd_xla_partitioning: kept for tf.distribute's signature; with one
-            core per replica there is nothing within a replica to partition.
+        logical_devices_per_replica: chips each replica spans (tf's logical devices):
+            a trailing "model" axis of that many neighbours on the fastest torus axis,
+            which XLA's partitioner splits the replica's work over. 1 by default.
+        experimental_device_assignment: None, or tf's assignment: its
+            `num_cores_per_replica` is `logical_devices_per_replica`.
+        experimental_spmd_xla_partitioning: kept for tf.distribute's signature; a replica
+            spanning several chips is always partitioned by XLA's SPMD partitioner.
     """
 
     pipeline_label = "tpu"
@@ -61,8 +64,9 @@ class TPUStrategy(Strategy):
         tpu_cluster_resolver: Any = None,
         experimental_device_assignment: Any = None,
         experimental_spmd_xla_partitioning: bool = False,
+        logical_devices_per_replica: int = 1,
     ) -> None:
-        check_device_assignment(experimental_device_assignment)
+        k = cores_per_replica(experimental_device_assignment, logical_devices_per_replica)
         self.cluster_resolver = tpu_cluster_resolver
         self.experimental_spmd_xla_partitioning = experimental_spmd_xla_partitioning
         if aot := aot_topology("tpu"):  # `xla-strategies aot`: the script's own topology
@@ -79,30 +83,34 @@ class TPUStrategy(Strategy):
             tpus = [d for d in jax.devices() if d.platform == "tpu"]
             topology = _check_tpus(topology, tpus)
             devices = _slice_mesh(topology, tpus)
-        self._topology = topology
-        super().__init__(devices, tuple(topology.mesh_axes), compile_only)
+        super().__init__(devices, tuple(topology.mesh_axes), compile_only, k)
+        self._topology = topology.split_model_axis(k)
 
-    # tf.distribute's logical devices: one per replica (`xla_strategies.strategies.logical_devices`)
+    # tf.distribute's logical devices: the model axis (`xla_strategies.strategies.logical_devices`)
 
     def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:
-        return assign_to_logical_device(tensor, logical_device_id)
+        return assign_to_logical_device(tensor, logical_device_id, self.logical_devices_per_replica)
 
     def experimental_split_to_logical_devices(
         self, tensor: Any, partition_dimensions: list[int]
     ) -> Any:
-        return split_to_logical_devices(tensor, partition_dimensions)
+        return split_to_logical_devices(
+            tensor, partition_dimensions, self.logical_devices_per_replica
+        )
 
     def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
-        return replicate_to_logical_devices(tensor)
+        return replicate_to_logical_devices(tensor, self.logical_devices_per_replica)
 
     @property
     def topology(self) -> Topology:
+        """The slice's topology; with a model axis, its fastest axis cut in two."""
         return self._topology
 
     def sub_strategy(self, replicas: int) -> Strategy:
-        """Part of a slice is no torus of its own: its first `replicas` chips run the
+        """Part of a slice is no torus of its own: its first `replicas` replicas run the
         batch as a `MirroredStrategy`."""
-        return MirroredStrategy(self.devices[:replicas])
+        k = self.logical_devices_per_replica
+        return MirroredStrategy(self.devices[: replicas * k], logical_devices_per_replica=k)
 
     def pipeline_changes(self) -> PipelineChanges:
         """Reductions are decomposed along the ICI and DCN axes."""
@@ -110,9 +118,8 @@ class TPUStrategy(Strategy):
 
     def __repr__(self) -> str:
         only = ", compile_only=True" if self.compile_only else ""
-        return (
-            f"TPUStrategy({self._topology}, num_replicas_in_sync={self.num_replicas_in_sync}{only})"
-        )
+        replicas = f"num_replicas_in_sync={self.num_replicas_in_sync}"
+        return f"TPUStrategy({self._topology}, {replicas}{self._logical_devices_shown()}{only})"
 
 
 def _emulated_devices(topology: Topology | None) -> np.ndarray:

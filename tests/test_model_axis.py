@@ -1,0 +1,270 @@
+"""A replica spanning several devices (`logical_devices_per_replica`): the mesh ends in a
+"model" axis that XLA's partitioner splits each replica's work over, laid out by the
+annotations users already write. Numbers in float64 on 8 CPU devices, against
+`OneDeviceStrategy` and `nnx.jit`; parameters split over the model axis stay split."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import xla_strategies as xs
+from tests.helpers import bytes_on
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+@pytest.fixture
+def float64():
+    with jax.enable_x64(True):
+        yield
+
+
+# A two-layer MLP, tensor parallel as Megatron splits it: the first layer's columns and
+# the second's rows over "model", the hidden activations split on their features.
+
+
+def _params(strategy=None):
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(4, 16)), "w2": rng.normal(size=(16, 3))}
+    if strategy is None:
+        return params
+    mesh = strategy.mesh
+    return {
+        "w1": jax.device_put(params["w1"], NamedSharding(mesh, P(None, "model"))),
+        "w2": jax.device_put(params["w2"], NamedSharding(mesh, P("model", None))),
+    }
+
+
+def _loss(params, x, y, split=True):
+    h = jnp.tanh(x @ params["w1"])
+    if split:
+        h = jax.lax.with_sharding_constraint(h, P(None, "model"))
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def _batches(steps=3):
+    rng = np.random.default_rng(1)
+    return [(rng.normal(size=(16, 4)), rng.normal(size=(16, 3))) for _ in range(steps)]
+
+
+def _train(strategy, params, split, **options):
+    @strategy.compile(**options)
+    def step(params, x, y):
+        loss, grads = jax.value_and_grad(_loss)(params, x, y, split)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    for x, y in strategy.experimental_distribute_dataset(_batches()):
+        graph = step.executable(params, x, y).graph
+        params, loss = step(params, x, y)
+    return params, loss, graph
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_tensor_parallel_mlp_trains_like_one_device(k):
+    want, want_loss, _ = _train(xs.OneDeviceStrategy(), _params(), split=False)
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=k)
+    assert strategy.num_replicas_in_sync == 8 // k
+    assert dict(strategy.mesh.shape) == {"replica": 8 // k, "model": k}
+    got, loss, graph = _train(strategy, _params(strategy), split=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12)
+    np.testing.assert_allclose(np.mean(loss), want_loss, rtol=1e-12)
+    # the weights stay split over the model axis: 1/k of each on every device
+    assert got["w1"].sharding.spec == P(None, "model")
+    held, whole = bytes_on(got, strategy.devices[0])
+    assert held * k == whole
+    # the gradients are reduced over the replica axis only
+    reductions = [n for n in graph.nodes if n.op == "all_reduce"]
+    assert reductions and all(n.attrs["axes"] == ["replica"] for n in reductions)
+
+
+def test_shard_parameters_splits_over_the_replicas_on_top_of_the_model_split():
+    want, _, _ = _train(xs.OneDeviceStrategy(), _params(), split=False)
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2)
+    got, _, graph = _train(strategy, _params(strategy), split=True, shard_parameters=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12)
+    held, whole = bytes_on(got, strategy.devices[0])
+    assert held * 8 == whole  # 1/4 per replica, each replica's block split over 2 devices
+    assert [a.model_dim for a in graph.io.inputs[:2]] == [1, 0]
+    gathers = [n for n in graph.nodes if n.op == "all_gather"]
+    assert gathers and all(n.attrs["axes"] == ["replica"] for n in gathers)
+
+
+# flax NNX: the miniGPT tutorial's annotations, a model built under the strategy's scope
+
+
+class _FeedForward(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.xavier_uniform()
+        zeros = nnx.initializers.zeros_init()
+        self.linear1 = nnx.Linear(
+            4,
+            16,
+            kernel_init=nnx.with_partitioning(init, (None, "model")),
+            bias_init=nnx.with_partitioning(zeros, ("model",)),
+            param_dtype=jnp.float64,
+            rngs=rngs,
+        )
+        self.linear2 = nnx.Linear(
+            16,
+            3,
+            kernel_init=nnx.with_partitioning(init, ("model", None)),
+            bias_init=nnx.with_partitioning(zeros, (None,)),
+            param_dtype=jnp.float64,
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+def _nnx_train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _nnx_objects():
+    model = _FeedForward(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split(k):
+    one_device = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(one_device):  # flax needs a mesh to create an annotated variable
+        expected, expected_optimizer = _nnx_objects()
+        for x, y in _batches():
+            nnx.jit(_nnx_train_step)(expected, expected_optimizer, x, y)
+
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=k)
+    with strategy.scope():  # the strategy's mesh is the mesh flax creates variables on
+        model, optimizer = _nnx_objects()
+    step = strategy.compile(_nnx_train_step)
+    for x, y in strategy.experimental_distribute_dataset(_batches()):
+        step(model, optimizer, x, y)
+    got = jax.tree.leaves(nnx.state(model, nnx.Param))
+    for g, w in zip(got, jax.tree.leaves(nnx.state(expected, nnx.Param)), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)  # adam divides by sqrt(v)
+    assert step.cache_size == 1  # written back as they came: no recompile
+    kernel = model.linear1.kernel[...]
+    assert kernel.sharding.spec == P(None, "model")
+    assert kernel.addressable_shards[0].data.shape == (4, 16 // k)
+    moment = optimizer.opt_state[0].mu["linear1"]["kernel"][...]
+    assert moment.addressable_shards[0].data.shape == (4, 16 // k)
+
+
+# tf.distribute's logical devices on TPUStrategy
+
+
+def test_tf_logical_devices_split_an_input_over_a_replicas_cores():
+    class TwoCoresPerReplica:  # tf's DeviceAssignment, as the strategy reads it
+        num_cores_per_replica = 2
+
+    strategy = xs.TPUStrategy(
+        "v5e-8", emulate=True, experimental_device_assignment=TwoCoresPerReplica()
+    )
+    assert strategy.num_replicas_in_sync == 4
+    assert strategy.topology.mesh_axes == {"x": 2, "y": 2, "model": 2}
+    w = np.arange(12.0).reshape(4, 3)
+
+    def step(x):
+        x = strategy.experimental_split_to_logical_devices(x, [1, 2])
+        h = strategy.experimental_assign_to_logical_device(x @ w, 1)
+        return strategy.experimental_replicate_to_logical_devices(h) * 2
+
+    data = np.arange(32.0).reshape(8, 4)
+    batch = next(iter(strategy.experimental_distribute_dataset([data])))
+    got = strategy.run(step, args=(batch,))
+    np.testing.assert_allclose(np.concatenate(list(got)), data @ w * 2)
+
+
+def test_tf_logical_device_calls_check_their_arguments():
+    strategy = xs.TPUStrategy("v5e-8", emulate=True, logical_devices_per_replica=2)
+    data = np.ones((8, 4))
+    with pytest.raises(ValueError, match=r"logical_device_id=2 is out of range.*0 to 1"):
+        strategy.experimental_assign_to_logical_device(data, 2)
+    with pytest.raises(ValueError, match=r"split the tensor into 4 parts.*2 logical devices"):
+        strategy.experimental_split_to_logical_devices(data, [2, 2])
+    with pytest.raises(ValueError, match="dimension 1 of the tensor .3. does not split"):
+        strategy.experimental_split_to_logical_devices(np.ones((8, 3)), [1, 2])
+    with pytest.raises(ValueError, match="a positive int for each of the tensor's 2 dimensions"):
+        strategy.experimental_split_to_logical_devices(data, [2])
+    four = xs.TPUStrategy("v5e-8", emulate=True, logical_devices_per_replica=4)
+    with pytest.raises(NotImplementedError, match=r"split dimensions \[0, 1\].*one dimension"):
+        four.experimental_split_to_logical_devices(data, [2, 2])
+
+
+def test_one_logical_device_keeps_tfs_calls_as_they_were():
+    strategy = xs.TPUStrategy("v5e-8", emulate=True)
+
+    def step(x):
+        x = strategy.experimental_assign_to_logical_device(x, 0)
+        x = strategy.experimental_split_to_logical_devices(x, [1, 1])
+        return strategy.experimental_replicate_to_logical_devices(x) * 2
+
+    data = np.arange(16.0).reshape(8, 2)
+    batch = next(iter(strategy.experimental_distribute_dataset([data])))
+    np.testing.assert_array_equal(strategy.run(step, args=(batch,)), (data * 2)[:, None])
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: xs.MirroredStrategy(logical_devices_per_replica=3),
+            r"=3 does not divide .*'replica' \(8",
+        ),
+        (
+            lambda: xs.MirroredStrategy(logical_devices_per_replica=0),
+            "must be a positive int, not 0",
+        ),
+        (
+            lambda: xs.TPUStrategy("v5e-8", emulate=True, logical_devices_per_replica=8),
+            r"=8 does not divide .*'y' \(4",
+        ),
+        (
+            lambda: xs.TPUStrategy(
+                "v5e-8",
+                emulate=True,
+                logical_devices_per_replica=4,
+                experimental_device_assignment=type("A", (), {"num_cores_per_replica": 2})(),
+            ),
+            "num_cores_per_replica=2, but logical_devices_per_replica=4",
+        ),
+    ],
+)
+def test_a_replica_size_that_does_not_fit_is_a_precise_error(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_strategies_say_how_many_devices_a_replica_spans():
+    tpu = xs.TPUStrategy("v5e-8", emulate=True, logical_devices_per_replica=4)
+    assert tpu.num_replicas_in_sync == 2 and tpu.replica_axes == ("x", "y")
+    assert dict(tpu.mesh.shape) == {"x": 2, "y": 1, "model": 4}
+    assert "logical_devices_per_replica=4" in repr(tpu)
+    assert tpu.topology.libtpu_name == "v5e:2x4"  # the slice XLA compiles for is whole
+    assert xs.MirroredStrategy().logical_devices_per_replica == 1
+
+
+def test_the_verifier_rejects_a_collective_over_the_model_axis():
+    from xla_strategies.passes.ir.text import parse
+    from xla_strategies.passes.ir.verifier import VerificationError, verify
+
+    graph = parse(
+        "func @step(%0: f32[4]) {\n"
+        '  %1: f32[4] = all_reduce(%0) {"axes": ["model"], "origin": "user", "reduce_op": "sum"}\n'
+        "  return %1\n"
+        "}\n"
+    )
+    with pytest.raises(VerificationError, match=r"unknown mesh axis \['model'\]"):
+        verify(graph, {"replica": 4})

@@ -1,0 +1,36 @@
+"""The model axis of a strategy whose replicas span several devices.
+
+tf.distribute's TPUStrategy gives a replica several cores through its device assignment
+(`num_cores_per_replica`), "logical devices" that a step lays a tensor out on. Here the
+same is a trailing mesh axis, `MODEL_AXIS`, of the devices one replica spans. They are cut
+from the mesh's fastest axis (the last: a torus axis inside a slice, the GPUs of a node),
+so the collectives XLA's partitioner adds inside a replica run over the fastest links.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xla_strategies.core.layout import MODEL_AXIS
+
+
+def with_model_axis(
+    devices: np.ndarray, axis_names: tuple[str, ...], devices_per_replica: int
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """`devices` (one dimension per axis name) with a trailing model axis of
+    `devices_per_replica` neighbours on the last axis; unchanged for 1."""
+    k = devices_per_replica
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        raise ValueError(f"logical_devices_per_replica must be a positive int, not {k!r}")
+    if k == 1:
+        return devices, axis_names
+    if MODEL_AXIS in axis_names:
+        raise ValueError(f"the mesh already has a {MODEL_AXIS!r} axis: {list(axis_names)}")
+    last, size = axis_names[-1], devices.shape[-1]
+    if size % k:
+        raise ValueError(
+            f"logical_devices_per_replica={k} does not divide the mesh's fastest axis "
+            f"{last!r} ({size} devices, of {devices.size}); use a divisor of {size}"
+        )
+    shape = (*devices.shape[:-1], size // k, k)
+    return devices.reshape(shape), (*axis_names, MODEL_AXIS)
