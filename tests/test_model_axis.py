@@ -5,6 +5,7 @@ annotations users already write. Numbers in float64 on 8 CPU devices, against
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,6 +97,72 @@ def test_shard_parameters_splits_over_the_replicas_on_top_of_the_model_split():
     assert [a.model_dim for a in graph.io.inputs[:2]] == [1, 0]
     gathers = [n for n in graph.nodes if n.op == "all_gather"]
     assert gathers and all(n.attrs["axes"] == ["replica"] for n in gathers)
+
+
+# flax linen: a scanned, rematerialised LM with Megatron's annotations (nn.with_partitioning)
+
+
+class _Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        split_columns = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+        split_rows = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None))
+        h = nn.LayerNorm(param_dtype=jnp.float64)(x)
+        h = nn.Dense(self.width * 2, param_dtype=jnp.float64, kernel_init=split_columns)(h)
+        h = nn.Dense(self.width, param_dtype=jnp.float64, kernel_init=split_rows)(nn.gelu(h))
+        return x + h, None
+
+
+class _ScannedLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(11, 16, param_dtype=jnp.float64)
+        stack = nn.scan(
+            nn.remat(_Block),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=3,
+            metadata_params={nn.PARTITION_NAME: None},  # the layer axis is not split
+        )
+        x, _ = stack(16)(embed(tokens), None)
+        return embed.attend(nn.LayerNorm(param_dtype=jnp.float64)(x))
+
+
+def _train_lm(strategy, params, **options):
+    model, tx = _ScannedLM(), optax.adamw(1e-2)
+
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, 11, size=(16, 7)).astype(np.int32) for _ in range(3)]
+    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    compiled = strategy.compile(step, **options)
+    for tokens in strategy.experimental_distribute_dataset(batches):
+        *state, _ = compiled(*state, tokens)
+    return state[0], compiled
+
+
+@pytest.mark.parametrize(("k", "shard_parameters"), [(2, False), (4, True)])
+def test_an_annotated_scanned_linen_lm_trains_like_one_device(k, shard_parameters):
+    params = _ScannedLM().init(jax.random.key(0), np.zeros((2, 6), np.int32))["params"]
+    want, _ = _train_lm(xs.OneDeviceStrategy(), nn.meta.unbox(params))
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=k)
+    got, step = _train_lm(strategy, params, shard_parameters=shard_parameters)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)  # adam divides by sqrt(v)
+    assert step.cache_size == 1
+    kernel = got["ScanCheckpoint_Block_0"]["Dense_0"]["kernel"].value  # (layers, 16, 32)
+    held, whole = bytes_on(kernel, strategy.devices[0])
+    assert held * (8 if shard_parameters else k) == whole
 
 
 # flax NNX: the miniGPT tutorial's annotations, a model built under the strategy's scope

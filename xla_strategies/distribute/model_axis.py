@@ -9,9 +9,13 @@ so the collectives XLA's partitioner adds inside a replica run over the fastest 
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
+import jax
 import numpy as np
 
-from xla_strategies.core.layout import MODEL_AXIS
+from xla_strategies.core.layout import MODEL_AXIS, model_dim
 
 
 def with_model_axis(
@@ -34,3 +38,29 @@ def with_model_axis(
         )
     shape = (*devices.shape[:-1], size // k, k)
     return devices.reshape(shape), (*axis_names, MODEL_AXIS)
+
+
+def declared_model_dims(tree: Any) -> list[int | None]:
+    """Per leaf of `tree` (in `jax.tree.leaves` order), the dimension its flax linen
+    annotation splits over the model axis (`nn.with_partitioning`, or
+    `nn.with_logical_partitioning` under its logical axis rules), or None."""
+    meta = sys.modules.get("flax.core.meta")  # only a tree flax made can hold its boxes
+    if meta is None:
+        return [None] * len(jax.tree.leaves(tree))
+    dims: list[int | None] = []
+    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)):
+        if isinstance(node, meta.Partitioned):
+            dims += [model_dim(_mesh_axes(node))] * len(jax.tree.leaves(node))
+        else:
+            dims += [None] * len(jax.tree.leaves(node))
+    return dims
+
+
+def _mesh_axes(box: Any) -> tuple:
+    """A linen box's names as mesh axes: logical names through their rules."""
+    logical = getattr(sys.modules.get("flax.linen.spmd"), "LogicallyPartitioned", ())
+    if logical and isinstance(box, logical):
+        from flax import linen
+
+        return tuple(linen.logical_to_mesh_axes(box.names, box.rules))
+    return tuple(box.names)

@@ -50,7 +50,7 @@ from xla_strategies.core.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.core.trees import abstract_like, copy_to, map_arrays
 from xla_strategies.distribute.extended import StrategyExtended
 from xla_strategies.distribute.merge_call import merge_call
-from xla_strategies.distribute.model_axis import with_model_axis
+from xla_strategies.distribute.model_axis import declared_model_dims, with_model_axis
 from xla_strategies.distribute.values import distribute_values_from_function
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.layouts import replica_spec
@@ -272,11 +272,23 @@ class Strategy:
     def replicate(self, tree: Any) -> Any:
         """Copy every array of `tree` to where this strategy keeps state (mirrored on all
         replicas, except for CentralStorageStrategy's parameter device). Functions held as
-        leaves (an equinox module's activations) stay as they are."""
-        sharding = self.state_sharding()
-        return map_arrays(
-            lambda a, _: self.place(a, sharding), tree, "replicate(tree)", keep_functions=True
-        )
+        leaves (an equinox module's activations) stay as they are. With a model axis, an
+        array split over it (or annotated so by flax linen's `nn.with_partitioning`) is
+        held split over it on every replica."""
+        if self.logical_devices_per_replica == 1:
+            sharding = self.state_sharding()
+            return map_arrays(
+                lambda a, _: self.place(a, sharding), tree, "replicate(tree)", keep_functions=True
+            )
+        declared = iter(declared_model_dims(tree))
+
+        def place(array: Any, _: str) -> Any:  # split over "model" as annotated, or as it is
+            dim = next(declared)
+            dim = self.model_dim(array) if dim is None else dim
+            spec = PartitionSpec() if dim is None else PartitionSpec(*[None] * dim, MODEL_AXIS)
+            return self.place(array, NamedSharding(self._mesh, spec))
+
+        return map_arrays(place, tree, "replicate(tree)", keep_functions=True)
 
     def place(self, array: Any, sharding: jax.sharding.Sharding) -> Any:
         """A copy of `array` with `sharding`; abstract (a `jax.ShapeDtypeStruct`) when the
