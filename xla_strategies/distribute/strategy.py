@@ -81,11 +81,14 @@ class Strategy:
         axis_names: tuple[str, ...] = ("replica",),
         compile_only: bool = False,
         logical_devices_per_replica: int = 1,
+        layout_map: Any = None,
     ) -> None:
         """`devices`: a sequence (one axis) or an array with one dimension per axis name;
         `compile_only`: they are the devices a compiler describes for a topology;
         `logical_devices_per_replica`: devices each replica spans, neighbours on the
-        fastest (last) axis, which become the model axis."""
+        fastest (last) axis, which become the model axis; `layout_map`: a Keras
+        `keras.distribution.LayoutMap` that lays out over the model axis the variables
+        of a Keras model built under `scope()` (`xla_strategies.keras`)."""
         array = np.asarray(devices, dtype=object)
         self._compile_only = compile_only
         if array.ndim != len(axis_names):
@@ -93,6 +96,12 @@ class Strategy:
         array, axis_names = with_model_axis(array, axis_names, logical_devices_per_replica)
         self._mesh = Mesh(array, axis_names)
         self._replica_axes = replica_axes(axis_names)
+        if layout_map is not None and MODEL_AXIS not in axis_names:
+            raise ValueError(
+                "layout_map lays variables out over the model axis, which this strategy "
+                "does not have: give logical_devices_per_replica > 1"
+            )
+        self.layout_map = layout_map
         self._stacked_mesh = Mesh(array, tuple(STACKED_PREFIX + a for a in axis_names))
         self._sharded_mesh = Mesh(array, tuple(SHARDED_PREFIX + a for a in axis_names))
         self._split_first = self.input_spec(True)[:1]

@@ -13,6 +13,8 @@ last scope exits; a model compiled in a thread with no scope is left alone); eac
 compiled there gets its train, test and predict functions from
 `xla_strategies.keras.trainer`, which compiles Keras' own stateless `train_step`,
 `test_step` and `predict_step` with `strategy.compile`. Keras itself is not changed.
+A strategy's `layout_map` (Keras' own `LayoutMap`) lays out, over the strategy's model
+axis, the variables of models built in the scope (`xla_strategies.keras.layout_map`).
 Keras is imported only when it is already imported by the program: the scope never
 imports it.
 """
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from xla_strategies.core.context import register_scope_hook
 from xla_strategies.core.patching import patched
+from xla_strategies.keras.layout_map import layout_map_scope
 from xla_strategies.keras.synchronized_batch_norm import accepting_synchronized
 
 if TYPE_CHECKING:
@@ -51,7 +54,11 @@ def models_compiled_in(strategy: Strategy) -> Iterator[None]:
         # Keras defines it: `keras.saving.load_model` compiles a loaded model only if its
         # class's `compile` is that one (otherwise it counts as a user's override)
         owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
-        with patched(owner, "compile", _attaching), accepting_synchronized(keras):
+        with (
+            patched(owner, "compile", _attaching),
+            accepting_synchronized(keras),
+            layout_map_scope(keras, strategy),
+        ):
             yield
     finally:
         stack.pop()

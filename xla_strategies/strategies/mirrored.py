@@ -31,6 +31,8 @@ class MirroredStrategy(Strategy):
     `logical_devices_per_replica=k` makes each replica span k neighbouring devices (a
     trailing "model" axis; `num_replicas_in_sync` is the device count / k). Inside the
     step a value is whole; the shardings the step declares over "model" lay it out.
+    `layout_map` (a `keras.distribution.LayoutMap` naming "model") lays out the variables
+    of a Keras model built under `scope()`.
     """
 
     pipeline_label = "mirrored"
@@ -43,6 +45,7 @@ class MirroredStrategy(Strategy):
         topology: Topology | str | None = None,
         compile_only: bool = False,
         logical_devices_per_replica: int = 1,
+        layout_map: Any = None,
     ) -> None:
         node, gpus = compile_only_nodes("MirroredStrategy", topology, compile_only, several=False)
         if gpus is not None and devices is not None:
@@ -53,14 +56,14 @@ class MirroredStrategy(Strategy):
         self.cross_device_ops = cross_device_ops
         k = logical_devices_per_replica
         if cross_device_ops is None:
-            super().__init__(devices, compile_only=node is not None, logical_devices_per_replica=k)
+            super().__init__(devices, ("replica",), node is not None, k, layout_map)
             return
         if not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
                 "cross_device_ops must be an xs.NcclAllReduce, xs.HierarchicalCopyAllReduce "
                 f"or xs.ReductionToOneDevice, got {type(cross_device_ops).__name__}"
             )
-        super().__init__(*cross_device_ops.mesh(devices), node is not None, k)
+        super().__init__(*cross_device_ops.mesh(devices), node is not None, k, layout_map)
         cross_device_ops.changes(self.devices)  # a bad choice fails here, not at compile
         # the update runs on one device: there is no update to shard
         self.shards_weight_updates = not isinstance(cross_device_ops, ReductionToOneDevice)

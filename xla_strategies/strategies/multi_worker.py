@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import math
 from collections import Counter
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,13 +46,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         topology: Topology | str | None = None,
         compile_only: bool = False,
         logical_devices_per_replica: int = 1,
+        layout_map: Any = None,
     ) -> None:
         """`topology="2xdgx-h100", compile_only=True`: compile for those GPU nodes on a
         machine without them, one process (`pip install 'xla-strategies[gpu]'`); the mesh
         is laid out as on the real cluster, one row per node. `xla-strategies aot
         --topology 2xdgx-h100` makes every MultiWorkerMirroredStrategy of a script so.
         `logical_devices_per_replica=k`: each replica spans k devices of one worker (a
-        trailing "model" axis inside each node, over NVLink on GPUs)."""
+        trailing "model" axis inside each node, over NVLink on GPUs), and `layout_map`
+        lays a Keras model's variables out over it, as on `MirroredStrategy`."""
         self.communication_options = communication_options or CommunicationOptions()
         nodes, gpus = compile_only_nodes(
             "MultiWorkerMirroredStrategy", topology, compile_only, several=True
@@ -70,7 +73,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                 raise
             hosts = jax.process_count()
         grid = np.asarray(devices, dtype=object).reshape(hosts, -1)
-        super().__init__(grid, ("host", "local"), gpus is not None, logical_devices_per_replica)
+        super().__init__(
+            grid, ("host", "local"), gpus is not None, logical_devices_per_replica, layout_map
+        )
         self._decomposes = implementation_decomposes(
             self.communication_options.implementation, devices[0].platform
         )

@@ -47,6 +47,8 @@ class TPUStrategy(Strategy):
         logical_devices_per_replica: chips each replica spans (tf's logical devices):
             a trailing "model" axis of that many neighbours on the fastest torus axis,
             which XLA's partitioner splits the replica's work over. 1 by default.
+        layout_map: a Keras `keras.distribution.LayoutMap` naming "model", for the
+            variables of a Keras model built under `scope()`.
         experimental_device_assignment: None, or tf's assignment: its
             `num_cores_per_replica` is `logical_devices_per_replica`.
         experimental_spmd_xla_partitioning: kept for tf.distribute's signature; a replica
@@ -65,6 +67,7 @@ class TPUStrategy(Strategy):
         experimental_device_assignment: Any = None,
         experimental_spmd_xla_partitioning: bool = False,
         logical_devices_per_replica: int = 1,
+        layout_map: Any = None,
     ) -> None:
         k = cores_per_replica(experimental_device_assignment, logical_devices_per_replica)
         self.cluster_resolver = tpu_cluster_resolver
@@ -83,7 +86,7 @@ class TPUStrategy(Strategy):
             tpus = [d for d in jax.devices() if d.platform == "tpu"]
             topology = _check_tpus(topology, tpus)
             devices = _slice_mesh(topology, tpus)
-        super().__init__(devices, tuple(topology.mesh_axes), compile_only, k)
+        super().__init__(devices, tuple(topology.mesh_axes), compile_only, k, layout_map)
         self._topology = topology.split_model_axis(k)
 
     # tf.distribute's logical devices: the model axis (`xla_strategies.strategies.logical_devices`)
