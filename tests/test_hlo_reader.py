@@ -17,7 +17,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 import xla_strategies as xs
 from xla_strategies.cli import main as cli
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
-from xla_strategies.hardware.hlo import HloReadError, computations, group_size, hlo_bytes
+from xla_strategies.hardware.hlo import (
+    HloReadError,
+    computations,
+    group_members,
+    group_size,
+    hlo_bytes,
+)
 from xla_strategies.hardware.hlo_flops import hlo_flops
 from xla_strategies.hardware.topology import Topology
 
@@ -40,6 +46,22 @@ pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compile
 )
 def test_every_spelling_of_replica_groups_gives_its_size(attributes, size):
     assert group_size("all-reduce", attributes, everyone=32) == size
+
+
+@pytest.mark.parametrize(
+    ("kind", "attributes", "groups"),
+    [
+        ("all-reduce", "replica_groups={{0,2},{1,3}}, to_apply=%add", [[0, 2], [1, 3]]),
+        ("all-reduce", "replica_groups=[2,2]<=[4], to_apply=%add", [[0, 1], [2, 3]]),
+        ("all-reduce", "replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add", [[0, 2], [1, 3]]),
+        ("all-gather", "replica_groups=mesh['r'=2,'model'=2] {'r'}, dims", [[0, 2], [1, 3]]),
+        ("all-gather", "replica_groups=mesh['r'=2,'model'=2] {'model'}, x", [[0, 1], [2, 3]]),
+        ("all-reduce", "replica_groups={}, to_apply=%add", [[0, 1, 2, 3]]),
+        ("collective-permute", "source_target_pairs={{0,1},{1,0}}", [[0, 1], [1, 0]]),
+    ],
+)
+def test_every_spelling_of_replica_groups_gives_its_members(kind, attributes, groups):
+    assert group_members(kind, attributes, everyone=4) == groups
 
 
 @pytest.mark.parametrize(

@@ -335,3 +335,42 @@ def test_the_verifier_rejects_a_collective_over_the_model_axis():
     )
     with pytest.raises(VerificationError, match=r"unknown mesh axis \['model'\]"):
         verify(graph, {"replica": 4})
+
+
+def test_the_compiled_report_tells_the_partitioners_collectives_from_the_replicas():
+    """A tensor-parallel step compiled by XLA's TPU compiler for v5e-16 with 4 chips per
+    replica: collectives whose groups are one replica's 4 consecutive chips are XLA's
+    partitioner's; the gradient reduction's groups take one chip of each replica."""
+    pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+    from xla_strategies.hardware.compiled_report import compiled_report
+    from xla_strategies.hardware.hlo import group_members
+    from xla_strategies.hardware.report_text import summary_text
+
+    strategy = xs.TPUStrategy("v5e-16", compile_only=True, logical_devices_per_replica=4)
+    mesh = strategy.mesh
+    params = {
+        "w1": jax.ShapeDtypeStruct(
+            (512, 2048), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))
+        ),
+        "w2": jax.ShapeDtypeStruct(
+            (2048, 512), jnp.float32, sharding=NamedSharding(mesh, P("model", None))
+        ),
+    }
+    x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=strategy.split_sharding())
+
+    def step(params, x):
+        grads = jax.grad(lambda p: _loss(p, x, 0.0))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    compiled = strategy.compile(step).lower(params, x).compile()
+    report = compiled_report(compiled, strategy)
+    inside = [c for c in report.collectives if c.inside_replica]
+    across = [c for c in report.collectives if not c.inside_replica]
+    assert inside and across
+    for c in inside:
+        for group in group_members(c.kind, f"replica_groups={c.replica_groups}", 16):
+            assert sorted(group) == list(range(group[0] // 4 * 4, group[0] // 4 * 4 + 4))
+    for c in across:
+        for group in group_members(c.kind, f"replica_groups={c.replica_groups}", 16):
+            assert len({d % 4 for d in group}) == 1 and len(group) == 4  # one chip of each
+    assert "inside replicas" in summary_text(report, "step")

@@ -17,6 +17,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from xla_strategies.core.layout import MODEL_AXIS
 from xla_strategies.hardware.hlo import (
     CALLEE,
     COLLECTIVES,
@@ -25,6 +26,7 @@ from xla_strategies.hardware.hlo import (
     collective_kind,
     computations,
     executions,
+    group_members,
     group_size,
     hlo_bytes,
     participants,
@@ -55,6 +57,9 @@ class Collective:
     asynchronous: bool
     overlapped_ops: int  # compute instructions scheduled between its start and done
     overlapped_cycles: int  # XLA's cycle estimates of those instructions
+    #: every group within one replica's devices: XLA's partitioner added it for the model
+    #: axis (a replica spanning several devices), not a reduction across replicas
+    inside_replica: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,10 +125,12 @@ class CompiledReport:
         return data
 
 
-def collectives(hlo_text: str) -> list[Collective]:
+def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]:
     """Every collective of the scheduled HLO, with how often a step runs it and the
     compute XLA scheduled behind it: between an asynchronous start and its done, or, for
-    libtpu's `async_collective_fusion`, the compute fused with it."""
+    libtpu's `async_collective_fusion`, the compute fused with it. With several devices per
+    replica (consecutive device ids, the model axis last), a collective whose groups
+    each stay within one replica is marked `inside_replica`."""
     comps, entry = computations(hlo_text)
     times = executions(comps, entry)
     everyone = participants(hlo_text)
@@ -172,6 +179,11 @@ def collectives(hlo_text: str) -> list[Collective]:
                     asynchronous=asynchronous,
                     overlapped_ops=len(between),
                     overlapped_cycles=cycles,
+                    inside_replica=devices_per_replica > 1
+                    and all(
+                        len({d // devices_per_replica for d in group}) == 1
+                        for group in group_members(kind, inner_rest, everyone, op_name)
+                    ),
                 )
             )
             if "collective-start" in op_name:
@@ -272,7 +284,7 @@ def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
             if by_dtype is not None
             else _flops_per_step(float(costs.get("flops", 0.0)), text)
         ),
-        collectives=collectives(text),
+        collectives=collectives(text, getattr(strategy, "logical_devices_per_replica", 1)),
         compile_seconds=float(getattr(compiled, "compile_seconds", 0.0)),
         flops_by_dtype=by_dtype,
     )
@@ -342,11 +354,13 @@ _COST_OP = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter"}
 
 
 def _collective_seconds(c: Collective, topology: Any) -> float:
-    """The cost model's time for `c` over the fastest axes that hold its group."""
+    """The cost model's time for `c` over the fastest axes that hold its group: the model
+    axis for a collective inside a replica, the replica axes for the others."""
     op = _COST_OP.get(c.kind, "all_gather")  # all-to-all, permute: one pass of the bytes
     whole = c.nbytes * (c.group_size if c.kind == "reduce-scatter" else 1)
     axes, size = [], 1
-    for link in reversed(topology.axes):  # fastest (ICI minor) first
+    links = [a for a in topology.axes if (a.name == MODEL_AXIS) == c.inside_replica]
+    for link in reversed(links):  # fastest (ICI minor) first
         if size >= max(c.group_size, 1):
             break
         axes.append(link.name)

@@ -11,6 +11,8 @@ import math
 import re
 from collections import Counter
 
+import numpy as np
+
 from xla_strategies.passes.ir.graph import itemsize
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -26,13 +28,15 @@ OPERAND = re.compile(r"%([\w.\-]+)")
 Op = tuple[str, str, str, str]
 
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[[\d,]+\](?:T\([\d,]+\))?")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 # JAX 0.12's spelling: the mesh, then the axes each group spans (`{}`: none, so each
 # device alone). Axis names are quoted and may hold any character but a quote
 # (`'sharded:x'`).
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*(\{[^}]*\})?")
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _QUOTED = re.compile(r"'([^']+)'")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_PAIR = re.compile(r"\{(\d+),(\d+)\}")
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICAS = re.compile(r"\breplica_count=(\d+)")
 
@@ -64,27 +68,53 @@ def group_size(kind: str, rest: str, everyone: int, name: str = "") -> int:
     on a spelling it does not know."""
     if kind == "collective-permute":
         return 2
+    return len(group_members(kind, rest, everyone, name)[0])
+
+
+def group_members(kind: str, rest: str, everyone: int, name: str = "") -> list[list[int]]:
+    """The device ids of each group of a collective (a permute's: each source-target
+    pair), read as `group_size` reads them. Raises HloReadError on a spelling it does not
+    know, or on groups of different sizes."""
+    if kind == "collective-permute":
+        pairs = _PAIRS.search(rest)
+        return [list(map(int, p)) for p in _PAIR.findall(pairs.group(1))] if pairs else []
     if "replica_groups=" not in rest:
-        return everyone
+        return [list(range(everyone))]
     mesh = _MESH_GROUPS.search(rest)
     if mesh:
-        sizes = dict(_MESH_AXIS.findall(mesh.group(1)))
+        sizes = {a: int(n) for a, n in _MESH_AXIS.findall(mesh.group(1))}
         named = _QUOTED.findall(mesh.group(2)) if mesh.group(2) else list(sizes)
         unknown = [a for a in named if a not in sizes]
         if not sizes or unknown:
             raise HloReadError(f"{name}: mesh replica groups name unknown axes {unknown}: {rest}")
-        return math.prod(int(sizes[a]) for a in named)
+        ids = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
+        last = [list(sizes).index(a) for a in named]
+        order = [i for i in range(len(sizes)) if i not in last] + last
+        size = math.prod(sizes[a] for a in named)
+        return ids.transpose(order).reshape(-1, size).tolist()
     iota = _IOTA_GROUPS.search(rest)
     if iota:
-        return int(iota.group(1).split(",")[-1])
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        perm = [int(p) for p in iota.group(3).split(",")] if iota.group(3) else range(len(dims))
+        return (
+            np.arange(math.prod(dims))
+            .reshape(dims)
+            .transpose(list(perm))
+            .reshape(-1, shape[-1])
+            .tolist()
+        )
     explicit = _EXPLICIT_GROUPS.search(rest)
     if explicit:
         if explicit.group(1) is None:  # `{}`: one group of every device
-            return everyone
-        sizes = {len(g.split(",")) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))}
+            return [list(range(everyone))]
+        groups = [
+            list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))
+        ]
+        sizes = {len(g) for g in groups}
         if len(sizes) != 1:
             raise HloReadError(f"{name}: replica groups of different sizes {sorted(sizes)}")
-        return sizes.pop()
+        return groups
     raise HloReadError(f"{name}: cannot read the replica groups of this {kind}: {rest[:300]}")
 
 

@@ -9,13 +9,11 @@ from xla_strategies.hardware.compiled_report import CompiledReport
 def summary_text(report: CompiledReport, name: str) -> str:
     """The report as a few lines for a terminal."""
     lines = [f"step {name} on {report.topology or report.platform}", _memory_line(report)]
-    kinds: dict[str, list[int]] = {}
-    for c in report.collectives:
-        count_bytes = kinds.setdefault(c.kind, [0, 0])
-        count_bytes[0] += c.times
-        count_bytes[1] += c.times * c.nbytes
-    kept = ", ".join(f"{k} x{n} ({b:,} B)" for k, (n, b) in sorted(kinds.items())) or "none"
-    lines.append(f"  collectives/step  {kept}")
+    across = [c for c in report.collectives if not c.inside_replica]
+    inside = [c for c in report.collectives if c.inside_replica]
+    lines.append(f"  collectives/step  {_by_kind(across)}")
+    if inside:
+        lines.append(f"  inside replicas   {_by_kind(inside)} (XLA's partitioner, model axis)")
     asynchronous = [c for c in report.collectives if c.asynchronous]
     if asynchronous:
         hidden = sum(1 for c in asynchronous if c.overlapped_ops)
@@ -41,6 +39,15 @@ def summary_text(report: CompiledReport, name: str) -> str:
     if report.memory is not None:  # read from an executable, not from text
         lines.append(f"  compile time      {report.compile_seconds:.1f} s")
     return "\n".join(lines)
+
+
+def _by_kind(collectives: list) -> str:
+    kinds: dict[str, list[int]] = {}
+    for c in collectives:
+        count_bytes = kinds.setdefault(c.kind, [0, 0])
+        count_bytes[0] += c.times
+        count_bytes[1] += c.times * c.nbytes
+    return ", ".join(f"{k} x{n} ({b:,} B)" for k, (n, b) in sorted(kinds.items())) or "none"
 
 
 def _memory_line(report: CompiledReport) -> str:
