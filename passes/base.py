@@ -20,6 +20,8 @@ class PassContext:
         synchronous_collectives: whether collectives run as synchronous copies that
             nothing overlaps (emulated devices sharing one host's cores). Without a
             topology and without this, the hardware is simply unknown.
+        devices_per_replica: the devices one replica spans (the model axis's size, which
+            `mesh_axes` leaves out: passes only ever reduce over replica axes).
         stats: counters and timings passes and instruments record, keyed by pass name.
         remarks: human-readable notes passes leave for the dump (why a rewrite did not fire).
     """
@@ -27,6 +29,7 @@ class PassContext:
     mesh_axes: Mapping[str, int]
     topology: Any = None
     synchronous_collectives: bool = False
+    devices_per_replica: int = 1
     stats: dict[str, Any] = field(default_factory=dict)
     remarks: list[str] = field(default_factory=list)
 

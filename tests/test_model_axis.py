@@ -374,3 +374,21 @@ def test_the_compiled_report_tells_the_partitioners_collectives_from_the_replica
         for group in group_members(c.kind, f"replica_groups={c.replica_groups}", 16):
             assert len({d % 4 for d in group}) == 1 and len(group) == 4  # one chip of each
     assert "inside replicas" in summary_text(report, "step")
+
+
+def test_bf16_gradients_on_cpu_devices_compile_and_match_one_device():
+    """XLA's partitioner leaves a copy at the root of a partial-manual reduction, which the
+    CPU compiler's bf16 all-reduce promotion aborted on; the strategy leaves that pass out."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+    want, _, _ = _train(xs.OneDeviceStrategy(), params, split=False)
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2)
+    assert "all-reduce-promotion" in strategy.compiler_options()["xla_disable_hlo_passes"]
+    got, _, _ = _train(strategy, params, split=True)
+    for name in want:
+        assert got[name].dtype == jnp.bfloat16
+        np.testing.assert_allclose(
+            np.asarray(got[name], np.float32),
+            np.asarray(want[name], np.float32),
+            rtol=0.05,
+            atol=0.05,
+        )

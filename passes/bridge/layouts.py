@@ -46,12 +46,17 @@ def split_spec(split: Split, graph_mesh: Mesh, mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*[None] * split.dim, axes if len(axes) > 1 else axes[0])
 
 
-def _with_model_split(spec: PartitionSpec, model_dim: int | None, mesh: Mesh) -> PartitionSpec:
+def _with_model_split(
+    spec: PartitionSpec, model_dim: int | None, mesh: Mesh, block: tuple[int, ...]
+) -> PartitionSpec:
     """`spec` (over replica axes) also split over `mesh`'s model axis on `model_dim`: on a
-    dimension the replicas split too, each replica's block is split further."""
+    dimension the replicas split too, each replica's block is split further. A replica's
+    `block` whose dimension does not divide by the model axis stays whole over it."""
     if model_dim is None:
         return spec
     name = next(a for a in mesh.axis_names if a not in replica_axes(mesh.axis_names))
+    if block[model_dim] % mesh.shape[name]:
+        return spec
     entries = list(spec) + [None] * (model_dim + 1 - len(spec))
     held = entries[model_dim]
     held = () if held is None else held if isinstance(held, tuple) else (held,)
@@ -101,5 +106,6 @@ def _global_sharding(
     if split is not None:
         target = sharded_mesh or mesh
         held = split_spec(split, mesh, target)
-        return NamedSharding(target, _with_model_split(held, model_dim, target))
-    return NamedSharding(mesh, _with_model_split(value_spec(value, mesh), model_dim, mesh))
+        return NamedSharding(target, _with_model_split(held, model_dim, target, value.shape))
+    spec = _with_model_split(value_spec(value, mesh), model_dim, mesh, value.shape)
+    return NamedSharding(mesh, spec)

@@ -85,6 +85,7 @@ class ShardParameters(Pass):
             ctx.stats[self.name] = {"split_state": 0, "decision": decision}
             return False
         splitter = _Splitter(within_slice(ctx), ctx.mesh_axes, self.name)
+        splitter.devices_per_replica = ctx.devices_per_replica
         splitter.split_state(graph)
         splitter.stats["regathered_residuals"] = regather_residuals(graph, self.name)
         splitter.shard_regions(graph)
@@ -141,6 +142,7 @@ class _Splitter:
     def __init__(self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str) -> None:
         self.axes, self.mesh_axes, self.created_by = axes, mesh_axes, created_by
         self.replicas = math.prod(mesh_axes[a] for a in axes)
+        self.devices_per_replica = 1  # a value split over the model axis is split further
         self.remarks: list[str] = []
         self.stats: dict[str, Any] = {
             "split_state": 0,
@@ -164,7 +166,9 @@ class _Splitter:
             if value.varying_axes or attrs.stacked or attrs.sharded:
                 continue
             skip = 1 if value.shape in stack_shapes else 0  # a stack's layers stay whole
-            dim = shard_dimension(value.shape[skip:], self.replicas)
+            dim = shard_dimension(
+                self._within_model(value.shape, attrs.model_dim)[skip:], self.replicas
+            )
             if dim is None:
                 self.stats["replicated_state"] += 1
                 self.stats["replicated"].append(
@@ -189,6 +193,16 @@ class _Splitter:
             self.stats["split_state"] += 1
             self.stats["split_state_bytes"] += value.nbytes
             self.hold_split(graph, value, block, dim + skip)
+
+    def _within_model(self, shape: tuple[int, ...], model_dim: int | None) -> tuple[int, ...]:
+        """`shape` as the replicas may split it: on the dimension the model axis splits,
+        each replica's block is split over the model axis too, so only sizes that divide
+        by both count (a size that cannot take the model split counts as 0)."""
+        k = self.devices_per_replica
+        if model_dim is None or k == 1:
+            return shape
+        size = shape[model_dim] // k if shape[model_dim] % k == 0 else 0
+        return (*shape[:model_dim], size, *shape[model_dim + 1 :])
 
     def hold_split(self, graph: Graph, value: Value, block: Value, dim: int) -> None:
         """`graph` read `value`, which it now has as `block`: a loop over its layers or a

@@ -152,14 +152,23 @@ class Strategy:
         return Topology.for_gpu_mesh(first.device_kind, dict(self._mesh.shape))
 
     def compiler_options(self) -> dict[str, str]:
-        """XLA options for this strategy's programs. When several CPU devices share a
-        host's cores, XLA's parallel task assigner splits each large op across the shared
-        thread pool, where the tasks wait behind device threads blocked in a collective's
-        rendezvous: a gradient sync in 1 MiB buckets took 1.1 s instead of 0.17 s
-        (benchmarks/README.md, "Gradient sync"). Each device runs its ops whole instead."""
+        """XLA options for this strategy's programs, on CPU devices:
+
+        - When several CPU devices share a host's cores, XLA's parallel task assigner
+          splits each large op across the shared thread pool, where the tasks wait behind
+          device threads blocked in a collective's rendezvous: a gradient sync in 1 MiB
+          buckets took 1.1 s instead of 0.17 s (benchmarks/README.md, "Gradient sync").
+          Each device runs its ops whole instead.
+        - With a model axis, XLA's SPMD partitioner leaves a `copy` at the root of a
+          reduction's computation, and the CPU compiler's all-reduce promotion (bf16 to
+          f32) then aborts the process ("Invalid binary instruction opcode copy"). The
+          CPU runtime reduces bf16 itself, so the promotion is left out."""
+        disabled = []
         if self.devices_share_host_cores:
-            return {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
-        return {}
+            disabled.append("cpu-parallel-task-assigner")
+        if self.logical_devices_per_replica > 1 and self.devices[0].platform == "cpu":
+            disabled.append("all-reduce-promotion")
+        return {"xla_disable_hlo_passes": ",".join(disabled)} if disabled else {}
 
     @functools.cached_property
     def devices_share_host_cores(self) -> bool:

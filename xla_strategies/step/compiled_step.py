@@ -248,6 +248,7 @@ class CompiledStep:
             mesh_axes={a: self.strategy.mesh.shape[a] for a in self.strategy.replica_axes},
             topology=self.strategy.topology,
             synchronous_collectives=self.strategy.devices_share_host_cores,
+            devices_per_replica=self.strategy.logical_devices_per_replica,
         )
 
     def _capture_mesh(self) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
