@@ -155,3 +155,31 @@ def test_an_h200_node_compiles_for_its_own_target_config():
     report = compiled_report(step.lower(*args).compile(), strategy)
     assert report.platform == "gpu" and report.fits
     assert report.hbm_bytes == strategy.topology.hbm_bytes > 80 * 2**30
+
+
+def test_two_nodes_with_a_replica_per_node_compile_tensor_parallel_over_nvlink():
+    """Each replica spans one node's 8 GPUs (`logical_devices_per_replica=8`): the weight
+    is split over them (NVLink), and only the gradient reduction crosses the network."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    strategy = xs.MultiWorkerMirroredStrategy(
+        topology="2xdgx-h100", compile_only=True, logical_devices_per_replica=8
+    )
+    assert strategy.num_replicas_in_sync == 2
+    assert dict(strategy.mesh.shape) == {"host": 2, "local": 1, "model": 8}
+    assert strategy.topology.mesh_axes == {"host": 2, "local": 1, "model": 8}
+    split = NamedSharding(strategy.mesh, PartitionSpec(None, "model"))
+    w = jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32, sharding=split)
+    x = jax.ShapeDtypeStruct((8, WIDTH), jnp.float32, sharding=strategy.split_sharding())
+
+    def step(w, x):
+        grad = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * grad
+
+    compiled = strategy.compile(step, donate_argnums=0).lower(w, x).compile()
+    report = compiled_report(compiled, strategy)
+    across = [c for c in report.collectives if not c.inside_replica]
+    # the gradient's own 1/8 per GPU, summed over the two nodes
+    assert sum(c.nbytes * c.times for c in across) == WIDTH * WIDTH * 4 // 8
+    assert all(c.group_size == 2 for c in across)
+    assert report.memory.argument_bytes < WIDTH * WIDTH * 4 // 4  # the weight held 1/8

@@ -109,3 +109,21 @@ def _global_sharding(
         return NamedSharding(target, _with_model_split(held, model_dim, target, value.shape))
     spec = _with_model_split(value_spec(value, mesh), model_dim, mesh, value.shape)
     return NamedSharding(mesh, spec)
+
+
+def mark_model_dims(graph: Graph) -> None:
+    """Give each autodiff reduction of a parameter split over the model axis (its `param`
+    attribute names an input whose `model_dim` is set) that `model_dim`: the gradient is
+    laid out as its parameter, and a pass that splits it over the replicas must pick
+    another dimension."""
+    dims = {
+        v.name: a.model_dim
+        for v, a in zip(graph.inputs, graph.io.inputs, strict=True)
+        if a.model_dim is not None
+    }
+    if not dims:
+        return
+    for region in graph.graphs():
+        for node in region.nodes:
+            if node.op == "all_reduce" and node.attrs.get("param") in dims:
+                node.attrs["model_dim"] = dims[node.attrs["param"]]

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from xla_strategies.passes.bridge import tree_collectives
+from xla_strategies.passes.bridge import partial_manual, tree_collectives
 from xla_strategies.passes.bridge.layouts import (
     comes_back_stacked,
     input_shardings,
@@ -115,6 +115,22 @@ def _all_reduce(node: Node, args: list[Any]) -> list[Any]:
     return list(reducer(list(args), tuple(node.attrs["axes"])))
 
 
+def _reduce_scatter(node: Node, args: list[Any]) -> list[Any]:
+    axes, dim = tuple(node.attrs["axes"]), node.attrs["dimension"]
+    if partial_manual.is_partial_manual():  # keeps the operand split over the model axis
+        parts = args[0].shape[dim] // node.outputs[0].shape[dim]
+        return [partial_manual.reduce_scatter_by_sum(args[0], axes, dim, parts)]
+    return [lax.psum_scatter(args[0], axes, scatter_dimension=dim, tiled=True)]
+
+
+def _all_gather(node: Node, args: list[Any]) -> list[Any]:
+    axes, dim = tuple(node.attrs["axes"]), node.attrs["dimension"]
+    if partial_manual.is_partial_manual():
+        parts = node.outputs[0].shape[dim] // args[0].shape[dim]
+        return [partial_manual.all_gather_by_sum(args[0], axes, dim, parts)]
+    return [lax.all_gather(args[0], axes, axis=dim, tiled=True)]
+
+
 def _reduce_to_one(node: Node, args: list[Any]) -> list[Any]:
     a = node.attrs
     mean = a["reduce_op"] == "mean"
@@ -202,14 +218,8 @@ _RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
     "broadcast": lambda n, a: [
         tree_collectives.broadcast(a[0], n.attrs["axes"][0], n.attrs["size"], n.attrs["root"])
     ],
-    "reduce_scatter": lambda n, a: [
-        lax.psum_scatter(
-            a[0], tuple(n.attrs["axes"]), scatter_dimension=n.attrs["dimension"], tiled=True
-        )
-    ],
-    "all_gather": lambda n, a: [
-        lax.all_gather(a[0], tuple(n.attrs["axes"]), axis=n.attrs["dimension"], tiled=True)
-    ],
+    "reduce_scatter": _reduce_scatter,
+    "all_gather": _all_gather,
     "all_to_all": lambda n, a: [
         lax.all_to_all(
             a[0], tuple(n.attrs["axes"]), n.attrs["split_axis"], n.attrs["concat_axis"], tiled=True

@@ -122,7 +122,10 @@ class BlockSharder:
 
     def scatter(self, node: Node) -> None:
         full = node.outputs[0]
-        dim = shard_dimension(full.shape, self.replicas)
+        shape = full.shape
+        if (model_dim := node.attrs.get("model_dim")) is not None:  # XLA splits it there
+            shape = (*shape[:model_dim], 0, *shape[model_dim + 1 :])
+        dim = shard_dimension(shape, self.replicas)
         if dim is None:
             self.stats["replicated_gradients"] += 1
             self.stats["replicated"].append(

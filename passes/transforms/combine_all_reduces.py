@@ -113,11 +113,19 @@ class CombineAllReduces(Pass):
         first = self.first_bucket_bytes or (
             0 if ctx.topology is None else max(1, threshold // FIRST_BUCKET_FRACTION)
         )
+        # With a model axis, a member's layout over it is XLA's: a flat buffer (reshape,
+        # concatenate) would move every member whole over the model axis to build it.
+        # All-reduces are bucketed as tuples (each member an operand of its own), and block
+        # collectives are left apart.
+        spans = ctx.devices_per_replica > 1
+        kinds = (
+            COMBINABLE if not spans else tuple(k for k in COMBINABLE if k not in BLOCK_COLLECTIVES)
+        )
         for region in graph.graphs():
             # Packs are fixed before any bucket is made: combining removes their members.
-            packs = _pack_of(region, self.num_packs) if self.num_packs else {}
+            packs = _pack_of(region, self.num_packs, kinds) if self.num_packs else {}
             # One bucket at a time, then look again: combining moves nodes.
-            while bucket := self._next_bucket(region, threshold, first, packs):
+            while bucket := self._next_bucket(region, threshold, first, packs, kinds):
                 op = bucket.members[0].op
                 if op in BLOCK_COLLECTIVES:
                     tile = getattr(ctx.topology, "collective_block_tile", None)
@@ -126,20 +134,30 @@ class CombineAllReduces(Pass):
                     # an emulated topology keeps the real slice's flat buckets
                     tuple_ok = ctx.topology is None and ctx.synchronous_collectives
                     tuple_ok = tuple_ok and op == "all_reduce"
-                    own_bytes = OWN_OPERAND_BYTES if tuple_ok else 0
+                    own_bytes = 1 if spans else OWN_OPERAND_BYTES if tuple_ok else 0
                     _combine(region, bucket, len(sizes), self.name, own_bytes)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         return bool(sizes)
 
     def _next_bucket(
-        self, graph: Graph, threshold: int, first: int, packs: dict[Node, int]
+        self,
+        graph: Graph,
+        threshold: int,
+        first: int,
+        packs: dict[Node, int],
+        kinds: tuple[str, ...] = (),
     ) -> _Bucket | None:
-        buckets = self._buckets(graph, threshold, first, packs)
+        buckets = self._buckets(graph, threshold, first, packs, kinds)
         return next((b for b in buckets if len(b.members) > 1), None)
 
     def _buckets(
-        self, graph: Graph, threshold: int, first_limit: int, packs: dict[Node, int]
+        self,
+        graph: Graph,
+        threshold: int,
+        first_limit: int,
+        packs: dict[Node, int],
+        kinds: tuple[str, ...] = (),
     ) -> list[_Bucket]:
         """Greedy buckets in schedule order (by `packs`, when given). A reduction whose
         operand is computed from a member's result closes that bucket: the two cannot be
@@ -153,7 +171,7 @@ class CombineAllReduces(Pass):
             ]
             for bucket in tainting:
                 bucket.tainted.update(node.outputs)
-            if not _combinable(node):
+            if not _combinable(node, kinds):
                 continue
             key, size = _key(node), node.whole_bytes
             limit = first_limit if first_limit and key not in started else threshold
@@ -180,14 +198,15 @@ COMBINABLE = ("all_reduce", "reduce_to_one", "broadcast", *BLOCK_COLLECTIVES)
 _KEPT_ATTRS = ("axes", "reduce_op", "origin", "root", "size")
 
 
-def _combinable(node: Node) -> bool:
-    return node.op in COMBINABLE and len(node.inputs) == 1 and not _is_combined(node)
+def _combinable(node: Node, kinds: tuple[str, ...] = ()) -> bool:
+    kinds = kinds or COMBINABLE
+    return node.op in kinds and len(node.inputs) == 1 and not _is_combined(node)
 
 
-def _pack_of(graph: Graph, num_packs: int) -> dict[Node, int]:
+def _pack_of(graph: Graph, num_packs: int, kinds: tuple[str, ...] = ()) -> dict[Node, int]:
     """Each combinable reduction's pack, 0 .. num_packs - 1: the share of its kind's bytes
     (in schedule order) in which the middle of its own bytes falls."""
-    members = [n for n in graph.nodes if _combinable(n)]
+    members = [n for n in graph.nodes if _combinable(n, kinds)]
     totals: dict[tuple, int] = {}
     for node in members:
         totals[_key(node)] = totals.get(_key(node), 0) + node.whole_bytes

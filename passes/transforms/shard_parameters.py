@@ -195,14 +195,13 @@ class _Splitter:
             self.hold_split(graph, value, block, dim + skip)
 
     def _within_model(self, shape: tuple[int, ...], model_dim: int | None) -> tuple[int, ...]:
-        """`shape` as the replicas may split it: on the dimension the model axis splits,
-        each replica's block is split over the model axis too, so only sizes that divide
-        by both count (a size that cannot take the model split counts as 0)."""
-        k = self.devices_per_replica
-        if model_dim is None or k == 1:
+        """`shape` as the replicas may split it: not on the dimension the model axis
+        splits (counted as size 0). The replicas' blocks of that dimension would each be
+        split over the model axis again, an order XLA's layout of the whole value over the
+        model axis does not share, so every gather would move the value whole."""
+        if model_dim is None or self.devices_per_replica == 1:
             return shape
-        size = shape[model_dim] // k if shape[model_dim] % k == 0 else 0
-        return (*shape[:model_dim], size, *shape[model_dim + 1 :])
+        return (*shape[:model_dim], 0, *shape[model_dim + 1 :])
 
     def hold_split(self, graph: Graph, value: Value, block: Value, dim: int) -> None:
         """`graph` read `value`, which it now has as `block`: a loop over its layers or a

@@ -105,8 +105,17 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
     """Whether sharding pays on the strategy's topology, with its estimates (the pass's
     stats; also printed as a remark): `on`, `reason` ("synchronous collectives", "no
     topology" or "cost model"),
-    and the gradient bytes and both estimated seconds when there is a topology."""
+    and the gradient bytes and both estimated seconds when there is a topology; off on a
+    strategy whose replicas span several devices ("model axis")."""
     where = f"{ShardWeightUpdates.name}{{mode=auto}}"
+    if ctx.devices_per_replica > 1:
+        # XLA's partitioner already splits the update over the model axis, and blocks over
+        # the replicas would move the gradients twice (`bridge.partial_manual`)
+        ctx.remarks.append(
+            f"{where}: off: each replica spans {ctx.devices_per_replica} devices, over which "
+            "XLA's partitioner splits the update; compile(shard_weight_updates=True) turns it on"
+        )
+        return {"on": False, "reason": "model axis"}
     if ctx.topology is None:
         reason, why = (
             (

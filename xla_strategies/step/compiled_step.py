@@ -26,7 +26,7 @@ from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.core.trees import copy_to
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
-from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
+from xla_strategies.passes.bridge.layouts import input_shardings, mark_model_dims, replica_spec
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
@@ -315,6 +315,7 @@ class CompiledStep:
             attrs.name = name  # known once the step has been traced
         for attrs, spec in zip(io.inputs, specs, strict=True):
             attrs.model_dim = spec.model_dim
+        mark_model_dims(graph)
         state = state_pairs(self.declared_state, signature, outputs, graph)
         for out, arg in state.outputs.items():
             io.outputs[out].state_of = arg
