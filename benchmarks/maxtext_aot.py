@@ -1,21 +1,25 @@
-"""MaxText's own ahead-of-time compile of Llama-2-7B for v5e-256, its HLO written out for
-our reader (`xla-strategies report`), so MaxText is measured the way ours is.
+"""MaxText's own ahead-of-time compile of a Llama-2 train step for a TPU topology, its HLO
+written out for our reader (`xla-strategies report`), so MaxText is measured the way ours
+is.
 
 MaxText installs in an environment of its own (its dependencies pin their own releases):
 
     python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install \\
         "maxtext[tpu]==0.2.5" "jax[tpu]==0.12.0.1" "jaxlib==0.12.0.1"
     JAX_PLATFORMS=cpu .venv-maxtext/bin/python benchmarks/maxtext_aot.py maxtext.hlo.txt
+    JAX_PLATFORMS=cpu .venv-maxtext/bin/python benchmarks/maxtext_aot.py 70b.hlo.txt \\
+        --model llama2-70b --topology v5p-512 ici_tensor_parallelism=4
     xla-strategies report maxtext.hlo.txt --topology v5e-256
 
 It prints MaxText's per-chip bytes (arguments + outputs - aliased + temporaries + code)
-from the executable's memory analysis; plain attention (`attention=dot_product`), one
-sequence of 2048 tokens per chip, as `benchmarks.tpu_models`' Llama-2-7B step.
+from the executable's memory analysis. Plain attention (`attention=dot_product`), one
+sequence of 2048 tokens per chip, as `benchmarks.tpu_models`' Llama-2 steps; any other
+MaxText setting is passed on as `key=value`.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from absl import app
 from maxtext.trainers.pre_train import train_compile
@@ -23,28 +27,39 @@ from maxtext.trainers.pre_train import train_compile
 _compile = train_compile.jit_and_compile
 
 
-def _recording(*args, **kwargs):
-    compiled = _compile(*args, **kwargs)
-    with open(sys.argv[1], "w") as out:
-        out.write(compiled.as_text())
-    m = compiled.memory_analysis()
-    total = (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-        + m.generated_code_size_in_bytes
-    )
-    print(f"MaxText Llama-2-7B on v5e-256: {total / 2**30:.2f} GiB per chip", flush=True)
-    return compiled
+def _recording(out: str, label: str):  # noqa: ANN202
+    def compile_and_record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        compiled = _compile(*args, **kwargs)
+        with open(out, "w") as hlo:
+            hlo.write(compiled.as_text())
+        m = compiled.memory_analysis()
+        total = (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            - m.alias_size_in_bytes
+            + m.temp_size_in_bytes
+            + m.generated_code_size_in_bytes
+        )
+        print(f"MaxText {label}: {total / 2**30:.2f} GiB per chip", flush=True)
+        return compiled
+
+    return compile_and_record
 
 
 def main() -> None:
-    train_compile.jit_and_compile = _recording
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("hlo", help="where to write the compiled HLO text")
+    parser.add_argument("--model", default="llama2-7b", help="MaxText's model_name")
+    parser.add_argument("--topology", default="v5e-256", help="MaxText's compile_topology")
+    parser.add_argument("overrides", nargs="*", help="more MaxText settings, key=value")
+    args = parser.parse_args()
+    label = f"{args.model} on {args.topology} {' '.join(args.overrides)}".strip()
+    train_compile.jit_and_compile = _recording(args.hlo, label)
     base = train_compile.__file__.rsplit("/trainers/", 1)[0] + "/configs/base.yml"
-    argv = ["train_compile", base, "model_name=llama2-7b", "compile_topology=v5e-256",
-            "compile_topology_num_slices=1", "per_device_batch_size=1",
-            "max_target_length=2048", "attention=dot_product", "run_name=aot"]  # fmt: skip
+    argv = ["train_compile", base, f"model_name={args.model}",
+            f"compile_topology={args.topology}", "compile_topology_num_slices=1",
+            "per_device_batch_size=1", "max_target_length=2048", "attention=dot_product",
+            "run_name=aot", *args.overrides]  # fmt: skip
     app.run(train_compile.main, argv=argv)
 
 

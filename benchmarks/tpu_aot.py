@@ -12,7 +12,11 @@ weights, bf16 compute):
 - (e) (d) without the prefetch (`prefetch-all-gathers` disabled);
 - (c) the peer a JAX user writes: `jax.jit` with `NamedSharding`s, the batch split and the
   parameters replicated; where that does not fit the chip, MaxText-style FSDP shardings
-  (every parameter and its optimizer state split over all chips on its largest dimension).
+  (every parameter and its optimizer state split over all chips on its largest dimension);
+- (t) asked for by name, language models only: FSDP x tensor parallel, the model written
+  with Megatron's `nn.with_partitioning` annotations, `TENSOR_PARALLEL` chips per replica
+  (`logical_devices_per_replica`), and `shard_parameters=True`. The global batch is the
+  same as the other variants' (one chip's batch times the chips).
 
 Per cell, from the compiled executable: memory per chip and whether it fits, the
 collectives XLA kept (count and bytes per step), the estimated step and its exposed
@@ -21,6 +25,7 @@ the optimised graph against XLA's (`cost_analysis()` flops at the chip's peak).
 
     python -m benchmarks.tpu_aot                              # every model and topology
     python -m benchmarks.tpu_aot --models gpt2-medium --topologies v5e-256
+    python -m benchmarks.tpu_aot --models llama2-70b --topologies v5p-512 --variants d t
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ from xla_strategies.step.compile_program import compile_lowered
 RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
 TOPOLOGIES = ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512")
 VARIANTS = ("a", "b", "c", "d", "e")
+#: Chips per replica in variant (t), over the fastest torus axis, and the models annotated
+#: for it (`benchmarks.tpu_models.TransformerConfig.tensor_parallel`).
+TENSOR_PARALLEL = 4
+TENSOR_PARALLEL_MODELS = {"llama2-7b", "llama2-70b"}
 #: The pass a variant leaves out of its strategy's pipeline: (e) the prefetch; on GPU nodes
 #: (`benchmarks.gpu_aot`), (f) and (g) are (a) and (d) without the decomposition across nodes.
 LEFT_OUT = {
@@ -73,7 +82,7 @@ def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:
         axis_name="batch",
         donate_argnums=(0, 1),
         shard_weight_updates={"b": True, "h": False}.get(variant),
-        shard_parameters=True if variant in ("d", "e", "g") else None,
+        shard_parameters=True if variant in ("d", "e", "g", "t") else None,
         pipeline=without_pass(strategy.pipeline(None), left_out) if left_out else None,
         name=f"{workload.name} ({variant})",
     )
@@ -133,7 +142,7 @@ def _fsdp_sharding(mesh: Any) -> Any:
 
 
 def _batch(strategy: Any, workload: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    size = workload.batch_per_chip * strategy.num_replicas_in_sync
+    size = workload.batch_per_chip * len(strategy.devices)  # a replica may span several
     return {
         key: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=strategy.split_sharding())
         for key, spec in workload.batch(size).items()
@@ -172,15 +181,16 @@ def cell(strategy: Any, workload: Any, variant: str) -> dict[str, Any]:
     }
 
 
-def compile_only_strategy(topology: str) -> Any:
+def compile_only_strategy(topology: str, devices_per_replica: int = 1) -> Any:
     """The strategy a user trains on `topology` with, compile-only: a TPU slice's
     TPUStrategy, one GPU node's MirroredStrategy, several nodes' MultiWorkerMirroredStrategy."""
     found = xs.Topology.from_name(topology)
+    k = {"logical_devices_per_replica": devices_per_replica}
     if found.hardware.startswith("v"):
-        return xs.TPUStrategy(topology, compile_only=True)
+        return xs.TPUStrategy(topology, compile_only=True, **k)
     if found.mesh_axes.get("host", 1) > 1:
-        return xs.MultiWorkerMirroredStrategy(topology=topology, compile_only=True)
-    return xs.MirroredStrategy(topology=topology, compile_only=True)
+        return xs.MultiWorkerMirroredStrategy(topology=topology, compile_only=True, **k)
+    return xs.MirroredStrategy(topology=topology, compile_only=True, **k)
 
 
 def measure(models: list[str], topologies: list[str], variants: list[str]) -> list[dict]:
@@ -190,12 +200,19 @@ def measure(models: list[str], topologies: list[str], variants: list[str]) -> li
 def measure_cells(jobs: list[tuple[str, str, str]]) -> list[dict]:
     """Each (model, topology, variant) compiled and summarised, with progress."""
     rows = []
-    strategies: dict[str, Any] = {}
+    strategies: dict[tuple[str, int], Any] = {}
     for model, topology, variant in tqdm(jobs, desc="compile", unit="program"):
-        if topology not in strategies:
-            strategies[topology] = compile_only_strategy(topology)
-        workload = WORKLOADS[model]()
-        row = cell(strategies[topology], workload, variant)
+        tensor_parallel = variant == "t"
+        if tensor_parallel and model not in TENSOR_PARALLEL_MODELS:
+            raise ValueError(
+                f"variant t (tensor parallel) needs a model annotated for it: one of "
+                f"{sorted(TENSOR_PARALLEL_MODELS)}, not {model!r}"
+            )
+        key = (topology, TENSOR_PARALLEL if tensor_parallel else 1)
+        if key not in strategies:
+            strategies[key] = compile_only_strategy(*key)
+        workload = WORKLOADS[model](tp=True) if tensor_parallel else WORKLOADS[model]()
+        row = cell(strategies[key], workload, variant)
         rows.append({"model": workload.name, "topology": topology, **row})
         tqdm.write(_row_text(rows[-1]))
     return rows
@@ -262,7 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "t"))
     parser.add_argument(
         "--compute-check",
         action="store_true",

@@ -28,6 +28,58 @@ class TransformerConfig:
     causal: bool = True
     swiglu: bool = False  # Llama: SwiGLU MLP, RMSNorm, no biases, untied output
     batch_per_chip: int = 1
+    kv_heads: int | None = None  # Llama-2-70B's grouped-query attention: fewer K/V heads
+    #: Megatron's tensor parallelism as flax users annotate it (`nn.with_partitioning` over
+    #: "model"): attention split by heads, the MLP by its hidden units, the embedding and
+    #: the output layer by the vocabulary
+    tensor_parallel: bool = False
+
+
+def _split(cfg: TransformerConfig, x: jax.Array, *names: str | None) -> jax.Array:
+    """`x` laid out over "model" as Megatron splits that activation (heads, hidden units),
+    under tensor parallelism and a mesh (as flax's own boxes, no constraint at `init`
+    outside one); as it is otherwise."""
+    if not cfg.tensor_parallel or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*names))
+
+
+def _init(cfg: TransformerConfig, *names: str | None) -> Any:
+    """The default Dense initializer, annotated with `names` under tensor parallelism."""
+    init = nn.initializers.lecun_normal()
+    return nn.with_partitioning(init, names) if cfg.tensor_parallel else init
+
+
+class GroupedQueryAttention(nn.Module):
+    """Llama's causal attention, written out: `kv_heads` key/value heads shared by the
+    query heads (Llama-2-70B's grouped-query attention; all heads where None), and under
+    tensor parallelism every head's activations on the chip that holds its weights."""
+
+    cfg: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        head = cfg.width // cfg.heads
+        heads = partial(nn.DenseGeneral, axis=-1, dtype=COMPUTE, use_bias=False)
+        split = _init(cfg, None, "model")  # DenseGeneral initialises the flat (in, heads x dim)
+        kv_heads = cfg.kv_heads or cfg.heads
+        by_head = (None, None, "model", None)  # (batch, sequence, heads, head dim)
+        q = _split(cfg, heads((cfg.heads, head), kernel_init=split, name="query")(x), *by_head)
+        k = _split(cfg, heads((kv_heads, head), kernel_init=split, name="key")(x), *by_head)
+        v = _split(cfg, heads((kv_heads, head), kernel_init=split, name="value")(x), *by_head)
+        groups = cfg.heads // kv_heads
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        out = _split(cfg, nn.dot_product_attention(q, k, v, mask=mask, dtype=COMPUTE), *by_head)
+        return nn.DenseGeneral(
+            cfg.width,
+            axis=(-2, -1),
+            dtype=COMPUTE,
+            use_bias=False,
+            kernel_init=_init(cfg, "model", None),  # flat: (heads x dim, width)
+            name="out",
+        )(out)
 
 
 class Block(nn.Module):
@@ -38,17 +90,30 @@ class Block(nn.Module):
         cfg = self.cfg
         norm = partial(nn.RMSNorm if cfg.swiglu else nn.LayerNorm, dtype=COMPUTE)
         dense = partial(nn.Dense, dtype=COMPUTE, use_bias=not cfg.swiglu)
+        up, down = _init(cfg, None, "model"), _init(cfg, "model", None)
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2])) if cfg.causal else None
         h = norm()(x)
-        x = x + nn.MultiHeadDotProductAttention(
-            cfg.heads, dtype=COMPUTE, use_bias=not cfg.swiglu, deterministic=True
-        )(h, h, mask=mask)
+        if cfg.kv_heads or cfg.tensor_parallel:
+            x = x + GroupedQueryAttention(cfg)(h)
+        else:
+            x = x + nn.MultiHeadDotProductAttention(
+                cfg.heads,
+                dtype=COMPUTE,
+                use_bias=not cfg.swiglu,
+                deterministic=True,
+                kernel_init=_init(cfg, None, "model"),  # DenseGeneral's flat kernels
+                out_kernel_init=_init(cfg, "model", None),
+            )(h, h, mask=mask)
         h = norm()(x)
         if cfg.swiglu:
-            h = nn.silu(dense(cfg.mlp)(h)) * dense(cfg.mlp)(h)
+            h = nn.silu(dense(cfg.mlp, kernel_init=up)(h)) * dense(cfg.mlp, kernel_init=up)(h)
         else:
-            h = nn.gelu(dense(cfg.mlp)(h))
-        return x + dense(cfg.width)(h), None
+            h = nn.gelu(dense(cfg.mlp, kernel_init=up)(h))
+        h = _split(cfg, h, None, None, "model")  # (batch, sequence, hidden units)
+        x = x + dense(cfg.width, kernel_init=down)(h)
+        # the residual stream between layers (what remat keeps of each) split on its
+        # features, as MaxText's rules lay out `activation_embed` under tensor parallelism
+        return _split(cfg, x, None, None, "model"), None
 
 
 class Transformer(nn.Module):
@@ -57,7 +122,13 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        embed = nn.Embed(cfg.vocab, cfg.width, dtype=COMPUTE)
+        vocab_split = nn.with_partitioning(nn.linear.default_embed_init, ("model", None))
+        embed = nn.Embed(
+            cfg.vocab,
+            cfg.width,
+            dtype=COMPUTE,
+            **({"embedding_init": vocab_split} if cfg.tensor_parallel else {}),
+        )
         x = embed(tokens)
         if not cfg.swiglu:
             x = x + nn.Embed(cfg.seq_len, cfg.width, dtype=COMPUTE)(jnp.arange(tokens.shape[1]))
@@ -66,11 +137,14 @@ class Transformer(nn.Module):
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=cfg.layers,
+            metadata_params={nn.PARTITION_NAME: None},  # the layer axis is not split
         )
         x, _ = layers(cfg, name="layers")(x, None)
         x = (nn.RMSNorm if cfg.swiglu else nn.LayerNorm)(dtype=COMPUTE)(x)
         if cfg.swiglu:
-            return nn.Dense(cfg.vocab, dtype=COMPUTE, use_bias=False)(x)
+            return nn.Dense(
+                cfg.vocab, dtype=COMPUTE, use_bias=False, kernel_init=_init(cfg, None, "model")
+            )(x)
         return embed.attend(x)  # GPT-2 and BERT tie the output to the embedding
 
 
@@ -199,7 +273,14 @@ WORKLOADS = {
     "gpt2-medium": lambda: _lm(
         "GPT-2 medium", TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8)
     ),
-    "llama2-7b": lambda: _lm(
-        "Llama-2-7B", TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True)
+    "llama2-7b": lambda tp=False: _lm(
+        "Llama-2-7B",
+        TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
+    ),
+    "llama2-70b": lambda tp=False: _lm(
+        "Llama-2-70B",
+        TransformerConfig(
+            32000, 8192, 64, 80, 28672, 2048, swiglu=True, kv_heads=8, tensor_parallel=tp
+        ),
     ),
 }
