@@ -178,20 +178,23 @@ def scanned_lm(dtype=np.float32, vocab=11, width=16, layers=3, remat=True, steps
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
     params = jax.tree.map(lambda x: x.astype(dtype), params)
 
-    def make_step(tx):
-        def step(params, opt_state, tokens):
-            def loss_fn(p):
-                logits = model.apply({"params": p}, tokens[:, :-1])
-                labels = tokens[:, 1:]
-                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return params, lambda tx: lm_step(model, tx), batches
 
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
 
-        return step
+def lm_step(model: nn.Module, tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """The train step flax's docs write for a language model: next-token cross-entropy."""
 
-    return params, make_step, batches
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, tokens[:, :-1])
+            labels = tokens[:, 1:]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
 
 
 def train_on(strategy, step_fn, params, tx, batches, **options):

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import xla_strategies as xs
-from tests.helpers import bytes_on
+from tests.helpers import bytes_on, lm_step
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -140,17 +140,8 @@ class _ScannedLM(nn.Module):
 
 
 def _train_lm(strategy, params, **options):
-    model, tx = _ScannedLM(), optax.adamw(1e-2)
-
-    def step(params, opt_state, tokens):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    tx = optax.adamw(1e-2)
+    step = lm_step(_ScannedLM(), tx)
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, 11, size=(16, 7)).astype(np.int32) for _ in range(3)]
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
