@@ -68,3 +68,15 @@ def test_a_layout_map_naming_other_axes_is_an_error():
             _model()
     with pytest.raises(ValueError, match="give logical_devices_per_replica > 1"):
         xs.MirroredStrategy(layout_map=layout_map)
+
+
+def test_a_scope_that_fails_to_open_leaves_no_mesh_behind():
+    import jax
+
+    device_mesh = keras.distribution.DeviceMesh((4, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    layout_map[".*kernel"] = ("batch", "model")
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2, layout_map=layout_map)
+    with pytest.raises(ValueError), strategy.scope():
+        pass
+    assert jax.sharding.get_abstract_mesh().empty  # the next program traces on no mesh

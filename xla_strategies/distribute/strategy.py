@@ -258,7 +258,7 @@ class Strategy:
         (`jax.set_mesh`): a flax variable annotated with a sharding is created split."""
         if self.logical_devices_per_replica == 1:
             return user_scope(self)
-        return _entered_together(user_scope(self), jax.set_mesh(self._mesh))
+        return _with_mesh(user_scope(self), self._mesh)
 
     def sub_strategy(self, replicas: int) -> Strategy:
         """A strategy of this kind on this one's first `replicas` replicas, for a batch
@@ -473,11 +473,10 @@ class Strategy:
 
 
 @contextlib.contextmanager
-def _entered_together(scope: Any, *others: Any) -> Any:
-    """`scope` and `others` entered in order; yields what `scope` yields."""
-    with scope as entered, contextlib.ExitStack() as stack:
-        for other in others:
-            stack.enter_context(other)
+def _with_mesh(scope: Any, mesh: Mesh) -> Any:
+    """`scope`, and inside it `mesh` as JAX's mesh context; yields what `scope` yields.
+    `jax.set_mesh` sets the mesh when called, so it is called only once `scope` is in."""
+    with scope as entered, jax.set_mesh(mesh):
         yield entered
 
 
