@@ -147,22 +147,40 @@ def _train_lm(strategy, params, **options):
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
     compiled = strategy.compile(step, **options)
     for tokens in strategy.experimental_distribute_dataset(batches):
+        graph = compiled.executable(*state, tokens).graph
         *state, _ = compiled(*state, tokens)
-    return state[0], compiled
+    return state[0], compiled, graph
+
+
+def _gathered_back(graph) -> list:
+    """The all-gathers, in any region, of a value a reduce-scatter there just made (cast
+    or constrained on the way): a gradient block gathered whole again."""
+    found = []
+    for region in graph.graphs():
+        blocks = set()
+        for node in region.nodes:
+            if node.op == "reduce_scatter" or (node.inputs and node.inputs[0] in blocks):
+                blocks.update(node.outputs)
+            if node.op == "all_gather" and node.inputs[0] in blocks:
+                found.append(node)
+    return found
 
 
 @pytest.mark.parametrize(("k", "shard_parameters"), [(2, False), (4, True)])
 def test_an_annotated_scanned_linen_lm_trains_like_one_device(k, shard_parameters):
     params = _ScannedLM().init(jax.random.key(0), np.zeros((2, 6), np.int32))["params"]
-    want, _ = _train_lm(xs.OneDeviceStrategy(), nn.meta.unbox(params))
+    want, *_ = _train_lm(xs.OneDeviceStrategy(), nn.meta.unbox(params))
     strategy = xs.MirroredStrategy(logical_devices_per_replica=k)
-    got, step = _train_lm(strategy, params, shard_parameters=shard_parameters)
+    got, step, graph = _train_lm(strategy, params, shard_parameters=shard_parameters)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)  # adam divides by sqrt(v)
     assert step.cache_size == 1
     kernel = got["ScanCheckpoint_Block_0"]["Dense_0"]["kernel"].value  # (layers, 16, 32)
     held, whole = bytes_on(kernel, strategy.devices[0])
     assert held * (8 if shard_parameters else k) == whole
+    # the backward loop returns each layer's gradient block, through the transpose of
+    # flax's own sharding constraint, and gathers none of them back whole
+    assert not _gathered_back(graph)
 
 
 # flax NNX: the miniGPT tutorial's annotations, a model built under the strategy's scope

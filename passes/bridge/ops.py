@@ -23,6 +23,9 @@ declare_all(
 declare("jax.reshape", Trait.LINEAR, Trait.RESHAPE)
 declare_result_shape_param("jax.reshape", "new_sizes")
 declare_all(_jax("neg", "copy", "copy_p"), Trait.LINEAR, Trait.ELEMENTWISE)
+# a layout over the model axis, the identity on values: it runs on a replica's block
+# as on the whole value (the block is never cut on the model axis's dimension)
+declare("jax.sharding_constraint", Trait.LINEAR, Trait.ELEMENTWISE)
 declare_dimension_reduction("jax.reduce_sum", "sum", Trait.LINEAR)
 declare_dimension_reduction("jax.reduce_max", "max")
 declare_dimension_reduction("jax.reduce_min", "min")

@@ -67,6 +67,7 @@ class BlockSharder:
         self.gathered: set[Value] = set()
         self.deferred: set[Value] = set()  # held split by a pass: gathered where read whole
         self.slices: dict[tuple[Value, int], Value] = {}
+        self.model_dims: dict[tuple[int, ...], int] = {}
         self.nodes: list[Node] = []
         self.producers: dict[Value, Node] = {}
         self.sunk: set[Node] = set()  # whole nodes redone on blocks; dropped if unread
@@ -107,6 +108,7 @@ class BlockSharder:
         return returned
 
     def walk(self, graph: Graph) -> None:
+        self.model_dims = _model_dims_by_shape(graph)
         for node in graph.nodes:
             if is_gradient_reduction(node, self.all_axes):
                 self.scatter(node)
@@ -123,7 +125,8 @@ class BlockSharder:
     def scatter(self, node: Node) -> None:
         full = node.outputs[0]
         shape = full.shape
-        if (model_dim := node.attrs.get("model_dim")) is not None:  # XLA splits it there
+        model_dim = node.attrs.get("model_dim", self.model_dims.get(shape))
+        if model_dim is not None:  # XLA's partitioner splits the gradient there
             shape = (*shape[:model_dim], 0, *shape[model_dim + 1 :])
         dim = shard_dimension(shape, self.replicas)
         if dim is None:
@@ -360,3 +363,15 @@ def is_gradient_reduction(node: Node, axes: list[str]) -> bool:
 
 def _type(value: Value) -> str:
     return (f"{value.name} " if value.name else "") + format_type(value)
+
+
+def _model_dims_by_shape(graph: Graph) -> dict[tuple[int, ...], int]:
+    """The model-axis dimension of the parameters `graph` gathers from blocks (the deferred
+    gathers shard-parameters leaves, `model_dim`), by shape: a gradient inside a loop body
+    has no parameter name, but has its parameter's shape. A shape two parameters split
+    on different dimensions says nothing."""
+    found: dict[tuple[int, ...], set[int]] = {}
+    for node in graph.nodes:
+        if node.op == "all_gather" and node.attrs.get(DEFERRED) and "model_dim" in node.attrs:
+            found.setdefault(node.outputs[0].shape, set()).add(node.attrs["model_dim"])
+    return {shape: dims.pop() for shape, dims in found.items() if len(dims) == 1}

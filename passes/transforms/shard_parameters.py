@@ -192,7 +192,7 @@ class _Splitter:
             attrs.sharded = Split(dim + skip, tuple(self.axes))
             self.stats["split_state"] += 1
             self.stats["split_state_bytes"] += value.nbytes
-            self.hold_split(graph, value, block, dim + skip)
+            self.hold_split(graph, value, block, dim + skip, attrs.model_dim)
 
     def _within_model(self, shape: tuple[int, ...], model_dim: int | None) -> tuple[int, ...]:
         """`shape` as the replicas may split it: not on the dimension the model axis
@@ -203,10 +203,13 @@ class _Splitter:
             return shape
         return (*shape[:model_dim], 0, *shape[model_dim + 1 :])
 
-    def hold_split(self, graph: Graph, value: Value, block: Value, dim: int) -> None:
+    def hold_split(
+        self, graph: Graph, value: Value, block: Value, dim: int, model_dim: int | None = None
+    ) -> None:
         """`graph` read `value`, which it now has as `block`: a loop over its layers or a
         checkpoint region takes the block (and gathers inside); a deferred `all_gather`
-        defines `value` for every other reader."""
+        defines `value` for every other reader. `model_dim`: the dimension the model axis
+        splits `value` on, which the gather records for the gradient's own blocks."""
         whole_readers = value in graph.outputs
         for node in graph.nodes:
             positions = [i for i, v in enumerate(node.inputs) if v is value]
@@ -221,9 +224,12 @@ class _Splitter:
                 node.inputs[i] = block
                 inner = region.inputs[i]
                 region.inputs[i] = inner_block = self.block_of(inner, inner_dim)
-                self.hold_split(region, inner, inner_block, inner_dim)
+                inner_model = None if model_dim is None else model_dim - (dim - inner_dim)
+                self.hold_split(region, inner, inner_block, inner_dim, inner_model)
         if whole_readers:
             attrs = {"axes": self.axes, "dimension": dim, DEFERRED: True}
+            if model_dim is not None:
+                attrs["model_dim"] = model_dim
             graph.nodes.insert(0, self.node("all_gather", [block], [value], attrs))
 
     # the loops
