@@ -51,8 +51,11 @@ def main() -> None:
     parser.add_argument("hlo", help="where to write the compiled HLO text")
     parser.add_argument("--model", default="llama2-7b", help="MaxText's model_name")
     parser.add_argument("--topology", default="v5e-256", help="MaxText's compile_topology")
-    parser.add_argument("overrides", nargs="*", help="more MaxText settings, key=value")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # the rest: MaxText settings, key=value
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        parser.error(f"MaxText settings are key=value, got {bad}")
+    args.overrides = overrides
     label = f"{args.model} on {args.topology} {' '.join(args.overrides)}".strip()
     train_compile.jit_and_compile = _recording(args.hlo, label)
     base = train_compile.__file__.rsplit("/trainers/", 1)[0] + "/configs/base.yml"
