@@ -222,8 +222,8 @@ def _nnx_objects():
     return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split(k):
+@pytest.mark.parametrize(("k", "shard_parameters"), [(2, False), (4, False), (2, True)])
+def test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split(k, shard_parameters):
     one_device = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(one_device):  # flax needs a mesh to create an annotated variable
         expected, expected_optimizer = _nnx_objects()
@@ -233,18 +233,20 @@ def test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split(k):
     strategy = xs.MirroredStrategy(logical_devices_per_replica=k)
     with strategy.scope():  # the strategy's mesh is the mesh flax creates variables on
         model, optimizer = _nnx_objects()
-    step = strategy.compile(_nnx_train_step)
+    step = strategy.compile(_nnx_train_step, shard_parameters=shard_parameters or None)
     for x, y in strategy.experimental_distribute_dataset(_batches()):
         step(model, optimizer, x, y)
     got = jax.tree.leaves(nnx.state(model, nnx.Param))
     for g, w in zip(got, jax.tree.leaves(nnx.state(expected, nnx.Param)), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)  # adam divides by sqrt(v)
     assert step.cache_size == 1  # written back as they came: no recompile
+    # 1/k of each kernel per device; with shard_parameters, 1/8: the replicas' blocks
+    # (rows) of the model axis's split (columns)
+    rows = 4 // strategy.num_replicas_in_sync if shard_parameters else 4
     kernel = model.linear1.kernel[...]
-    assert kernel.sharding.spec == P(None, "model")
-    assert kernel.addressable_shards[0].data.shape == (4, 16 // k)
+    assert kernel.addressable_shards[0].data.shape == (rows, 16 // k)
     moment = optimizer.opt_state[0].mu["linear1"]["kernel"][...]
-    assert moment.addressable_shards[0].data.shape == (4, 16 // k)
+    assert moment.addressable_shards[0].data.shape == (rows, 16 // k)
 
 
 # tf.distribute's logical devices on TPUStrategy
