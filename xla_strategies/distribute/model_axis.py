@@ -9,13 +9,17 @@ so the collectives XLA's partitioner adds inside a replica run over the fastest 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.core.layout import MODEL_AXIS, model_dim
+from xla_strategies.core.trees import is_function_leaf
 
 
 def with_model_axis(
@@ -64,3 +68,25 @@ def _mesh_axes(box: Any) -> tuple:
 
         return tuple(linen.logical_to_mesh_axes(box.names, box.rules))
     return tuple(box.names)
+
+
+def state_shardings(
+    tree: Any, mesh: Mesh, model_dim_of: Callable[[Any], int | None]
+) -> Iterator[NamedSharding]:
+    """Where each array of `tree` (function leaves skipped) is kept as state: split over
+    the model axis as flax linen annotates it or as it already is (`model_dim_of`), whole
+    otherwise."""
+    for dim, leaf in zip(declared_model_dims(tree), jax.tree.leaves(tree), strict=True):
+        if is_function_leaf(leaf):
+            continue
+        dim = model_dim_of(leaf) if dim is None else dim
+        spec = PartitionSpec() if dim is None else PartitionSpec(*[None] * dim, MODEL_AXIS)
+        yield NamedSharding(mesh, spec)
+
+
+@contextlib.contextmanager
+def scope_with_mesh(scope: Any, mesh: Mesh) -> Iterator[Any]:
+    """`scope`, and inside it `mesh` as JAX's mesh context; yields what `scope` yields.
+    `jax.set_mesh` sets the mesh when called, so it is called only once `scope` is in."""
+    with scope as entered, jax.set_mesh(mesh):
+        yield entered

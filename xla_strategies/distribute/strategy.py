@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -50,7 +51,7 @@ from xla_strategies.core.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.core.trees import abstract_like, copy_to, map_arrays
 from xla_strategies.distribute.extended import StrategyExtended
 from xla_strategies.distribute.merge_call import merge_call
-from xla_strategies.distribute.model_axis import declared_model_dims, with_model_axis
+from xla_strategies.distribute.model_axis import scope_with_mesh, state_shardings, with_model_axis
 from xla_strategies.distribute.values import distribute_values_from_function
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.layouts import replica_spec
@@ -258,7 +259,7 @@ class Strategy:
         (`jax.set_mesh`): a flax variable annotated with a sharding is created split."""
         if self.logical_devices_per_replica == 1:
             return user_scope(self)
-        return _with_mesh(user_scope(self), self._mesh)
+        return scope_with_mesh(user_scope(self), self._mesh)
 
     def sub_strategy(self, replicas: int) -> Strategy:
         """A strategy of this kind on this one's first `replicas` replicas, for a batch
@@ -294,19 +295,15 @@ class Strategy:
         array split over it (or annotated so by flax linen's `nn.with_partitioning`) is
         held split over it on every replica."""
         if self.logical_devices_per_replica == 1:
-            sharding = self.state_sharding()
-            return map_arrays(
-                lambda a, _: self.place(a, sharding), tree, "replicate(tree)", keep_functions=True
-            )
-        declared = iter(declared_model_dims(tree))
-
-        def place(array: Any, _: str) -> Any:  # split over "model" as annotated, or as it is
-            dim = next(declared)
-            dim = self.model_dim(array) if dim is None else dim
-            spec = PartitionSpec() if dim is None else PartitionSpec(*[None] * dim, MODEL_AXIS)
-            return self.place(array, NamedSharding(self._mesh, spec))
-
-        return map_arrays(place, tree, "replicate(tree)", keep_functions=True)
+            shardings = itertools.repeat(self.state_sharding())
+        else:
+            shardings = state_shardings(tree, self._mesh, self.model_dim)
+        return map_arrays(
+            lambda a, _: self.place(a, next(shardings)),
+            tree,
+            "replicate(tree)",
+            keep_functions=True,
+        )
 
     def place(self, array: Any, sharding: jax.sharding.Sharding) -> Any:
         """A copy of `array` with `sharding`; abstract (a `jax.ShapeDtypeStruct`) when the
@@ -470,14 +467,6 @@ class Strategy:
     def _logical_devices_shown(self) -> str:
         k = self.logical_devices_per_replica
         return f", logical_devices_per_replica={k}" if k > 1 else ""
-
-
-@contextlib.contextmanager
-def _with_mesh(scope: Any, mesh: Mesh) -> Any:
-    """`scope`, and inside it `mesh` as JAX's mesh context; yields what `scope` yields.
-    `jax.set_mesh` sets the mesh when called, so it is called only once `scope` is in."""
-    with scope as entered, jax.set_mesh(mesh):
-        yield entered
 
 
 def _same_mesh(mesh: Mesh, reference: Mesh) -> bool:
