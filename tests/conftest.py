@@ -17,7 +17,8 @@ def pytest_report_header(config):
     return f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, Python {sys.version.split()[0]}"
 
 
-# The end-to-end cases that take 25 s and more each on 2 cores: `make test-slow` runs them
+# The end-to-end cases that take 25 s and more each on 2 cores, and some shorter ones once
+# `make test` neared its 7 minutes: `make test-slow` runs them
 # (CI too), `make test` the rest, so that it stays within 7 minutes. Node ids, or their
 # prefixes for every parameter of a test.
 SLOW_TESTS = (
@@ -36,6 +37,10 @@ SLOW_TESTS = (
     "tests/torch_models/test_train.py::test_checkpoint_saves_and_restores_a_torch_state",
     "tests/test_equivalence.py::test_mirrored_matches_one_device[transformer-adamw-f64]",
     "tests/test_examples.py::test_train_mlp_resumes_and_saves_on_sigterm",
+    # the model axis's framework cases, 3-8 s each: `make test` keeps one of each kind
+    "tests/test_model_axis.py::test_an_annotated_scanned_linen_lm_trains_like_one_device",
+    "tests/test_model_axis.py::test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split[2-False]",
+    "tests/test_model_axis.py::test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split[4-False]",
 )
 
 
