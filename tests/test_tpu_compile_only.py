@@ -208,3 +208,64 @@ def test_a_batch_another_strategy_split_is_an_error_not_a_mirrored_value():
     w = tpu.replicate(np.zeros((), np.float32))
     with pytest.raises(ValueError, match=r"split on its first dimension over another mesh"):
         step.lower(w, batch)
+
+
+def _options_in_effect(dump_dir: Path) -> dict[str, str]:
+    """The options XLA's TPU compiler used, from its dump's `tpu_comp_env.txt`."""
+    (env,) = dump_dir.glob("*tpu_comp_env.txt")
+    lines = env.read_text().splitlines()
+    pairs = (line.split(":", 1) for line in lines if ":" in line and not line.startswith("#"))
+    return {name.strip(): value.strip() for name, value in pairs}
+
+
+def _reads_as(value: object) -> set[str]:
+    """How `tpu_comp_env.txt` spells an option's value (a bool flag, or a tri-state one)."""
+    spelled = {True: {"true", "ENABLED", "1"}, False: {"false", "DISABLED", "0"}}
+    return spelled[value] if isinstance(value, bool) else {str(value)}
+
+
+def _tuned(topology: str) -> dict[str, object]:
+    found = xs.Topology.from_name(topology)
+    return dict(found.compiler_options + found.replicated_parameter_options)
+
+
+_TUNED_SLICES = [t for t in ("v5e-4", "v5p-8", "v6e-4") if _tuned(t)]
+
+
+@pytest.mark.parametrize("topology", _TUNED_SLICES)
+def test_a_generations_tuned_options_are_in_effect_and_a_steps_own_win(topology, tmp_path):
+    tuned = _tuned(topology)
+    strategy = xs.TPUStrategy(topology, compile_only=True)
+
+    def used(dump: Path, strategy=strategy, **options: object) -> dict[str, str]:
+        sharded = options.pop("shard_parameters", None)
+        options = {"xla_dump_to": str(dump), **options}
+        tx, state, batch = _abstract_state(strategy, width=256)
+        step = strategy.compile(_adam_step(tx), compiler_options=options, shard_parameters=sharded)
+        step.lower(*state, batch).compile()
+        return _options_in_effect(dump)
+
+    in_effect = used(tmp_path / "tuned")
+    for option, wanted in tuned.items():
+        assert in_effect[option] in _reads_as(wanted), option
+    name, value = sorted(tuned.items())[0]  # the step's own value wins over the generation's
+    assert used(tmp_path / "own", **{name: not value})[name] in _reads_as(not value)
+    # without them, XLA's defaults: every tuned option then reads otherwise
+    plain = xs.TPUStrategy(topology, compile_only=True, generation_compiler_options=False)
+    assert plain.compiler_options() == {}
+    defaults = used(tmp_path / "plain", strategy=plain)
+    assert all(defaults[o] not in _reads_as(v) for o, v in tuned.items())
+    # a step that gathers its parameters takes only the options for every step
+    gathering = used(tmp_path / "gathering", shard_parameters=True)
+    only_replicated = dict(xs.Topology.from_name(topology).replicated_parameter_options)
+    assert all(gathering[o] == defaults[o] for o in only_replicated)
+
+
+def test_an_option_xla_does_not_know_is_an_error_not_ignored():
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx, state, batch = _abstract_state(strategy, width=16)
+    step = strategy.compile(_adam_step(tx), compiler_options={"xla_tpu_no_such_flag": True})
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
+        step.lower(*state, batch).compile()
+    emulated = xs.TPUStrategy("v5e-4", emulate=True)
+    assert "xla_tpu" not in str(emulated.compiler_options())  # CPU devices take none

@@ -97,8 +97,10 @@ class MeshLayout:
             return None
         return Topology.for_gpu_mesh(first.device_kind, dict(self._mesh.shape))
 
-    def compiler_options(self) -> dict[str, str]:
-        """XLA options for this strategy's programs, on CPU devices:
+    def compiler_options(self, gathers_parameters: bool = False) -> dict[str, Any]:
+        """XLA options for this strategy's programs (`gathers_parameters`: whether the
+        step gathers its parameters where used, which some tuned options depend on), on
+        CPU devices:
 
         - When several CPU devices share a host's cores, XLA's parallel task assigner
           splits each large op across the shared thread pool, where the tasks wait behind

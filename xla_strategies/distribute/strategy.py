@@ -170,8 +170,10 @@ class Strategy(MeshLayout):
         where the replicated state does not fit the chip), `static_argnums`,
         `static_argnames`, `axis_name`, `donate_argnums`, `donate_argnames` (as `jax.jit`:
         those arguments' buffers are given to their new values, which the step returns;
-        nothing else is donated), `name`. Options given to `set_compile_defaults` apply
-        where a call does not give them.
+        nothing else is donated), `compiler_options` (as `jax.jit`: XLA option names to
+        values, which win over the strategy's own, such as a TPU generation's tuned flags),
+        `name`. Options given to `set_compile_defaults` apply where a call does not give
+        them.
         """
         options = {**self._compile_defaults, **options}
         if fn is None:

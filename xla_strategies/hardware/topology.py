@@ -80,6 +80,15 @@ class Topology:
     reduce_scatter_over_axes_is_all_reduce: bool = False
     #: each device's dense f32 matmul peak (flop/s; TF32 on GPUs); None: the bf16 peak
     peak_f32_flops: float | None = None
+    #: XLA options tuned for this hardware (`[compiler_options]` in its file, with their
+    #: sources and measurements), as (name, value) pairs, TOML's booleans kept (XLA's and
+    #: libtpu's option parsers both read a bool); the TPU strategy passes them to every
+    #: compile
+    compiler_options: tuple[tuple[str, Any], ...] = ()
+    #: more of them (`[compiler_options_replicated_parameters]`) for steps whose parameters
+    #: stay whole on every chip: measured to win there and to lose where the step gathers
+    #: its parameters (`shard_parameters`)
+    replicated_parameter_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -113,6 +122,8 @@ class Topology:
             tuple(tile) if tile else None,
             bool(config.get("reduce_scatter_over_axes_is_all_reduce", False)),
             config.get("peak_tf32_flops_per_s"),
+            tuple(sorted(config.get("compiler_options", {}).items())),
+            tuple(sorted(config.get("compiler_options_replicated_parameters", {}).items())),
         )
 
     @classmethod

@@ -12,7 +12,7 @@ import functools
 import time
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,11 @@ from xla_strategies.step import in_place_state, replica_rng_streams
 from xla_strategies.step.argument_declarations import declared_arguments
 from xla_strategies.step.arguments import Outputs, Signature, argument_paths, flatten_arguments
 from xla_strategies.step.compile_program import LoweredStep
+from xla_strategies.step.compiler_options import (
+    gathers_parameters,
+    option_values,
+    step_compiler_options,
+)
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
 from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDumper
 from xla_strategies.step.recompiles import warn_if_recompiling
@@ -95,6 +100,7 @@ class CompiledStep:
         shard_parameters: bool | None = None,
         donate_argnums: int | Sequence[int] = (),
         donate_argnames: str | Sequence[str] = (),
+        compiler_options: Mapping[str, Any] | None = None,
         name: str | None = None,
     ) -> None:
         if not callable(fn):
@@ -132,6 +138,7 @@ class CompiledStep:
             pipeline, op, shard_weight_updates, shard_parameters
         )
         self.pipeline = step_pipeline(strategy, self.pipeline_options)
+        self.compiler_options = option_values(compiler_options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
         self._compiled = 0  # programs built, the evicted included
         self.__wrapped__ = fn
@@ -348,7 +355,7 @@ class CompiledStep:
         graph, outputs = self._capture(signature)
         seconds["capture"] = time.perf_counter() - start
         dump.progress(f"captured in {seconds['capture']:.1f} s ({len(graph.nodes)} nodes)")
-        captured_stats = _reduction_stats(graph)
+        captured_stats = collective_summary(graph)
         pipeline = self.pipeline
         if options.pipeline:  # XLA_STRATEGIES_PIPELINE: the user's spec, by the same rule
             spec = dataclasses.replace(self.pipeline_options, spec=options.pipeline)
@@ -366,7 +373,9 @@ class CompiledStep:
             strategy.mesh,
             donated,
             strategy.stacked_mesh,
-            strategy.compiler_options(),
+            step_compiler_options(
+                strategy.compiler_options(gathers_parameters(ctx)), self.compiler_options
+            ),
             strategy.sharded_mesh,
         )
         dump.write(graph, run, signature.arrays)
@@ -377,24 +386,11 @@ class CompiledStep:
             sharding if spec.layout is Layout.MIRRORED else None
             for spec, sharding in zip(signature.arrays, shardings, strict=True)
         )
-        return Executable(
-            graph,
-            run,
-            outputs,
-            donated,
-            placements,
-            captured_stats,
-            seconds,
-            ctx.stats,
-            ctx.remarks,
-        )
+        stats = (captured_stats, seconds, ctx.stats, ctx.remarks)
+        return Executable(graph, run, outputs, donated, placements, *stats)
 
 
 def _put(leaf: Any, sharding: NamedSharding, strategy: StepStrategy) -> Any:
     if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
         return leaf
     return strategy.place(leaf, sharding)  # a copy where the program reads it, or abstract
-
-
-def _reduction_stats(graph: Graph) -> dict[str, Any]:
-    return collective_summary(graph)

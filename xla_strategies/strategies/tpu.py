@@ -53,6 +53,10 @@ class TPUStrategy(Strategy):
             `num_cores_per_replica` is `logical_devices_per_replica`.
         experimental_spmd_xla_partitioning: kept for tf.distribute's signature; a replica
             spanning several chips is always partitioned by XLA's SPMD partitioner.
+        generation_compiler_options: compile every step with the XLA options tuned for
+            the chips' generation (`[compiler_options]` in `tpu_configs/<generation>.toml`,
+            each with its source and measurement). True by default; a step's own
+            `compile(compiler_options=...)` win name by name.
     """
 
     pipeline_label = "tpu"
@@ -68,10 +72,17 @@ class TPUStrategy(Strategy):
         experimental_spmd_xla_partitioning: bool = False,
         logical_devices_per_replica: int = 1,
         layout_map: Any = None,
+        generation_compiler_options: bool = True,
     ) -> None:
         k = cores_per_replica(experimental_device_assignment, logical_devices_per_replica)
         self.cluster_resolver = tpu_cluster_resolver
         self.experimental_spmd_xla_partitioning = experimental_spmd_xla_partitioning
+        if not isinstance(generation_compiler_options, bool):
+            raise TypeError(
+                "generation_compiler_options must be True or False, got "
+                f"{generation_compiler_options!r}"
+            )
+        self.generation_compiler_options = generation_compiler_options
         if aot := aot_topology("tpu"):  # `xla-strategies aot`: the script's own topology
             topology, emulate, compile_only = aot, False, True
         if isinstance(topology, str):
@@ -108,6 +119,18 @@ class TPUStrategy(Strategy):
     def topology(self) -> Topology:
         """The slice's topology; with a model axis, its fastest axis cut in two."""
         return self._topology
+
+    def compiler_options(self, gathers_parameters: bool = False) -> dict[str, Any]:
+        """The base's, and on TPU chips (real or compile-only) the generation's tuned XLA
+        options: those for every step, and for a step that does not gather its parameters
+        (`shard_parameters`) those measured to win only there. Emulated CPU devices take
+        none of them."""
+        options = super().compiler_options()
+        if self.generation_compiler_options and self.devices[0].platform == "tpu":
+            options.update(self._topology.compiler_options)
+            if not gathers_parameters:
+                options.update(self._topology.replicated_parameter_options)
+        return options
 
     def sub_strategy(self, replicas: int) -> Strategy:
         """Part of a slice is no torus of its own: its first `replicas` replicas run the
