@@ -191,6 +191,19 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
     return found
 
 
+def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Per kind: `count` and `bytes` a step runs (while bodies per trip), as `collectives`
+    reads them: a collective fused into an asynchronous fusion counts too."""
+    found = collectives(hlo_text)
+    return {
+        kind: {
+            "count": sum(c.times for c in found if c.kind == kind),
+            "bytes": sum(c.times * c.nbytes for c in found if c.kind == kind),
+        }
+        for kind in COLLECTIVES
+    }
+
+
 def _key(inner: tuple[str, str, str]) -> tuple[str, int]:
     return inner[0], _result_bytes(inner[1], False)
 

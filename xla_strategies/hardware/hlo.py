@@ -195,19 +195,3 @@ def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
         kind for ops in comps.values() for op in ops if (kind := collective_kind(op[2]))
     )
     return {kind: total[kind] for kind in COLLECTIVES}
-
-
-def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Per kind: `count` and `bytes` executed per run of the entry computation, with while
-    bodies multiplied by their trip count (1 when it cannot be read)."""
-    comps, entry = computations(hlo_text)
-    times = executions(comps, entry)
-    counts: Counter[str] = Counter()
-    nbytes: Counter[str] = Counter()
-    for name, ops in comps.items():
-        for _, types, opcode, _ in ops:
-            kind = collective_kind(opcode)
-            if kind and times.get(name):
-                counts[kind] += times[name]
-                nbytes[kind] += times[name] * hlo_bytes(types)
-    return {kind: {"count": counts[kind], "bytes": nbytes[kind]} for kind in COLLECTIVES}
