@@ -17,8 +17,8 @@ import pytest
 
 import xla_strategies as xs
 from xla_strategies.core.layout import Layout
-from xla_strategies.hardware.compiled_report import compiled_report
-from xla_strategies.hardware.hlo import count_hlo_collectives, executed_collectives
+from xla_strategies.hardware.compiled_report import compiled_report, executed_collectives
+from xla_strategies.hardware.hlo import count_hlo_collectives
 from xla_strategies.passes.cost.collective_stats import collective_summary
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
@@ -269,3 +269,16 @@ def test_an_option_xla_does_not_know_is_an_error_not_ignored():
         step.lower(*state, batch).compile()
     emulated = xs.TPUStrategy("v5e-4", emulate=True)
     assert "xla_tpu" not in str(emulated.compiler_options())  # CPU devices take none
+
+
+def test_a_slice_is_compiled_as_the_torus_it_is():
+    """v5p-128 is a 4x4x4 torus: XLA's TPU compiler gathers a split parameter over it with
+    its 3D all-gather. Compiled as a mesh without the wraparound links, the same gather
+    became an all-reduce of zero-padded blocks."""
+    strategy = xs.TPUStrategy("v5p-128", compile_only=True)
+    assert xs.Topology.from_name("v5p-128").libtpu_wraparound == (True, True, True)
+    tx, state, batch = _abstract_state(strategy, width=1024)
+    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1), shard_parameters=True)
+    report = compiled_report(step.lower(*state, batch).compile(), strategy)
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    assert gathers and all("3DAllGather" in (c.algorithm or "") for c in gathers)

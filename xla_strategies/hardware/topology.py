@@ -196,6 +196,16 @@ class Topology:
         return f"{self.hardware}:{'x'.join(map(str, shape))}"
 
     @property
+    def libtpu_wraparound(self) -> tuple[bool, bool, bool]:
+        """Per torus dimension (three, as XLA's TPU compiler takes them), whether one slice
+        wraps around. The compiler picks its collective algorithms by it: on a v5p-512
+        torus an all-gather runs as `3DAllGatherOnMajorDim`, on the same chips without
+        the wraparound as an all-reduce of zero-padded blocks."""
+        found = _NAME.match(self.name.strip().lower())
+        wraps = hardware_config(self.hardware)["slices"][found["slice"]]["wraparound"]
+        return tuple(bool(w) for w in [*wraps, False, False][:3])
+
+    @property
     def mesh_axes(self) -> dict[str, int]:
         """Axis name -> size, slowest level first (the device mesh's order)."""
         return {a.name: a.size for a in self.axes}

@@ -179,7 +179,10 @@ def _compile_only_devices(topology: Topology | None) -> list[Any]:
         # holds a lock file for the process that loaded it first)
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     description = topologies.get_topology_desc(
-        topology_name=topology.libtpu_name, platform="tpu", num_slices=topology.slice_count
+        topology_name=topology.libtpu_name,
+        platform="tpu",
+        num_slices=topology.slice_count,
+        wrap=topology.libtpu_wraparound,  # the real slice's torus links, not a mesh's
     )
     # libtpu describes v4 without megacore, a device per TensorCore: one per chip
     return [d for d in description.devices if getattr(d, "core_on_chip", 0) == 0]
