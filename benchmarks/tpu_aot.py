@@ -26,6 +26,7 @@ the optimised graph against XLA's (`cost_analysis()` flops at the chip's peak).
     python -m benchmarks.tpu_aot                              # every model and topology
     python -m benchmarks.tpu_aot --models gpt2-medium --topologies v5e-256
     python -m benchmarks.tpu_aot --models llama2-70b --topologies v5p-512 --variants d t
+    python -m benchmarks.tpu_aot --models resnet50 --topologies v5e-256 --variants a --untuned
 """
 
 from __future__ import annotations
@@ -181,24 +182,29 @@ def cell(strategy: Any, workload: Any, variant: str) -> dict[str, Any]:
     }
 
 
-def compile_only_strategy(topology: str, devices_per_replica: int = 1) -> Any:
+def compile_only_strategy(topology: str, devices_per_replica: int = 1, tuned: bool = True) -> Any:
     """The strategy a user trains on `topology` with, compile-only: a TPU slice's
-    TPUStrategy, one GPU node's MirroredStrategy, several nodes' MultiWorkerMirroredStrategy."""
+    TPUStrategy (`tuned`: with its generation's XLA options), one GPU node's
+    MirroredStrategy, several nodes' MultiWorkerMirroredStrategy."""
     found = xs.Topology.from_name(topology)
     k = {"logical_devices_per_replica": devices_per_replica}
     if found.hardware.startswith("v"):
-        return xs.TPUStrategy(topology, compile_only=True, **k)
+        return xs.TPUStrategy(topology, compile_only=True, generation_compiler_options=tuned, **k)
     if found.mesh_axes.get("host", 1) > 1:
         return xs.MultiWorkerMirroredStrategy(topology=topology, compile_only=True, **k)
     return xs.MirroredStrategy(topology=topology, compile_only=True, **k)
 
 
-def measure(models: list[str], topologies: list[str], variants: list[str]) -> list[dict]:
-    return measure_cells([(m, t, v) for m in models for t in topologies for v in variants])
+def measure(
+    models: list[str], topologies: list[str], variants: list[str], tuned: bool = True
+) -> list[dict]:
+    jobs = [(m, t, v) for m in models for t in topologies for v in variants]
+    return measure_cells(jobs, tuned)
 
 
-def measure_cells(jobs: list[tuple[str, str, str]]) -> list[dict]:
-    """Each (model, topology, variant) compiled and summarised, with progress."""
+def measure_cells(jobs: list[tuple[str, str, str]], tuned: bool = True) -> list[dict]:
+    """Each (model, topology, variant) compiled and summarised, with progress; `tuned`:
+    TPU steps with their generation's XLA options (`tpu_configs/`), as by default."""
     rows = []
     strategies: dict[tuple[str, int], Any] = {}
     for model, topology, variant in tqdm(jobs, desc="compile", unit="program"):
@@ -210,10 +216,13 @@ def measure_cells(jobs: list[tuple[str, str, str]]) -> list[dict]:
             )
         key = (topology, TENSOR_PARALLEL if tensor_parallel else 1)
         if key not in strategies:
-            strategies[key] = compile_only_strategy(*key)
+            strategies[key] = compile_only_strategy(*key, tuned=tuned)
         workload = WORKLOADS[model](tp=True) if tensor_parallel else WORKLOADS[model]()
         row = cell(strategies[key], workload, variant)
-        rows.append({"model": workload.name, "topology": topology, **row})
+        if not tuned:
+            row["program"] += ", untuned"
+        row = {"model": workload.name, "topology": topology, **row, "tuned": tuned}
+        rows.append(row)
         tqdm.write(_row_text(rows[-1]))
     return rows
 
@@ -281,6 +290,11 @@ def main() -> None:
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "t"))
     parser.add_argument(
+        "--untuned",
+        action="store_true",
+        help="compile without the TPU generation's XLA options (tpu_configs/), to measure them",
+    )
+    parser.add_argument(
         "--compute-check",
         action="store_true",
         help="only refill the cost model's compute estimate of the recorded cells of ours",
@@ -289,19 +303,23 @@ def main() -> None:
     if args.compute_check:
         compute_check(RESULTS, args.models)
         return
-    record(measure(args.models, args.topologies, args.variants), RESULTS)
+    record(measure(args.models, args.topologies, args.variants, not args.untuned), RESULTS)
 
 
 def record(rows: list[dict[str, Any]], results: Path) -> None:
     """Write `rows` into `results` in place of the same cells measured before, and print
     them and the whole table."""
     old = json.loads(results.read_text()) if results.exists() else {"rows": []}
-    done = {(r["model"], r["topology"], r["variant"]) for r in rows}
-    kept = [r for r in old["rows"] if (r["model"], r["topology"], r["variant"]) not in done]
+    done = {_cell_key(r) for r in rows}
+    kept = [r for r in old["rows"] if _cell_key(r) not in done]
     results.parent.mkdir(exist_ok=True)
     results.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
     print("\n".join(_row_text(r) for r in rows))
     print(markdown(kept + rows))
+
+
+def _cell_key(row: dict[str, Any]) -> tuple:
+    return row["model"], row["topology"], row["variant"], row.get("tuned", True)
 
 
 if __name__ == "__main__":
