@@ -50,8 +50,11 @@ MODES = ("on", "auto")
 class PrefetchAllGathers(Pass):
     """Options:
     mode: ``on`` prefetches in every layer loop whose body gathers its xs; ``auto`` does
-        so with a topology (real devices, whose collectives run beside compute) and not on
-        emulated CPU devices, whose collectives are synchronous copies.
+        so with a topology whose compiler runs a loop's all-gathers beside compute, and
+        not on emulated CPU devices, whose collectives are synchronous copies, nor where
+        the topology says the compiler runs them synchronously
+        (`Topology.loop_all_gathers_asynchronous`: TPU v5p and v6e): there a prefetch
+        hides nothing and holds one more layer.
     """
 
     name = "prefetch-all-gathers"
@@ -69,6 +72,14 @@ class PrefetchAllGathers(Pass):
             # emulated topology keeps its passes: it runs the real slice's program)
             reason = "synchronous collectives" if ctx.synchronous_collectives else "no topology"
             ctx.stats[self.name] = {"loops": 0, "distance": 0, "reason": reason}
+            return False
+        if self.mode == "auto" and not ctx.topology.loop_all_gathers_asynchronous:
+            ctx.stats[self.name] = {"loops": 0, "distance": 0, "reason": "synchronous gathers"}
+            ctx.remarks.append(
+                f"{self.name}{{mode=auto}}: off: XLA's compiler for {ctx.topology.hardware} "
+                "runs a layer loop's all-gathers synchronously, so a prefetch would hide "
+                "nothing and hold one more layer; mode=on turns it on"
+            )
             return False
         loops = gathered_bytes = 0
         for node in [n for n in graph.nodes if n.has(Trait.COUNTED_LOOP)]:

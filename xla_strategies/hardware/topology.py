@@ -85,6 +85,10 @@ class Topology:
     #: libtpu's option parsers both read a bool); the TPU strategy passes them to every
     #: compile
     compiler_options: tuple[tuple[str, Any], ...] = ()
+    #: whether XLA's compiler runs a layer loop's all-gathers beside compute (asynchronous),
+    #: so that prefetching the next layer's gather can hide it; False where it was measured
+    #: to run them synchronously (TPU v5p and v6e, libtpu 0.0.50)
+    loop_all_gathers_asynchronous: bool = True
     #: more of them (`[compiler_options_replicated_parameters]`) for steps whose parameters
     #: stay whole on every chip: measured to win there and to lose where the step gathers
     #: its parameters (`shard_parameters`)
@@ -122,8 +126,11 @@ class Topology:
             tuple(tile) if tile else None,
             bool(config.get("reduce_scatter_over_axes_is_all_reduce", False)),
             config.get("peak_tf32_flops_per_s"),
-            tuple(sorted(config.get("compiler_options", {}).items())),
-            tuple(sorted(config.get("compiler_options_replicated_parameters", {}).items())),
+            compiler_options=tuple(sorted(config.get("compiler_options", {}).items())),
+            loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
+            replicated_parameter_options=tuple(
+                sorted(config.get("compiler_options_replicated_parameters", {}).items())
+            ),
         )
 
     @classmethod
