@@ -66,7 +66,7 @@ def measure(
         try:
             compiled = lowered.compile(compiler_options=SETS[name] or None)
         except Exception as exc:  # libtpu refuses some options on some generations
-            rows.append({**head, "error": str(exc).splitlines()[0][:300]})
+            rows.append({**head, "error": " ".join(str(exc).split())[:300]})
             tqdm.write(f"{name}: {rows[-1]['error']}")
             continue
         report = hlo_report(compiled.as_text(), strategy.topology)
