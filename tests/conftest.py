@@ -38,6 +38,12 @@ SLOW_TESTS = (
     # both transformer cases (13 s each); `make test` keeps the MLP's two
     "tests/test_equivalence.py::test_mirrored_matches_one_device[transformer",
     "tests/test_examples.py::test_train_mlp_resumes_and_saves_on_sigterm",
+    # 11-16 s each, with kin in `make test`: torch parameter sharding (the torch CNN and
+    # transformer steps stay), the Keras example (Keras' fit cases stay), a worker that
+    # never starts (two-worker training and input cases stay)
+    "tests/torch_models/test_train.py::test_parameter_sharding_holds_the_torch_state_split",
+    "tests/keras_models/test_fit.py::test_the_keras_example_learns_with_batchnorm_and_uneven",
+    "tests/test_multi_worker.py::test_a_worker_that_never_starts_is_a_timeout_error",
     # the model axis's framework cases, 3-8 s each: `make test` keeps one of each kind
     "tests/test_model_axis.py::test_an_annotated_scanned_linen_lm_trains_like_one_device",
     "tests/test_model_axis.py::test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split[2-False]",
