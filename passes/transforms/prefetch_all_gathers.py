@@ -67,19 +67,9 @@ class PrefetchAllGathers(Pass):
             )
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
-        if self.mode == "auto" and ctx.topology is None:
-            # nothing overlaps a synchronous gather; unknown hardware has no estimate (an
-            # emulated topology keeps its passes: it runs the real slice's program)
-            reason = "synchronous collectives" if ctx.synchronous_collectives else "no topology"
+        reason = self._off_reason(ctx) if self.mode == "auto" else None
+        if reason is not None:
             ctx.stats[self.name] = {"loops": 0, "distance": 0, "reason": reason}
-            return False
-        if self.mode == "auto" and not ctx.topology.loop_all_gathers_asynchronous:
-            ctx.stats[self.name] = {"loops": 0, "distance": 0, "reason": "synchronous gathers"}
-            ctx.remarks.append(
-                f"{self.name}{{mode=auto}}: off: XLA's compiler for {ctx.topology.hardware} "
-                "runs a layer loop's all-gathers synchronously, so a prefetch would hide "
-                "nothing and hold one more layer; mode=on turns it on"
-            )
             return False
         loops = gathered_bytes = 0
         for node in [n for n in graph.nodes if n.has(Trait.COUNTED_LOOP)]:
@@ -102,6 +92,22 @@ class PrefetchAllGathers(Pass):
                 f"({gathered_bytes:,} bytes per layer) while the current layer computes"
             )
         return loops > 0
+
+    def _off_reason(self, ctx: PassContext) -> str | None:
+        """Why `mode=auto` leaves the step alone, or None: nothing overlaps a synchronous
+        gather, and unknown hardware has no estimate (an emulated topology keeps its
+        passes: it runs the real slice's program). A compiler that runs loop gathers
+        synchronously is also named in a remark."""
+        if ctx.topology is None:
+            return "synchronous collectives" if ctx.synchronous_collectives else "no topology"
+        if ctx.topology.loop_all_gathers_asynchronous:
+            return None
+        ctx.remarks.append(
+            f"{self.name}{{mode=auto}}: off: XLA's compiler for {ctx.topology.hardware} "
+            "runs a layer loop's all-gathers synchronously, so a prefetch would hide "
+            "nothing and hold one more layer; mode=on turns it on"
+        )
+        return "synchronous gathers"
 
 
 def _prologue(body: Graph, loop: Node) -> tuple[list[Node], list[Node]]:
