@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.pod_collectives
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_ablation
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_options --model llama2-7b --topology v5e-256 --variant d --sets none cf-all-reduce
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.gpu_aot
 	$(BIN)/python -m benchmarks.multi_worker
 	$(BIN)/python -m benchmarks.checkpoint
