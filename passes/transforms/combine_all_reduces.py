@@ -13,7 +13,10 @@ kind (and root) apart, and so are weight-update sharding's `reduce_scatter`s and
 concatenated along the second dimension, and one collective over the first moves every
 member's block. A block is contiguous when every dimension before the split one is 1, and
 the view is a reshape; otherwise (a scanned layer stack [L, d, d] split on d) the split
-dimension is transposed to the front first, a local copy.
+dimension is transposed to the front first, a local copy. Where the topology says so
+(`bucket_layer_collectives = false`: TPU v5e), the gathers and reduce-scatters inside a
+layer loop (parameter sharding's, per layer) stay one per weight: XLA's compiler there runs
+each weight's gather beside the matmul before its use, which a bucket would delay.
 
     Before (8 replicas):
       %2: f32[2,4]{replica} = reduce_scatter(%0) {"axes": ["replica"], "dimension": 0}
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.model import bucket_bytes
 from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.traits import Trait
 
 # Without a topology (CPU, plain MirroredStrategy): chosen from the sweep in
 # benchmarks/README.md ("Bucket threshold sweep").
@@ -121,11 +125,18 @@ class CombineAllReduces(Pass):
         kinds = (
             COMBINABLE if not spans else tuple(k for k in COMBINABLE if k not in BLOCK_COLLECTIVES)
         )
+        unbucketed = _layer_loop_regions(graph) if _leaves_layer_collectives(ctx) else set()
+        left_apart = 0
         for region in graph.graphs():
+            if id(region) in unbucketed:
+                left_apart += sum(1 for n in region.nodes if n.op in BLOCK_COLLECTIVES)
+                kinds_here = tuple(k for k in kinds if k not in BLOCK_COLLECTIVES)
+            else:
+                kinds_here = kinds
             # Packs are fixed before any bucket is made: combining removes their members.
-            packs = _pack_of(region, self.num_packs, kinds) if self.num_packs else {}
+            packs = _pack_of(region, self.num_packs, kinds_here) if self.num_packs else {}
             # One bucket at a time, then look again: combining moves nodes.
-            while bucket := self._next_bucket(region, threshold, first, packs, kinds):
+            while bucket := self._next_bucket(region, threshold, first, packs, kinds_here):
                 op = bucket.members[0].op
                 if op in BLOCK_COLLECTIVES:
                     tile = getattr(ctx.topology, "collective_block_tile", None)
@@ -138,6 +149,14 @@ class CombineAllReduces(Pass):
                     _combine(region, bucket, len(sizes), self.name, own_bytes)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
+        if left_apart:
+            ctx.stats[self.name]["layer_collectives_apart"] = left_apart
+            ctx.remarks.append(
+                f"{self.name}: {left_apart} all-gathers and reduce-scatters in layer loops "
+                f"left apart: XLA's compiler for {ctx.topology.hardware} overlaps each "
+                "weight's own collective with the compute beside it "
+                "(tpu_configs: bucket_layer_collectives = false)"
+            )
         return bool(sizes)
 
     def _next_bucket(
@@ -218,6 +237,20 @@ def _pack_of(graph: Graph, num_packs: int, kinds: tuple[str, ...] = ()) -> dict[
         packs[node] = min(num_packs - 1, int(num_packs * middle / max(totals[key], 1)))
         offsets[key] = offsets.get(key, 0) + size
     return packs
+
+
+def _leaves_layer_collectives(ctx: PassContext) -> bool:
+    return ctx.topology is not None and not ctx.topology.bucket_layer_collectives
+
+
+def _layer_loop_regions(graph: Graph) -> set[int]:
+    """The ids of every region a counted loop (a layer loop) runs, nested ones included."""
+    return {
+        id(inner)
+        for node in graph.walk()
+        if node.has(Trait.COUNTED_LOOP)
+        for inner in node.regions[0].graphs()
+    }
 
 
 def _threshold_for(ctx: PassContext) -> int:

@@ -54,7 +54,9 @@ class PrefetchAllGathers(Pass):
         not on emulated CPU devices, whose collectives are synchronous copies, nor where
         the topology says the compiler runs them synchronously
         (`Topology.loop_all_gathers_asynchronous`: TPU v5p and v6e): there a prefetch
-        hides nothing and holds one more layer.
+        hides nothing and holds one more layer; nor where each weight is gathered apart
+        and the compiler overlaps each gather itself (`Topology.bucket_layer_collectives`:
+        TPU v5e).
     """
 
     name = "prefetch-all-gathers"
@@ -96,18 +98,25 @@ class PrefetchAllGathers(Pass):
     def _off_reason(self, ctx: PassContext) -> str | None:
         """Why `mode=auto` leaves the step alone, or None: nothing overlaps a synchronous
         gather, and unknown hardware has no estimate (an emulated topology keeps its
-        passes: it runs the real slice's program). A compiler that runs loop gathers
-        synchronously is also named in a remark."""
+        passes: it runs the real slice's program). What the topology says of its compiler
+        is also named in a remark."""
         if ctx.topology is None:
             return "synchronous collectives" if ctx.synchronous_collectives else "no topology"
-        if ctx.topology.loop_all_gathers_asynchronous:
+        if not ctx.topology.bucket_layer_collectives:
+            reason = "gathers overlapped per weight"
+            why = "runs each weight's gather beside the compute before its use, so a prefetch"
+            why += " would hold one more layer for nothing"
+        elif not ctx.topology.loop_all_gathers_asynchronous:
+            reason = "synchronous gathers"
+            why = "runs a layer loop's all-gathers synchronously, so a prefetch would hide"
+            why += " nothing and hold one more layer"
+        else:
             return None
         ctx.remarks.append(
             f"{self.name}{{mode=auto}}: off: XLA's compiler for {ctx.topology.hardware} "
-            "runs a layer loop's all-gathers synchronously, so a prefetch would hide "
-            "nothing and hold one more layer; mode=on turns it on"
+            f"{why}; mode=on turns it on"
         )
-        return "synchronous gathers"
+        return reason
 
 
 def _prologue(body: Graph, loop: Node) -> tuple[list[Node], list[Node]]:

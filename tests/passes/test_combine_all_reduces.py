@@ -263,3 +263,45 @@ def test_with_a_topology_the_first_bucket_is_a_sixteenth_of_the_threshold():
         text.replace("{x,y}", "{replica}").replace('"x", "y"', '"replica"'), threshold_bytes=1600
     )
     assert flat.stats["combine-all-reduces"]["bucket_bytes"] == [500]  # no topology: one
+
+
+# a layer loop that gathers two weights of each layer from their blocks, and two gathers
+# outside it
+LAYER_LOOP = """\
+func @step(%0: f32[2,16]{replica}, %1: f32[3,2,16]{replica}, %2: f32[3,2,16]{replica}, %3: f32[2,16]{replica}, %4: f32[2,16]{replica}) {
+  %5: f32[2,16]{replica}, %6: f32[3,2,16]{replica} = jax.scan(%0, %1, %2) {"length": 3, "num_carry": 1, "num_consts": 0, "reverse": false, "unroll": 1}
+    region (%7: f32[2,16]{replica}, %8: f32[2,16]{replica}, %9: f32[2,16]{replica}) {
+      %10: f32[16,16] = all_gather(%8) {"axes": ["replica"], "dimension": 0}
+      %11: f32[16,16] = all_gather(%9) {"axes": ["replica"], "dimension": 0}
+      %12: f32[16,16] = jax.add(%10, %11)
+      %13: f32[16,16]{replica} = pvary(%12) {"axes": ["replica"]}
+      %14: f32[2,16]{replica} = jax.dot_general(%7, %13) {"dimension_numbers": [[[1], [0]], [[], []]]}
+      return %14, %7
+    }
+  %15: f32[16,16] = all_gather(%3) {"axes": ["replica"], "dimension": 0}
+  %16: f32[16,16] = all_gather(%4) {"axes": ["replica"], "dimension": 0}
+  return %5, %6, %15, %16
+}
+"""
+
+
+@pytest.mark.parametrize(("hardware", "loop_gathers"), [("v5e-8", 2), ("v5p-8", 1)])
+def test_a_layer_loop_gathers_each_weight_apart_where_the_compiler_overlaps_each(
+    hardware, loop_gathers
+):
+    """On v5e, libtpu runs each weight's gather beside the matmul before its use, so a
+    layer's gathers stay apart (Llama-2-7B on v5e-256: 4.77 to 3.74 GiB per chip, 777.3 to
+    751.5 ms); elsewhere they are bucketed, and outside a layer loop always."""
+    import xla_strategies as xs
+
+    topology = xs.Topology.from_name(hardware)
+    options = {"threshold_bytes": 1 << 20, "first_bucket_bytes": 1 << 20}
+    changed, after, ctx = run_pass(CombineAllReduces(**options), LAYER_LOOP, topology=topology)
+    assert changed
+    loop, outside = after.split("    }\n")
+    assert loop.count("all_gather(") == loop_gathers
+    assert outside.count("all_gather(") == 1 and '"bucket"' in outside
+    stats = ctx.stats["combine-all-reduces"]
+    assert stats.get("layer_collectives_apart", 0) == (2 if loop_gathers == 2 else 0)
+    assert any("bucket_layer_collectives" in r for r in ctx.remarks) == (loop_gathers == 2)
+

@@ -89,6 +89,10 @@ class Topology:
     #: so that prefetching the next layer's gather can hide it; False where it was measured
     #: to run them synchronously (TPU v5p and v6e, libtpu 0.0.50)
     loop_all_gathers_asynchronous: bool = True
+    #: whether a layer loop's all-gathers and reduce-scatters are bucketed
+    #: (`combine-all-reduces`); False where XLA's compiler was measured to overlap each
+    #: weight's own gather with the compute beside it better than a bucket (TPU v5e)
+    bucket_layer_collectives: bool = True
     #: more of them (`[compiler_options_replicated_parameters]`) for steps whose parameters
     #: stay whole on every chip: measured to win there and to lose where the step gathers
     #: its parameters (`shard_parameters`)
@@ -128,6 +132,7 @@ class Topology:
             config.get("peak_tf32_flops_per_s"),
             compiler_options=tuple(sorted(config.get("compiler_options", {}).items())),
             loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
+            bucket_layer_collectives=config.get("bucket_layer_collectives", True),
             replicated_parameter_options=tuple(
                 sorted(config.get("compiler_options_replicated_parameters", {}).items())
             ),
