@@ -50,7 +50,10 @@ def compile_without(strategy: Any, workload: Any, disabled: str | None) -> dict[
         strategy.replicate(opt_state),
         _batch(strategy, workload),
     )
-    report = compiled_report(step.lower(*args).compile(), strategy)
+    try:
+        report = compiled_report(step.lower(*args).compile(), strategy)
+    except xs.errors.OutOfMemoryError as exc:  # without a pass that makes it fit
+        return {"without": disabled or "-", "does_not_fit": str(exc).split(". ")[0]}
     collectives = report.collectives
     return {
         "without": disabled or "-",
@@ -73,6 +76,8 @@ _JUDGED = {
 def verdict(base: dict[str, Any], row: dict[str, Any]) -> str:
     """What the pass this row leaves out does on the cell: where the default (with it) is
     better and where worse. It earns its place when the default is worse nowhere."""
+    if "does_not_fit" in row:
+        return "earns its place: without it the step does not fit"
     better = [name for key, name in _JUDGED.items() if base[key] < row[key] * 0.999]
     worse = [name for key, name in _JUDGED.items() if base[key] > row[key] * 1.001]
     if not better and not worse:
@@ -92,6 +97,9 @@ def table(name: str, rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        if "does_not_fit" in row:
+            lines.append(f"| {row['without']} | - | - | - | - | - | {verdict(base, row)} |")
+            continue
         lines.append(
             f"| {row['without']} | {row['memory_gib']:.2f} | {row['collectives']} "
             f"| {row['collective_bytes'] / 2**20:,.0f} | {row['synchronous_bytes'] / 2**20:,.0f} "

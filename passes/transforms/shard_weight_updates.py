@@ -151,11 +151,33 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
 
 
 def _update_bytes(graph: Graph, seeds: list[Node]) -> int:
-    """Bytes the update reads and writes: the nodes reached from the gradients."""
+    """Bytes the update reads and writes, as XLA fuses it: each value it reads from outside
+    (gradients, parameters, optimizer state) once, and each value it leaves for the rest
+    of the step once. The update is the nodes reached from the gradients' reductions that
+    no reduction waits for: a reduction inside the backward pass (BatchNorm's statistics
+    over the global batch) reaches the rest of the backward pass, which every replica runs
+    whichever way the update goes."""
+    backward = _feeding(graph, seeds)
     reached = {n.outputs[0] for n in seeds}
-    total = 0
+    update: list[Node] = []
     for node in graph.nodes:
         if node not in seeds and any(v in reached for v in node.inputs):
             reached.update(node.outputs)
-            total += sum(v.nbytes for v in node.inputs + node.outputs)
-    return total
+            if node not in backward:
+                update.append(node)
+    made = {v for n in update for v in n.outputs}
+    read = {v for n in update for v in n.inputs if v not in made}
+    used_after = {v for n in graph.nodes if n not in update for v in n.inputs}
+    left = {v for v in made if v in used_after or v in graph.outputs}
+    return sum(v.nbytes for v in read | left)
+
+
+def _feeding(graph: Graph, seeds: list[Node]) -> set[Node]:
+    """The nodes some reduction in `seeds` reads from, directly or not."""
+    needed = {v for n in seeds for v in n.inputs}
+    feeding: set[Node] = set()
+    for node in reversed(graph.nodes):
+        if any(v in needed for v in node.outputs):
+            feeding.add(node)
+            needed.update(node.inputs)
+    return feeding
