@@ -55,10 +55,14 @@ def within_slice(ctx: PassContext) -> list[str]:
 class BlockSharder:
     """One walk over a graph (not its regions) in schedule order."""
 
-    def __init__(self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str) -> None:
+    def __init__(
+        self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str, min_elements: int = 0
+    ) -> None:
         """`axes`: the replica axes blocks are numbered over; a value is replicated across
-        the other axes of `mesh_axes`, whose gradient sums run on the blocks."""
+        the other axes of `mesh_axes`, whose gradient sums run on the blocks. A gradient of
+        fewer than `min_elements` keeps its all-reduce."""
         self.axes, self.mesh_axes, self.created_by = axes, mesh_axes, created_by
+        self.min_elements = min_elements
         self.replicas = math.prod(mesh_axes[a] for a in axes)
         self.all_axes = list(mesh_axes)
         self.across = [a for a in mesh_axes if a not in axes and mesh_axes[a] > 1]
@@ -129,15 +133,23 @@ class BlockSharder:
         if model_dim is not None:  # XLA's partitioner splits the gradient there
             shape = (*shape[:model_dim], 0, *shape[model_dim + 1 :])
         dim = shard_dimension(shape, self.replicas)
-        if dim is None:
+        small = full.size < self.min_elements
+        if dim is None or small:
+            reason = "smaller than a tile per replica" if small else "no dividing dimension"
+            why = (
+                f"fewer than {self.min_elements} elements: each replica's block would be "
+                "padded to a whole tile of the collective"
+                if small
+                else f"no dimension divides by {self.replicas} replicas, and a jax.Array "
+                "cannot be split unevenly"
+            )
             self.stats["replicated_gradients"] += 1
             self.stats["replicated"].append(
-                {"gradient": node.label, "type": _type(full), "reason": "no dividing dimension"}
+                {"gradient": node.label, "type": _type(full), "reason": reason}
             )
             self.remarks.append(
-                f"kept the all-reduce of {node.label or 'a gradient'} {_type(full)}: no "
-                f"dimension divides by {self.replicas} replicas, and a jax.Array cannot be "
-                "split unevenly, so its update stays replicated"
+                f"kept the all-reduce of {node.label or 'a gradient'} {_type(full)}: {why}, "
+                "so its update stays replicated"
             )
             self.nodes.append(node)
             return

@@ -42,6 +42,7 @@ dump's remarks list each of these with its reason.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +92,9 @@ class ShardWeightUpdates(Pass):
             ctx.stats[self.name] = {"sharded_gradients": 0, "sharded_state": 0}
             ctx.stats[self.name]["decision"] = decision
             return False
-        sharder = BlockSharder(axes, ctx.mesh_axes, self.name)
+        # the cost model's choice leaves a tensor whole where a block is less than one tile
+        small = _tile_elements(ctx) if decision and decision["reason"] == "cost model" else 0
+        sharder = BlockSharder(axes, ctx.mesh_axes, self.name, min_elements=small)
         sharder.rewrite(graph)
         ctx.stats[self.name] = {**sharder.stats, "decision": decision}
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
@@ -148,6 +151,13 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
         "replicated_s": replicated,
         "sharded_s": sharded,
     }
+
+
+def _tile_elements(ctx: PassContext) -> int:
+    """The elements of one tile per replica: fewer, and a block is mostly padding
+    (`collective_block_tile`: XLA's TPU compiler pads each block to [16, 128])."""
+    tile = getattr(ctx.topology, "collective_block_tile", None)
+    return math.prod(tile) * ctx.num_replicas if tile else 0
 
 
 def _update_bytes(graph: Graph, seeds: list[Node]) -> int:

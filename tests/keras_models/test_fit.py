@@ -41,19 +41,31 @@ def test_fit_equals_single_device_keras(make):
 
 def test_fit_on_a_tpu_topology_shards_the_optimizer_state_and_equals_keras():
     """TPUStrategy's cost model turns weight-update sharding on: Adam's moments live split
-    across the devices between steps, and fit still gives single-device Keras' numbers."""
+    across the devices between steps, and fit still gives single-device Keras' numbers.
+    A moment smaller than one [16, 128] tile per device stays whole: split, its blocks
+    would be mostly padding."""
+
+    def wide():
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(1)]
+        )
+
     x, y = regression_data()
-    reference = compiled_model(sequential)
+    reference = compiled_model(wide)
     expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    strategy = xs.TPUStrategy("v5e-8", emulate=True)
+    strategy = xs.TPUStrategy("v5e-4", emulate=True)
     with strategy.scope():
-        model = compiled_model(sequential)
+        model = compiled_model(wide)
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     moments = [v.value for v in model.optimizer.variables if len(v.shape) == 2]
-    assert moments and all(strategy.is_held_sharded(m) for m in moments)
+    tile = 4 * 16 * 128  # 4 devices
+    large = [m for m in moments if m.size >= tile]  # the [6, 2048] kernel's
+    small = [m for m in moments if m.size < tile]  # the [2048, 1] kernel's
+    assert large and all(strategy.is_held_sharded(m) for m in large)
+    assert small and not any(strategy.is_held_sharded(m) for m in small)
 
 
 def test_evaluate_and_predict_with_batches_that_do_not_divide():

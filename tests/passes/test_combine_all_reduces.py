@@ -304,4 +304,3 @@ def test_a_layer_loop_gathers_each_weight_apart_where_the_compiler_overlaps_each
     stats = ctx.stats["combine-all-reduces"]
     assert stats.get("layer_collectives_apart", 0) == (2 if loop_gathers == 2 else 0)
     assert any("bucket_layer_collectives" in r for r in ctx.remarks) == (loop_gathers == 2)
-
