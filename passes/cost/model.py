@@ -296,17 +296,20 @@ def weight_update_estimates(
     update_bytes: float,
     axes: Sequence[AxisLink],
     memory_bandwidth: float | None = None,
+    weight_bytes: float | None = None,
 ) -> tuple[float, float]:
     """(replicated, sharded) seconds for reducing the gradients and updating the weights:
     an all-reduce and the whole update (`update_bytes` read and written at
     `memory_bandwidth`) on every replica, against a reduce-scatter, 1/p of the update and
-    an all-gather of the new weights (Xu et al. 2020)."""
+    an all-gather of the new weights (Xu et al. 2020), `weight_bytes` of them (f32 weights
+    of bf16 gradients: twice the gradients' bytes; default: the gradients' bytes)."""
     p = math.prod(a.size for a in axes)
     update = update_bytes / (memory_bandwidth or UPDATE_BYTES_PER_S)
     replicated = collective_time("all_reduce", gradient_bytes, axes) + update
+    gathered = gradient_bytes if weight_bytes is None else weight_bytes
     sharded = (
         collective_time("reduce_scatter", gradient_bytes, axes)
         + update / p
-        + collective_time("all_gather", gradient_bytes, axes)
+        + collective_time("all_gather", gathered, axes)
     )
     return replicated, sharded

@@ -135,7 +135,11 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
     gradient_bytes = sum(n.outputs[0].nbytes for n in seeds)
     links = ctx.topology.axis_links(tuple(axes))
     replicated, sharded = weight_update_estimates(
-        gradient_bytes, _update_bytes(graph, seeds), links, ctx.topology.memory_bandwidth
+        gradient_bytes,
+        _update_bytes(graph, seeds),
+        links,
+        ctx.topology.memory_bandwidth,
+        _weight_bytes(graph, seeds),
     )
     on = sharded < replicated
     ctx.remarks.append(
@@ -158,6 +162,18 @@ def _tile_elements(ctx: PassContext) -> int:
     (`collective_block_tile`: XLA's TPU compiler pads each block to [16, 128])."""
     tile = getattr(ctx.topology, "collective_block_tile", None)
     return math.prod(tile) * ctx.num_replicas if tile else 0
+
+
+def _weight_bytes(graph: Graph, seeds: list[Node]) -> int:
+    """Bytes of the weights the gradients are of (what the sharded update gathers back):
+    each gradient's parameter where capture named it, else the gradient's own bytes."""
+    inputs = {v.name: v for v in graph.inputs if v.name}
+    total = 0
+    for seed in seeds:
+        gradient = seed.outputs[0]
+        weight = inputs.get(seed.attrs.get("param"))
+        total += weight.nbytes if weight and weight.size == gradient.size else gradient.nbytes
+    return total
 
 
 def _update_bytes(graph: Graph, seeds: list[Node]) -> int:

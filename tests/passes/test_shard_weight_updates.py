@@ -268,6 +268,28 @@ func @step(%0: f32[1024]{replica}, %1: f32[1024]) {
     assert _update_bytes(graph, seeds) == 3 * 1024 * 4
 
 
+def test_the_sharded_update_gathers_the_weights_bytes_not_the_gradients():
+    """bf16 gradients of f32 weights: the new weights gathered back are twice the bytes
+    reduced (GPT-2 medium on v5e-256: 2.357 ms sharded before, 3.496 ms now)."""
+    from xla_strategies.passes.transforms.block_sharder import is_gradient_reduction
+    from xla_strategies.passes.transforms.shard_weight_updates import _weight_bytes
+
+    graph = parse(
+        """\
+func @step(%0: f32[16,4] loc("w"), %1: bf16[16,4]{replica}, %2: bf16[8]{replica}) {
+  %3: bf16[16,4] = all_reduce(%1) {"axes": ["replica"], "origin": "autodiff", "param": "w", "reduce_op": "sum"}
+  %4: bf16[8] = all_reduce(%2) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+  %5: f32[16,4] = jax.convert_element_type(%3) {"new_dtype": "float32", "weak_type": false}
+  %6: f32[16,4] = jax.sub(%0, %5)
+  return %6 state=%0, %4
+}
+"""
+    )
+    seeds = [n for n in graph.nodes if is_gradient_reduction(n, ["replica"])]
+    # w's f32 bytes, and the unnamed gradient's own
+    assert _weight_bytes(graph, seeds) == 16 * 4 * 4 + 8 * 2
+
+
 def test_bad_mode_is_an_error():
     with pytest.raises(ValueError, match="mode must be one of"):
         ShardWeightUpdates(mode="sometimes")
