@@ -21,7 +21,8 @@ weights, bf16 compute):
 Per cell, from the compiled executable: memory per chip and whether it fits, the
 collectives XLA kept (count and bytes per step), the estimated step and its exposed
 communication, and the compile time; for ours, also the cost model's compute estimate of
-the optimised graph against XLA's (`cost_analysis()` flops at the chip's peak).
+the optimised graph against the HLO's (its matmul flops at the chip's peak, the one
+reader's compute term).
 
     python -m benchmarks.tpu_aot                              # every model and topology
     python -m benchmarks.tpu_aot --models gpt2-medium --topologies v5e-256
@@ -243,7 +244,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """The table for benchmarks/README.md."""
     lines = [
         "| model | topology | program | GiB/chip | fits | collectives/step | MiB/step "
-        "| step ms | exposed | XLA compute ms | our compute ms | compile s |",
+        "| step ms | exposed | HLO compute ms | our compute ms | compile s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

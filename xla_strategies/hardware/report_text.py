@@ -30,10 +30,9 @@ def summary_text(report: CompiledReport, name: str) -> str:
     if est.get("step_s") is not None:
         share = est["exposed_s"] / est["step_s"] if est["step_s"] else 0.0
         ms = {k: (v or 0.0) * 1e3 for k, v in est.items()}
-        method = "HLO matmul flops" if report.flops_by_dtype is not None else "XLA flops"
         lines.append(
             f"  estimated step    {ms['step_s']:.3f} ms: compute {ms['compute_s']:.3f} ms "
-            f"({method} at peak), communication {ms['communication_s']:.3f} ms, exposed "
+            f"(HLO matmul flops at peak), communication {ms['communication_s']:.3f} ms, exposed "
             f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
         )
     if report.memory is not None:  # read from an executable, not from text
