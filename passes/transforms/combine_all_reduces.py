@@ -125,7 +125,8 @@ class CombineAllReduces(Pass):
         kinds = (
             COMBINABLE if not spans else tuple(k for k in COMBINABLE if k not in BLOCK_COLLECTIVES)
         )
-        unbucketed = _layer_loop_regions(graph) if _leaves_layer_collectives(ctx) else set()
+        apart = not spans and _leaves_layer_collectives(ctx)
+        unbucketed = _layer_loop_regions(graph) if apart else set()
         left_apart = 0
         for region in graph.graphs():
             if id(region) in unbucketed:
