@@ -44,6 +44,12 @@ SLOW_TESTS = (
     "tests/torch_models/test_train.py::test_parameter_sharding_holds_the_torch_state_split",
     "tests/keras_models/test_fit.py::test_the_keras_example_learns_with_batchnorm_and_uneven",
     "tests/test_multi_worker.py::test_a_worker_that_never_starts_is_a_timeout_error",
+    # 14-19 s each, with kin in `make test`: a two-worker sharded update (two-worker input
+    # and fault cases stay), the torch example (torch's train cases stay), the Mirrored
+    # scanned LM under parameter sharding (its two TPU topologies stay)
+    "tests/test_multi_worker.py::test_two_workers_shard_the_weight_update_like_the_replicated",
+    "tests/torch_models/test_example.py::test_the_torch_example_learns_and_hands_its_weights",
+    "tests/test_parameter_sharding.py::test_scanned_lm_with_clipped_adamw_matches_one_device[mirrored]",
     # the model axis's framework cases, 3-8 s each: `make test` keeps one of each kind
     "tests/test_model_axis.py::test_an_annotated_scanned_linen_lm_trains_like_one_device",
     "tests/test_model_axis.py::test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split[2-False]",
