@@ -1,0 +1,181 @@
+"""How `combine-all-reduces` lowers one bucket: its members become one collective over a
+flat buffer (reshape, concatenate; slice and reshape back after), placed where the last
+member was. Block collectives (reduce-scatters, all-gathers) view each member as
+[replicas, block size] first."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from xla_strategies.passes.ir.graph import Graph, Node, Value
+
+
+@dataclass
+class Bucket:
+    """Reductions combined into one collective, in schedule order."""
+
+    members: list[Node] = field(default_factory=list)
+    nbytes: int = 0
+    tainted: set[Value] = field(default_factory=set)  # values computed from members' results
+
+
+_KEPT_ATTRS = ("axes", "reduce_op", "origin", "root", "size")
+
+
+def _label(node: Node) -> str:
+    """What a bucket member was: its parameter, else its source line, else its shape."""
+    shape = "x".join(map(str, node.inputs[0].shape)) or "scalar"
+    return node.label or shape
+
+
+def combine(
+    graph: Graph, bucket: Bucket, index: int, created_by: str, own_operand_bytes: int = 0
+) -> None:
+    """Replace the bucket's members by one all_reduce at the last member's position. Its
+    first operand is a flat buffer of the members (reshape, concatenate; slice and reshape
+    back after); members of at least `own_operand_bytes` (when not 0) are operands of their
+    own instead, so the reduction is one tuple all-reduce that copies only small tensors."""
+    members, first = bucket.members, bucket.members[0]
+    dtype, axes = first.inputs[0].dtype, set(first.attrs["axes"])
+    varying = first.inputs[0].varying_axes
+    own = [m for m in members if own_operand_bytes and m.inputs[0].nbytes >= own_operand_bytes]
+    packed = [m for m in members if m not in own]
+    new: list[Node] = []
+
+    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
+        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
+        return out
+
+    operands, results = [m.inputs[0] for m in own], [m.outputs[0] for m in own]
+    if len(packed) == 1:  # nothing to pack it with: an operand of its own
+        operands, results = [packed[0].inputs[0], *operands], [packed[0].outputs[0], *results]
+        packed = []
+    flats = [
+        m.inputs[0]
+        if len(m.inputs[0].shape) == 1
+        else emit("reshape", [m.inputs[0]], Value((m.inputs[0].size,), dtype, varying))
+        for m in packed
+    ]
+    if packed:
+        total = sum(f.size for f in flats)
+        buffer = emit("concatenate", flats, Value((total,), dtype, varying), dimension=0)
+        operands = [buffer, *operands]
+        results = [Value((total,), dtype, frozenset(varying - axes)), *results]
+    attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}
+    attrs.update(bucket=index, members=[_label(m) for m in members])
+    new.append(Node(first.op, operands, results, attrs, created_by=created_by))
+    offset = 0
+    for member, flat in zip(packed, flats, strict=True):
+        result = member.outputs[0]
+        piece = (
+            result if len(result.shape) == 1 else Value((flat.size,), dtype, result.varying_axes)
+        )
+        emit("slice", [results[0]], piece, start=[offset], limit=[offset + flat.size])
+        if piece is not result:
+            emit("reshape", [piece], result)
+        offset += flat.size
+    _replace_members(graph, bucket, new)
+
+
+def combine_blocks(
+    graph: Graph,
+    bucket: Bucket,
+    index: int,
+    created_by: str,
+    mesh_axes: dict[str, int],
+    tile: tuple[int, int] | None = None,
+) -> None:
+    """One reduce-scatter (or all-gather) for the bucket: each member as [replicas, its
+    block size] (contiguous blocks make that a reshape), concatenated along dimension 1,
+    one collective along dimension 0, and each member's columns sliced out again. With a
+    `tile` (rows, lanes), each replica's block is padded to whole tiles and given as
+    `rows` rows: the shape XLA's TPU compiler keeps as a reduce-scatter."""
+    members, first = bucket.members, bucket.members[0]
+    replicas = math.prod(mesh_axes[a] for a in first.attrs["axes"])
+    scatter = first.op == "reduce_scatter"
+    source, result = first.inputs[0], first.outputs[0]
+    new: list[Node] = []
+
+    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
+        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
+        return out
+
+    rows_in, rows_out = (replicas, 1) if scatter else (1, replicas)
+    views = [
+        _rows(emit, m.inputs[0], m.attrs["dimension"], replicas)
+        if scatter
+        else emit("reshape", [m.inputs[0]], m.inputs[0].like(shape=(1, _block_size(m))))
+        for m in members
+    ]
+    total = sum(v.shape[1] for v in views)
+    rows, lanes = tile or (1, 1)
+    pad = (-total) % (rows * lanes)
+    if pad:  # zeros after the members, never read back
+        zeros = source.like(shape=(rows_in, pad), varying_axes=frozenset())
+        views = [*views, emit("constant", [], zeros, value=0)]
+    buffer = emit("concatenate", views, source.like(shape=(rows_in, total + pad)), dimension=1)
+    attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}
+    attrs.update(dimension=0, bucket=index, members=[_label(m) for m in members])
+    if rows > 1:  # each replica's block as `rows` rows of the device's tile
+        shape = (rows_in * rows, (total + pad) // rows)
+        buffer = emit("reshape", [buffer], buffer.like(shape=shape))
+    out = result.like(shape=(rows_out * rows, (total + pad) // rows))
+    combined = emit(first.op, [buffer], out, **attrs)
+    if rows > 1:
+        combined = emit("reshape", [combined], out.like(shape=(rows_out, total + pad)))
+    offset = 0
+    for member, view in zip(members, views[: len(members)], strict=True):
+        width = view.shape[1]
+        piece = member.outputs[0].like(shape=(rows_out, width))
+        emit("slice", [combined], piece, start=[0, offset], limit=[rows_out, offset + width])
+        if scatter:
+            new.append(Node("reshape", [piece], [member.outputs[0]], created_by=created_by))
+        else:
+            _unrows(emit, new, piece, member, created_by)
+        offset += width
+    _replace_members(graph, bucket, new)
+
+
+def _rows(emit, value: Value, dim: int, replicas: int) -> Value:
+    """`value` as [replicas, block size], row r its block r along `dim`."""
+    shape = value.shape
+    split = (*shape[:dim], replicas, shape[dim] // replicas, *shape[dim + 1 :])
+    flat = value.like(shape=(replicas, value.size // replicas))
+    if all(size == 1 for size in shape[:dim]):  # block r is contiguous already
+        return emit("reshape", [value], flat)
+    grouped = emit("reshape", [value], value.like(shape=split))
+    order = [dim, *range(dim), *range(dim + 1, len(split))]
+    front = emit(
+        "transpose", [grouped], value.like(shape=tuple(split[i] for i in order)), permutation=order
+    )
+    return emit("reshape", [front], flat)
+
+
+def _unrows(emit, new: list[Node], rows: Value, member: Node, created_by: str) -> None:
+    """The gathered [replicas, block size] rows of `member` as its whole result."""
+    dim, result, block = member.attrs["dimension"], member.outputs[0], member.inputs[0].shape
+    if all(size == 1 for size in block[:dim]):
+        new.append(Node("reshape", [rows], [result], created_by=created_by))
+        return
+    stacked = emit("reshape", [rows], result.like(shape=(rows.shape[0], *block)))
+    order = [*range(1, dim + 1), 0, *range(dim + 1, len(block) + 1)]
+    split = tuple(stacked.shape[i] for i in order)
+    moved = emit("transpose", [stacked], result.like(shape=split), permutation=order)
+    new.append(Node("reshape", [moved], [result], created_by=created_by))
+
+
+def _block_size(node: Node) -> int:
+    block = node.outputs[0] if node.op == "reduce_scatter" else node.inputs[0]
+    return block.size
+
+
+def _replace_members(graph: Graph, bucket: Bucket, new: list[Node]) -> None:
+    """Put `new` where the bucket's last member was; nodes between the first and the last
+    member that read a member's result move after it, keeping their order."""
+    members = bucket.members
+    start, end = graph.nodes.index(members[0]), graph.nodes.index(members[-1])
+    between = [n for n in graph.nodes[start:end] if n not in members]
+    dependent = [n for n in between if any(v in bucket.tainted for v in (*n.inputs, *n.outputs))]
+    kept = [n for n in between if n not in dependent]
+    graph.nodes[start : end + 1] = kept + new + dependent
