@@ -183,14 +183,14 @@ def _update_bytes(graph: Graph, seeds: list[Node]) -> int:
     no reduction waits for: a reduction inside the backward pass (BatchNorm's statistics
     over the global batch) reaches the rest of the backward pass, which every replica runs
     whichever way the update goes."""
-    backward = _feeding(graph, seeds)
+    backward, reductions = _feeding(graph, seeds), set(seeds)
     reached = {n.outputs[0] for n in seeds}
-    update: list[Node] = []
+    update: set[Node] = set()
     for node in graph.nodes:
-        if node not in seeds and any(v in reached for v in node.inputs):
+        if node not in reductions and any(v in reached for v in node.inputs):
             reached.update(node.outputs)
             if node not in backward:
-                update.append(node)
+                update.add(node)
     made = {v for n in update for v in n.outputs}
     read = {v for n in update for v in n.inputs if v not in made}
     used_after = {v for n in graph.nodes if n not in update for v in n.inputs}
