@@ -77,6 +77,8 @@ declare_all(
     Trait.ELEMENTWISE,
 )
 declare("jax.all_gather", Trait.GATHERS)
+declare("jax.gather", Trait.LOOKUP)
+declare("jax.scatter-add", Trait.SCATTER_ADD)
 declare("jax.scan", Trait.COUNTED_LOOP)
 declare("jax.while", Trait.WHILE_LOOP)
 declare("jax.remat2", Trait.CALL_ONCE)

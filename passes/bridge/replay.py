@@ -35,7 +35,10 @@ def bind_foreign(node: Node, args: list[Any]) -> list[Any]:
 def _resized(node: Node, params: dict) -> dict:
     """A pass may give a foreign node other shapes than it was captured with (one replica's
     block of an elementwise update); the parameter the op table declares names its result's
-    shape then gets the node's."""
+    shape then gets the node's, and a gather's slice sizes its attributes'."""
+    if "slice_sizes" in params and tuple(node.attrs["slice_sizes"]) != params["slice_sizes"]:
+        # a gather run on a block takes the block's size of a dimension it took whole
+        params = {**params, "slice_sizes": tuple(node.attrs["slice_sizes"])}
     name = result_shape_param(node.op)
     if name is None or tuple(params[name]) == node.outputs[0].shape:
         return params

@@ -34,6 +34,14 @@ class Trait(enum.Enum):
     # a collective whose result every replica of its axes (`axes` or `axis_name`) holds
     # alike, whatever its type says (an all-gather)
     GATHERS = "gathers"
+    # XLA's gather: slices of operand 0 (a table) at the indices of operand 1, as its
+    # `dimension_numbers` (offset, collapsed, start index map, batching dims) and
+    # `slice_sizes` say; the index vector is the indices' last dimension
+    LOOKUP = "lookup"
+    # XLA's scatter with addition: operand 2's windows added into operand 0 at the indices
+    # of operand 1, as its `dimension_numbers` (update windows, inserted, scatter dims to
+    # operand dims, batching dims) say; a lookup's transpose
+    SCATTER_ADD = "scatter-add"
 
 
 _TRAITS: dict[str, frozenset[Trait]] = {}

@@ -30,6 +30,11 @@ from xla_strategies.passes.transforms.blocks import (
     unit_reshape_dim,
 )
 from xla_strategies.passes.transforms.branch_blocks import shard_branches
+from xla_strategies.passes.transforms.lookup_blocks import (
+    scatter_lookup_gradient,
+    shard_lookup,
+    type_for_lookups,
+)
 
 
 def block_order(ctx: PassContext) -> list[str]:
@@ -56,13 +61,19 @@ class BlockSharder:
     """One walk over a graph (not its regions) in schedule order."""
 
     def __init__(
-        self, axes: list[str], mesh_axes: Mapping[str, int], created_by: str, min_elements: int = 0
+        self,
+        axes: list[str],
+        mesh_axes: Mapping[str, int],
+        created_by: str,
+        min_elements: int = 0,
+        lookups: bool = True,
     ) -> None:
         """`axes`: the replica axes blocks are numbered over; a value is replicated across
         the other axes of `mesh_axes`, whose gradient sums run on the blocks. A gradient of
-        fewer than `min_elements` keeps its all-reduce."""
+        fewer than `min_elements` keeps its all-reduce. `lookups`: tables are looked up,
+        and their gradients summed, where their blocks lie (`lookup_blocks`)."""
         self.axes, self.mesh_axes, self.created_by = axes, mesh_axes, created_by
-        self.min_elements = min_elements
+        self.min_elements, self.lookups = min_elements, lookups
         self.replicas = math.prod(mesh_axes[a] for a in axes)
         self.all_axes = list(mesh_axes)
         self.across = [a for a in mesh_axes if a not in axes and mesh_axes[a] > 1]
@@ -74,6 +85,9 @@ class BlockSharder:
         self.model_dims: dict[tuple[int, ...], int] = {}
         self.nodes: list[Node] = []
         self.producers: dict[Value, Node] = {}
+        self.users: dict[Value, list[Node]] = {}
+        self.held_dims: dict[tuple[int, ...], int] = {}
+        self.gathered_ids: dict[Value, Value] = {}  # token ids every replica looks up
         self.sunk: set[Node] = set()  # whole nodes redone on blocks; dropped if unread
         self.remarks: list[str] = []
         self.stats: dict[str, Any] = {
@@ -82,6 +96,9 @@ class BlockSharder:
             "gathered_for_ops": 0,
             "sharded_state": 0,
             "sharded_state_bytes": 0,
+            # tables looked up, and gradients summed, where their blocks lie
+            "lookups_in_place": 0,
+            "lookup_gradients": 0,
             # the decisions the remarks word: what stayed whole, and why
             "replicated": [],  # {"gradient", "type", "reason"}
             "gathered": [],  # {"op", "types", "reason"}
@@ -112,7 +129,9 @@ class BlockSharder:
         return returned
 
     def walk(self, graph: Graph) -> None:
-        self.model_dims = _model_dims_by_shape(graph)
+        self.model_dims = _model_dims_by_shape(graph, "model_dim")
+        self.held_dims = _model_dims_by_shape(graph, "dimension")
+        self.users = graph.users()
         for node in graph.nodes:
             if is_gradient_reduction(node, self.all_axes):
                 self.scatter(node)
@@ -132,7 +151,10 @@ class BlockSharder:
         model_dim = node.attrs.get("model_dim", self.model_dims.get(shape))
         if model_dim is not None:  # XLA's partitioner splits the gradient there
             shape = (*shape[:model_dim], 0, *shape[model_dim + 1 :])
-        dim = shard_dimension(shape, self.replicas)
+        held = self.held_dims.get(full.shape)  # where the parameter's blocks lie
+        dim = (
+            held if _divides(shape, held, self.replicas) else shard_dimension(shape, self.replicas)
+        )
         small = full.size < self.min_elements
         if dim is None or small:
             reason = "smaller than a tile per replica" if small else "no dividing dimension"
@@ -152,6 +174,8 @@ class BlockSharder:
                 "so its update stays replicated"
             )
             self.nodes.append(node)
+            return
+        if self.lookups and scatter_lookup_gradient(self, node, held):
             return
         block = self.block_of(full, dim)
         # the block order of every collective and slice of the update, whatever the
@@ -176,6 +200,10 @@ class BlockSharder:
             return self.elementwise(node)
         if node.has(Trait.BRANCHES):
             return shard_branches(self, node)
+        if node.has(Trait.LOOKUP):
+            return self.lookups and shard_lookup(self, node)
+        if node.op == "pvary" and self.lookups:
+            return type_for_lookups(self, node)
         if len(node.inputs) != 1 or len(node.outputs) != 1:
             return False
         block, dim = self.blocks[node.inputs[0]]
@@ -377,13 +405,18 @@ def _type(value: Value) -> str:
     return (f"{value.name} " if value.name else "") + format_type(value)
 
 
-def _model_dims_by_shape(graph: Graph) -> dict[tuple[int, ...], int]:
-    """The model-axis dimension of the parameters `graph` gathers from blocks (the deferred
-    gathers shard-parameters leaves, `model_dim`), by shape: a gradient inside a loop body
-    has no parameter name, but has its parameter's shape. A shape two parameters split
-    on different dimensions says nothing."""
+def _model_dims_by_shape(graph: Graph, attr: str) -> dict[tuple[int, ...], int]:
+    """A dimension of the parameters `graph` gathers from blocks (the deferred gathers
+    shard-parameters leaves), by shape: the one the model axis splits (`model_dim`), or
+    the one the blocks are split on (`dimension`), which a gradient's blocks then share. A
+    gradient inside a loop body has no parameter name, but has its parameter's shape. A
+    shape two parameters split on different dimensions says nothing."""
     found: dict[tuple[int, ...], set[int]] = {}
     for node in graph.nodes:
-        if node.op == "all_gather" and node.attrs.get(DEFERRED) and "model_dim" in node.attrs:
-            found.setdefault(node.outputs[0].shape, set()).add(node.attrs["model_dim"])
+        if node.op == "all_gather" and node.attrs.get(DEFERRED) and attr in node.attrs:
+            found.setdefault(node.outputs[0].shape, set()).add(node.attrs[attr])
     return {shape: dims.pop() for shape, dims in found.items() if len(dims) == 1}
+
+
+def _divides(shape: tuple[int, ...], dim: int | None, replicas: int) -> bool:
+    return dim is not None and shape[dim] >= replicas and shape[dim] % replicas == 0

@@ -54,6 +54,7 @@ from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder, within_slice
 from xla_strategies.passes.transforms.blocks import block_value, shard_dimension
 from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
+from xla_strategies.passes.transforms.lookup_blocks import table_dims
 from xla_strategies.passes.transforms.regather_residuals import regather_residuals
 
 MODES = ("on", "auto")
@@ -161,14 +162,16 @@ class _Splitter:
         # stack is, so the update meets blocks of one dimension: split on the layer
         # dimension instead (where it divides), every moment would be gathered whole
         stack_shapes = {v.shape for v in scanned}
+        tables = self.table_dims(graph)
         for arg in graph.io.state_inputs():
             value, attrs = graph.inputs[arg], graph.io.inputs[arg]
             if value.varying_axes or attrs.stacked or attrs.sharded:
                 continue
             skip = 1 if value.shape in stack_shapes else 0  # a stack's layers stay whole
-            dim = shard_dimension(
-                self._within_model(value.shape, attrs.model_dim)[skip:], self.replicas
-            )
+            dim = tables.get(value.shape) if not skip else None
+            if dim is None:
+                within = self._within_model(value.shape, attrs.model_dim)
+                dim = shard_dimension(within[skip:], self.replicas)
             if dim is None:
                 self.stats["replicated_state"] += 1
                 self.stats["replicated"].append(
@@ -193,6 +196,20 @@ class _Splitter:
             self.stats["split_state"] += 1
             self.stats["split_state_bytes"] += value.nbytes
             self.hold_split(graph, value, block, dim + skip, attrs.model_dim)
+
+    def table_dims(self, graph: Graph) -> dict[tuple[int, ...], int]:
+        """By shape, the dimension to split a table that only lookups read on: one each
+        lookup takes whole, so it is looked up where it lies (`lookup_blocks`); its
+        optimizer state, of its shape, lines up with it. None under a model axis."""
+        if self.devices_per_replica > 1:
+            return {}
+        found: dict[tuple[int, ...], int] = {}
+        for arg in graph.io.state_inputs():
+            value = graph.inputs[arg]
+            dims = [] if value.varying_axes else table_dims(graph, value, self.replicas)
+            if dims:
+                found.setdefault(value.shape, dims[0])
+        return found
 
     def _within_model(self, shape: tuple[int, ...], model_dim: int | None) -> tuple[int, ...]:
         """`shape` as the replicas may split it: not on the dimension the model axis
@@ -247,7 +264,9 @@ class _Splitter:
             self.shard_regions(region)
             if not any(n.attrs.get(DEFERRED) for n in region.nodes):
                 continue  # holds nothing split: its reductions stay for hoist-all-reduces
-            sharder = BlockSharder(self.axes, self.mesh_axes, self.created_by)
+            sharder = BlockSharder(
+                self.axes, self.mesh_axes, self.created_by, lookups=self.devices_per_replica == 1
+            )
             first = node.attrs["num_carry"] if scan else 0
             returned = sharder.rewrite_region(region, range(first, len(region.outputs)))
             self.stats["loop_gathers"] += sum(1 for n in region.nodes if n.op == "all_gather")

@@ -94,7 +94,9 @@ class ShardWeightUpdates(Pass):
             return False
         # the cost model's choice leaves a tensor whole where a block is less than one tile
         small = _tile_elements(ctx) if decision and decision["reason"] == "cost model" else 0
-        sharder = BlockSharder(axes, ctx.mesh_axes, self.name, min_elements=small)
+        sharder = BlockSharder(
+            axes, ctx.mesh_axes, self.name, min_elements=small, lookups=ctx.devices_per_replica == 1
+        )
         sharder.rewrite(graph)
         ctx.stats[self.name] = {**sharder.stats, "decision": decision}
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
