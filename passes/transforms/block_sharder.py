@@ -129,8 +129,8 @@ class BlockSharder:
         return returned
 
     def walk(self, graph: Graph) -> None:
-        self.model_dims = _model_dims_by_shape(graph, "model_dim")
-        self.held_dims = _model_dims_by_shape(graph, "dimension")
+        self.model_dims = _held_dims_by_shape(graph, "model_dim")
+        self.held_dims = _held_dims_by_shape(graph, "dimension")
         self.users = graph.users()
         for node in graph.nodes:
             if is_gradient_reduction(node, self.all_axes):
@@ -405,7 +405,7 @@ def _type(value: Value) -> str:
     return (f"{value.name} " if value.name else "") + format_type(value)
 
 
-def _model_dims_by_shape(graph: Graph, attr: str) -> dict[tuple[int, ...], int]:
+def _held_dims_by_shape(graph: Graph, attr: str) -> dict[tuple[int, ...], int]:
     """A dimension of the parameters `graph` gathers from blocks (the deferred gathers
     shard-parameters leaves), by shape: the one the model axis splits (`model_dim`), or
     the one the blocks are split on (`dimension`), which a gradient's blocks then share. A

@@ -82,8 +82,8 @@ def window_dims(node: Node) -> dict[int, int]:
 def table_dims(graph: Graph, value: Value, replicas: int) -> list[int]:
     """The dimensions a state `value` could be held split on and still be looked up in
     place: those every gather reading it (through elementwise ops: a cast to bf16) takes
-    whole and that divide by `replicas`. Empty unless gathers are its only readers
-    besides elementwise ops (the update) and the step's outputs."""
+    whole and that divide by `replicas`. Empty unless gathers that pay in place (`_pays`)
+    are its only readers besides elementwise ops (the update) and the step's outputs."""
     users, reached, dims = graph.users(), [value], None
     for current in reached:
         for node in users.get(current, []):
@@ -91,7 +91,11 @@ def table_dims(graph: Graph, value: Value, replicas: int) -> list[int]:
                 node.has(Trait.ELEMENTWISE) and node.outputs[0].shape == value.shape
             ):
                 reached.extend(o for o in node.outputs if o not in reached)
-            elif node.has(Trait.LOOKUP) and node.inputs[0] is current:
+            elif (
+                node.has(Trait.LOOKUP)
+                and node.inputs[0] is current
+                and _pays(node, node.outputs[0])
+            ):
                 found = set(window_dims(node))
                 dims = found if dims is None else dims & found
             else:
@@ -141,15 +145,23 @@ def type_for_lookups(sharder: LookupRewriter, node: Node) -> bool:
 
 def _in_place(sharder: LookupRewriter, node: Node, dim: int) -> int | None:
     """The result dimension of gather `node` that its table's block split on `dim`
-    gives, if it may run on the block: `dim` taken whole, token ids that differ across
-    the replicas, and a result smaller than the table (the all-to-all moves less than
-    gathering the table)."""
+    gives, if it may run on the block (`_pays`), with token ids that differ across every
+    replica it is split over."""
     if not node.has(Trait.LOOKUP) or len(node.inputs) != 2 or node.inputs[1] in sharder.blocks:
         return None
-    table, indices = node.inputs
-    if not _varies_over(indices, sharder.axes) or node.outputs[0].nbytes >= table.nbytes:
+    if not _pays(node, node.outputs[0]) or not _varies_over(node.inputs[1], sharder.axes):
         return None
     return window_dims(node).get(dim)
+
+
+def _pays(node: Node, moved: Value) -> bool:
+    """Whether a lookup or its transpose `node` is worth running where the table lies:
+    its token ids differ across replicas (a position table's `arange` does not), and what
+    the all-to-all moves (`moved`) is smaller than the table. The concatenated ids of
+    every replica are neither sorted nor unique, whatever the op promised of its own."""
+    table, indices = node.inputs[0], node.inputs[1]
+    promised = node.attrs.get("indices_are_sorted") or node.attrs.get("unique_indices")
+    return bool(indices.varying_axes) and moved.nbytes < table.nbytes and not promised
 
 
 def scatter_lookup_gradient(sharder: LookupRewriter, reduction: Node, prefer: int | None) -> bool:
@@ -165,7 +177,7 @@ def scatter_lookup_gradient(sharder: LookupRewriter, reduction: Node, prefer: in
     if (
         len(sharder.users.get(reduction.inputs[0], [])) != 1
         or not _varies_over(indices, sharder.axes)
-        or updates.nbytes >= full.nbytes
+        or not _pays(scatter, updates)
     ):
         return False
     replicas = sharder.replicas
@@ -207,16 +219,27 @@ def scatter_lookup_gradient(sharder: LookupRewriter, reduction: Node, prefer: in
 
 
 def all_ids(sharder: LookupRewriter, indices: Value, replicas: int) -> Value:
-    """Every replica's `indices`, concatenated in block order (gathered once per step)."""
+    """Every replica's `indices`, concatenated in block order. They are gathered once per
+    step without the index vector's unit dimension, and given it back at each use: TPU
+    tiles pad a trailing dimension of 1 to 128, so the s32[524288, 1] ids of 256 chips
+    would hold 256 MiB from the lookup to its gradient (Llama-2-70B on v5p-512)."""
+    unit = indices.shape[-1] == 1
     cache = sharder.gathered_ids
     if indices not in cache:
-        every = indices.like(
-            shape=(indices.shape[0] * replicas, *indices.shape[1:]),
-            varying_axes=indices.varying_axes - frozenset(sharder.axes),
+        flat = indices.like(shape=indices.shape[:-1]) if unit else indices
+        if unit:
+            sharder.emit("reshape", [indices], flat, {})
+        every = flat.like(
+            shape=(flat.shape[0] * replicas, *flat.shape[1:]),
+            varying_axes=flat.varying_axes - frozenset(sharder.axes),
         )
-        sharder.emit("all_gather", [indices], every, {"axes": sharder.axes, "dimension": 0})
+        sharder.emit("all_gather", [flat], every, {"axes": sharder.axes, "dimension": 0})
         cache[indices] = every
-    return cache[indices]
+    if not unit:
+        return cache[indices]
+    every = cache[indices].like(shape=(*cache[indices].shape, 1))
+    sharder.emit("reshape", [cache[indices]], every, {})
+    return every
 
 
 def _all_to_all(sharder: LookupRewriter, x: Value, out: Value, split: int, concat: int) -> None:
