@@ -38,7 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
-from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.graph import Node, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.blocks import BlockRewriter
@@ -79,12 +79,13 @@ def window_dims(node: Node) -> dict[int, int]:
     return {d: w for d, w in zip(kept, windows, strict=True) if d in whole and d not in indexed}
 
 
-def table_dims(graph: Graph, value: Value, replicas: int) -> list[int]:
-    """The dimensions a state `value` could be held split on and still be looked up in
-    place: those every gather reading it (through elementwise ops: a cast to bf16) takes
-    whole and that divide by `replicas`. Empty unless gathers that pay in place (`_pays`)
-    are its only readers besides elementwise ops (the update) and the step's outputs."""
-    users, reached, dims = graph.users(), [value], None
+def table_dims(users: dict[Value, list[Node]], value: Value, replicas: int) -> list[int]:
+    """The dimensions a state `value` (whose readers `users` maps, as `Graph.users()`)
+    could be held split on and still be looked up in place: those every gather reading
+    it (through elementwise ops: a cast to bf16) takes whole and that divide by
+    `replicas`. Empty unless gathers that pay in place (`_pays`) are its only readers
+    besides elementwise ops (the update) and the step's outputs."""
+    reached, dims = [value], None
     for current in reached:
         for node in users.get(current, []):
             if node.op == "pvary" or (

@@ -204,9 +204,10 @@ class _Splitter:
         if self.devices_per_replica > 1:
             return {}
         found: dict[tuple[int, ...], int] = {}
+        users = graph.users()
         for arg in graph.io.state_inputs():
             value = graph.inputs[arg]
-            dims = [] if value.varying_axes else table_dims(graph, value, self.replicas)
+            dims = [] if value.varying_axes else table_dims(users, value, self.replicas)
             if dims:
                 found.setdefault(value.shape, dims[0])
         return found
