@@ -50,6 +50,8 @@ SLOW_TESTS = (
     "tests/test_multi_worker.py::test_two_workers_shard_the_weight_update_like_the_replicated",
     "tests/torch_models/test_example.py::test_the_torch_example_learns_and_hands_its_weights",
     "tests/test_parameter_sharding.py::test_scanned_lm_with_clipped_adamw_matches_one_device[mirrored]",
+    # the lookup in place on one replica axis (8 s): its two TPU topologies stay
+    "tests/test_lookups_in_place.py::test_a_table_split_on_its_features_is_looked_up_where_it_lies[mirrored]",
     # the model axis's framework cases, 3-8 s each: `make test` keeps one of each kind
     "tests/test_model_axis.py::test_an_annotated_scanned_linen_lm_trains_like_one_device",
     "tests/test_model_axis.py::test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split[2-False]",
