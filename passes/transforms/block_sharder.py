@@ -21,7 +21,7 @@ from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.cost.model import fast_first, split_levels
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir.text import format_type
-from xla_strategies.passes.ir.traits import Trait, dimension_reduction
+from xla_strategies.passes.ir.traits import Trait, dimension_reduction, result_shape_param
 from xla_strategies.passes.transforms.blocks import (
     DEFERRED,
     block_value,
@@ -377,13 +377,13 @@ class BlockSharder:
         self.nodes.append(Node(op, list(inputs), [out], attrs, created_by=self.created_by))
 
     def copy(self, node: Node, inputs: list[Value], outputs: list[Value]) -> Node:
+        """`node` on other operands and results; an attribute naming the result's shape
+        (a broadcast's) names the new one, as the lowering will give it."""
+        attrs = dict(node.attrs)
+        if (shape := result_shape_param(node.op)) in attrs:
+            attrs[shape] = list(outputs[0].shape)
         return Node(
-            node.op,
-            inputs,
-            outputs,
-            dict(node.attrs),
-            payload=node.payload,
-            created_by=self.created_by,
+            node.op, inputs, outputs, attrs, payload=node.payload, created_by=self.created_by
         )
 
 

@@ -57,6 +57,7 @@ class LookupRewriter(BlockRewriter, Protocol):
     gathered_ids: dict[Value, Value]
 
     def emit(self, op: str, inputs: list[Value], out: Value, attrs: dict) -> None: ...
+    def copy(self, node: Node, inputs: list[Value], outputs: list[Value]) -> Node: ...
 
 
 def window_dims(node: Node) -> dict[int, int]:
@@ -122,7 +123,7 @@ def shard_lookup(sharder: LookupRewriter, node: Node) -> bool:
         shape=_exchanged(out.shape, grown=batch, split=out_dim, parts=replicas),
         varying_axes=out.varying_axes | frozenset(sharder.axes),
     )
-    local = _copy(sharder, node, [block, every_id], looked_up)
+    local = sharder.copy(node, [block, every_id], [looked_up])
     sizes = node.attrs["slice_sizes"]  # the dimension taken whole: the block's size now
     local.attrs["slice_sizes"] = [block.shape[d] if d == dim else s for d, s in enumerate(sizes)]
     sharder.nodes.append(local)
@@ -139,7 +140,7 @@ def type_for_lookups(sharder: LookupRewriter, node: Node) -> bool:
     if not readers or any(_in_place(sharder, r, dim) is None for r in readers):
         return False
     typed = sharder.block_of(node.outputs[0], dim)
-    sharder.nodes.append(_copy(sharder, node, [block], typed))
+    sharder.nodes.append(sharder.copy(node, [block], [typed]))
     sharder.blocks[node.outputs[0]] = (typed, dim)
     return True
 
@@ -196,14 +197,14 @@ def scatter_lookup_gradient(sharder: LookupRewriter, reduction: Node, prefer: in
     zero_block = sharder.slice(zero, dim)
     if zeros is not zero:  # the captured pvary to the replicas' type, on the block
         typed = sharder.block_of(zeros, dim)
-        sharder.nodes.append(_copy(sharder, sharder.producers[zeros], [zero_block], typed))
+        sharder.nodes.append(sharder.copy(sharder.producers[zeros], [zero_block], [typed]))
         zero_block = typed
     block = sharder.block_of(full, dim)
     summed = block.like(varying_axes=block.varying_axes | frozenset(sharder.across))
     if not sharder.across:
         summed = block
     every_id = all_ids(sharder, indices, replicas)
-    sharder.nodes.append(_copy(sharder, scatter, [zero_block, every_id, sent], summed))
+    sharder.nodes.append(sharder.copy(scatter, [zero_block, every_id, sent], [summed]))
     if sharder.across:  # the replicas in other slices hold other tokens: sum the blocks
         attrs = {**reduction.attrs, "axes": sharder.across, "reduce_op": "sum"}
         sharder.emit("all_reduce", [summed], block, attrs)
@@ -279,17 +280,6 @@ def _exchanged(shape: tuple[int, ...], grown: int, split: int, parts: int) -> tu
     sizes = list(shape)
     sizes[grown], sizes[split] = sizes[grown] * parts, sizes[split] // parts
     return tuple(sizes)
-
-
-def _copy(sharder: LookupRewriter, node: Node, inputs: list[Value], out: Value) -> Node:
-    return Node(
-        node.op,
-        inputs,
-        [out],
-        dict(node.attrs),
-        payload=node.payload,
-        created_by=sharder.created_by,
-    )
 
 
 def _type(value: Value) -> str:

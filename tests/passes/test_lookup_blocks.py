@@ -32,6 +32,7 @@ def test_the_gradient_of_a_lookup_is_summed_where_its_block_lies():
         """
         CHECK: %[[T:[0-9]+]]: f32[16,7,2]{replica} = all_to_all(%2) {"axes": ["replica"], "concat_axis": 0, "split_axis": 2}
         CHECK-NEXT: %[[Z:[0-9]+]]: f32[64,2]{replica} = jax.broadcast_in_dim(%4)
+        CHECK-SAME: "shape": [64, 2]
         CHECK-NEXT: %[[ZV:[0-9]+]]: f32[64,2]{replica} = pvary(%[[Z]])
         CHECK-NEXT: %[[FLAT:[0-9]+]]: i32[2,7]{replica} = reshape(%1)
         CHECK-NEXT: %[[IDS:[0-9]+]]: i32[16,7] = all_gather(%[[FLAT]]) {"axes": ["replica"], "dimension": 0}
