@@ -51,7 +51,8 @@ from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder, within_slice
+from xla_strategies.passes.transforms.block_axes import within_slice
+from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder
 from xla_strategies.passes.transforms.blocks import block_value, shard_dimension
 from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
 from xla_strategies.passes.transforms.lookup_blocks import table_dims

@@ -49,10 +49,10 @@ from typing import Any
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.model import weight_update_estimates
 from xla_strategies.passes.ir.graph import Graph, Node
+from xla_strategies.passes.transforms.block_axes import block_order
 from xla_strategies.passes.transforms.block_sharder import (
     DEFERRED,
     BlockSharder,
-    block_order,
     is_gradient_reduction,
 )
 from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
