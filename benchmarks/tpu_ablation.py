@@ -54,13 +54,12 @@ def compile_without(strategy: Any, workload: Any, disabled: str | None) -> dict[
         report = compiled_report(step.lower(*args).compile(), strategy)
     except xs.errors.OutOfMemoryError as exc:  # without a pass that makes it fit
         return {"without": disabled or "-", "does_not_fit": str(exc).split(". ")[0]}
-    collectives = report.collectives
     return {
         "without": disabled or "-",
         "memory_gib": report.memory.total_bytes / 2**30,
-        "collectives": sum(c.times for c in collectives),
-        "collective_bytes": sum(c.times * c.nbytes for c in collectives),
-        "synchronous_bytes": sum(c.times * c.nbytes for c in collectives if not c.asynchronous),
+        "collectives": sum(c.times for c in report.collectives),
+        "collective_bytes": report.bytes_per_step(),
+        "synchronous_bytes": report.bytes_per_step(synchronous_only=True),
         "step_ms": 1e3 * (report.estimate["step_s"] or math.nan),
     }
 

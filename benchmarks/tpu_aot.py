@@ -172,7 +172,8 @@ def cell(strategy: Any, workload: Any, variant: str) -> dict[str, Any]:
         "memory_gib": report.memory.total_bytes / 2**30,
         "temp_gib": report.memory.temp_bytes / 2**30,
         "collectives": sum(c.times for c in report.collectives),
-        "collective_bytes": sum(c.times * c.nbytes for c in report.collectives),
+        "collective_bytes": report.bytes_per_step(),
+        "synchronous_bytes": report.bytes_per_step(synchronous_only=True),
         "kinds": sorted({c.kind for c in report.collectives}),
         "asynchronous": sum(1 for c in report.collectives if c.asynchronous),
         "step_ms": 1e3 * (estimate["step_s"] or math.nan),
@@ -244,22 +245,26 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """The table for benchmarks/README.md."""
     lines = [
         "| model | topology | program | GiB/chip | fits | collectives/step | MiB/step "
-        "| step ms | exposed | HLO compute ms | our compute ms | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| synchronous MiB/step | step ms | exposed | MFU | HLO compute ms | our compute ms "
+        "| compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['model']} | {r['topology']} | {r['program']} | - | no | - | - | - | - "
-                "| - | - | - |"
+                "| - | - | - | - | - |"
             )
             continue
         ours_ms = r.get("our_compute_ms", math.nan)
+        waited = r.get("synchronous_bytes")  # rows before 2026-11-26 have none
         lines.append(
             f"| {r['model']} | {r['topology']} | {r['program']} | {r['memory_gib']:.2f} "
             f"| {'yes' if r['fits'] else 'no'} | {r['collectives']} "
-            f"| {r['collective_bytes'] / 2**20:,.0f} | {r['step_ms']:.2f} "
-            f"| {r['exposed_share']:.1%} | {r['compute_ms']:.2f} "
+            f"| {r['collective_bytes'] / 2**20:,.0f} "
+            f"| {'-' if waited is None else f'{waited / 2**20:,.0f}'} | {r['step_ms']:.2f} "
+            f"| {r['exposed_share']:.1%} | {r['compute_ms'] / r['step_ms']:.1%} "
+            f"| {r['compute_ms']:.2f} "
             f"| {'-' if math.isnan(ours_ms) else f'{ours_ms:.2f}'} | {r['compile_s']:.0f} |"
         )
     return "\n".join(lines)

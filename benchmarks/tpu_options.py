@@ -70,8 +70,6 @@ def measure(
             tqdm.write(f"{name}: {rows[-1]['error']}")
             continue
         report = hlo_report(compiled.as_text(), strategy.topology)
-        moved = [c.times * c.nbytes for c in report.collectives]
-        waited = [c.times * c.nbytes for c in report.collectives if not c.asynchronous]
         estimate = report.estimate
         if hlo_dir is not None:
             hlo_dir.mkdir(parents=True, exist_ok=True)
@@ -81,8 +79,8 @@ def measure(
             {
                 **head,
                 "memory_gib": Memory.of(compiled.memory_analysis()).total_bytes / 2**30,
-                "collective_gb": sum(moved) / 1e9,
-                "synchronous_gb": sum(waited) / 1e9,
+                "collective_gb": report.bytes_per_step() / 1e9,
+                "synchronous_gb": report.bytes_per_step(synchronous_only=True) / 1e9,
                 "step_ms": 1e3 * estimate["step_s"],
                 "exposed_share": estimate["exposed_s"] / estimate["step_s"],
                 "compile_s": compiled.compile_seconds,

@@ -112,6 +112,16 @@ class CompiledReport:
     #: the HLO's matmul flops by element type (each type has its own peak)
     flops_by_dtype: dict[str, float] | None = None
 
+    def bytes_per_step(self, synchronous_only: bool = False) -> int:
+        """The bytes the collectives move per step (loop bodies once per trip); only
+        those XLA left synchronous, nothing scheduled beside them, with
+        `synchronous_only`."""
+        return sum(
+            c.times * c.nbytes
+            for c in self.collectives
+            if not (synchronous_only and c.asynchronous)
+        )
+
     @property
     def fits(self) -> bool | None:
         if self.hbm_bytes is None or self.memory is None:
