@@ -140,6 +140,8 @@ def test_report_reads_a_peers_hlo_text_with_the_same_reader(tmp_path, capsys):
     found = hlo_report(text, Topology.from_name("v5e-16"))
     reductions = [c for c in found.collectives if c.kind == "all-reduce"]
     assert reductions and all(c.group_size == 16 for c in reductions)
+    # the weight's gradient, summed once, and nothing scheduled beside it
+    assert found.bytes_per_step() == found.bytes_per_step(synchronous_only=True) == 4 * 2**20
     assert found.estimate["communication_s"] > 0 and found.memory is None
     # compute from the text's own matmuls: forward and the weight's gradient, 16 rows each
     assert found.flops == 2 * 2 * 16 * 1024 * 1024
