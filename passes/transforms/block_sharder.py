@@ -23,6 +23,7 @@ from xla_strategies.passes.ir.traits import Trait, dimension_reduction, result_s
 from xla_strategies.passes.transforms.blocks import (
     DEFERRED,
     block_value,
+    divides,
     shard_dimension,
     sinks_to_blocks,
     unit_reshape_dim,
@@ -130,9 +131,7 @@ class BlockSharder:
         if model_dim is not None:  # XLA's partitioner splits the gradient there
             shape = (*shape[:model_dim], 0, *shape[model_dim + 1 :])
         held = self.held_dims.get(full.shape)  # where the parameter's blocks lie
-        dim = (
-            held if _divides(shape, held, self.replicas) else shard_dimension(shape, self.replicas)
-        )
+        dim = held if divides(shape, held, self.replicas) else shard_dimension(shape, self.replicas)
         small = full.size < self.min_elements
         if dim is None or small:
             reason = "smaller than a tile per replica" if small else "no dividing dimension"
@@ -394,7 +393,3 @@ def _held_dims_by_shape(graph: Graph, attr: str) -> dict[tuple[int, ...], int]:
         if node.op == "all_gather" and node.attrs.get(DEFERRED) and attr in node.attrs:
             found.setdefault(node.outputs[0].shape, set()).add(node.attrs[attr])
     return {shape: dims.pop() for shape, dims in found.items() if len(dims) == 1}
-
-
-def _divides(shape: tuple[int, ...], dim: int | None, replicas: int) -> bool:
-    return dim is not None and shape[dim] >= replicas and shape[dim] % replicas == 0

@@ -19,8 +19,13 @@ def shard_dimension(shape: tuple[int, ...], replicas: int) -> int | None:
     """The dimension a tensor's update is split on: the first that divides by `replicas`
     (a block is contiguous when every dimension before it is 1; combine-all-reduces
     transposes the others); None if none does."""
-    candidates = [d for d, size in enumerate(shape) if size >= replicas and size % replicas == 0]
+    candidates = [d for d in range(len(shape)) if divides(shape, d, replicas)]
     return candidates[0] if candidates else None
+
+
+def divides(shape: tuple[int, ...], dim: int | None, replicas: int) -> bool:
+    """Whether dimension `dim` of `shape` splits into `replicas` equal, non-empty blocks."""
+    return dim is not None and shape[dim] >= replicas and shape[dim] % replicas == 0
 
 
 def block_shape(shape: tuple[int, ...], dim: int, replicas: int) -> tuple[int, ...]:

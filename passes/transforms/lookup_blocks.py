@@ -41,7 +41,7 @@ import numpy as np
 from xla_strategies.passes.ir.graph import Node, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.blocks import BlockRewriter
+from xla_strategies.passes.transforms.blocks import BlockRewriter, divides
 
 
 class LookupRewriter(BlockRewriter, Protocol):
@@ -102,8 +102,7 @@ def table_dims(users: dict[Value, list[Node]], value: Value, replicas: int) -> l
                 dims = found if dims is None else dims & found
             else:
                 return []
-    divides = [d for d in sorted(dims or ()) if value.shape[d] % replicas == 0]
-    return [d for d in divides if value.shape[d] >= replicas]
+    return [d for d in sorted(dims or ()) if divides(value.shape, d, replicas)]
 
 
 def shard_lookup(sharder: LookupRewriter, node: Node) -> bool:
@@ -183,8 +182,7 @@ def scatter_lookup_gradient(sharder: LookupRewriter, reduction: Node, prefer: in
     ):
         return False
     replicas = sharder.replicas
-    windows = {d: w for d, w in window_dims(scatter).items() if full.shape[d] % replicas == 0}
-    windows = {d: w for d, w in windows.items() if full.shape[d] >= replicas}
+    windows = {d: w for d, w in window_dims(scatter).items() if divides(full.shape, d, replicas)}
     if not windows or (zero := _zeros_source(sharder, zeros)) is None:
         return False
     dim = prefer if prefer in windows else min(windows)
@@ -200,9 +198,9 @@ def scatter_lookup_gradient(sharder: LookupRewriter, reduction: Node, prefer: in
         sharder.nodes.append(sharder.copy(sharder.producers[zeros], [zero_block], [typed]))
         zero_block = typed
     block = sharder.block_of(full, dim)
+    # across slices, the local sum is partial until the blocks are summed over them
     summed = block.like(varying_axes=block.varying_axes | frozenset(sharder.across))
-    if not sharder.across:
-        summed = block
+    summed = summed if sharder.across else block
     every_id = all_ids(sharder, indices, replicas)
     sharder.nodes.append(sharder.copy(scatter, [zero_block, every_id, sent], [summed]))
     if sharder.across:  # the replicas in other slices hold other tokens: sum the blocks

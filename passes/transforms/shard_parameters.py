@@ -163,7 +163,7 @@ class _Splitter:
         # stack is, so the update meets blocks of one dimension: split on the layer
         # dimension instead (where it divides), every moment would be gathered whole
         stack_shapes = {v.shape for v in scanned}
-        tables = self.table_dims(graph)
+        tables = self.lookup_table_dims(graph)
         for arg in graph.io.state_inputs():
             value, attrs = graph.inputs[arg], graph.io.inputs[arg]
             if value.varying_axes or attrs.stacked or attrs.sharded:
@@ -198,7 +198,7 @@ class _Splitter:
             self.stats["split_state_bytes"] += value.nbytes
             self.hold_split(graph, value, block, dim + skip, attrs.model_dim)
 
-    def table_dims(self, graph: Graph) -> dict[tuple[int, ...], int]:
+    def lookup_table_dims(self, graph: Graph) -> dict[tuple[int, ...], int]:
         """By shape, the dimension to split a table that only lookups read on: one each
         lookup takes whole, so it is looked up where it lies (`lookup_blocks`); its
         optimizer state, of its shape, lines up with it. None under a model axis."""
