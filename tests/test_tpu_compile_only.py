@@ -61,12 +61,19 @@ def test_a_compile_only_step_is_a_tpu_executable_with_the_planned_collectives(to
     hlo = compiled.as_text()
     assert "T(8,128)" in hlo  # TPU tiled layouts: XLA's TPU backend compiled it
     planned = collective_summary(step.executable(*state, batch).graph)
-    # the one gradient bucket our passes planned (decomposed per axis on a multislice)
-    kept = executed_collectives(hlo)["all-reduce"]["count"]
-    assert planned["all_reduce_count"] >= 1 and kept >= 1
-    assert kept <= planned["all_reduce_count"] + 1  # the loss's own mean, at most
-
     report = compiled_report(compiled, strategy)
+    # the one gradient bucket our passes planned, and the loss's own mean at most; across
+    # slices XLA sums each in its slice and hands the slices' sum to the DCN runtime
+    for across_slices in (False, True):
+        kept = sum(
+            c.times
+            for c in report.collectives
+            if c.kind == "all-reduce" and c.across_slices == across_slices
+        )
+        assert kept <= planned["all_reduce_count"] + 1, across_slices
+    assert planned["all_reduce_count"] >= 1 and executed_collectives(hlo)["all-reduce"]["count"]
+    assert any(c.across_slices for c in report.collectives) == (expected.slice_count > 1)
+
     assert report.platform == "tpu" and report.topology == topology
     assert report.hbm_bytes == expected.hbm_bytes and report.fits
     assert 0 < report.memory.total_bytes < report.hbm_bytes

@@ -21,12 +21,15 @@ from typing import Any
 
 from xla_strategies.core.layout import MODEL_AXIS
 from xla_strategies.hardware.hlo import (
+    ARRAY_TYPE,
     CALLEE,
     COLLECTIVES,
     OPERAND,
+    HloReadError,
     Op,
     collective_kind,
     computations,
+    dcn_collective,
     executions,
     group_members,
     group_size,
@@ -35,12 +38,14 @@ from xla_strategies.hardware.hlo import (
     replica_groups,
 )
 from xla_strategies.hardware.hlo_flops import hlo_flops, matmul_seconds
+from xla_strategies.passes.cost import model as cost_model
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _EMITTER = re.compile(r'"emitter":"(\w+)"')
 _STRATEGY = re.compile(r'"strategy":"(\w+)"')
 _UNKNOWN_CYCLES = 1 << 62
 _BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+_TRANSFERS = {"send", "recv", "after-all"}  # a cross-slice collective's own instructions
 _SKIP = set(COLLECTIVES)
 
 
@@ -62,6 +67,8 @@ class Collective:
     #: every group within one replica's devices: XLA's partitioner added it for the model
     #: axis (a replica spanning several devices), not a reduction across replicas
     inside_replica: bool = False
+    #: between the slices of a multislice program, over DCN: `group_size` counts slices
+    across_slices: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,10 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
             continue
         in_flight: list[int] = []  # libtpu's async collectives started, not yet done
         for position, (op_name, types, opcode, rest) in enumerate(ops):
+            across = dcn_collective(opcode, rest, op_name)
+            if across is not None:
+                found.append(_across_slices(ops, position, across, name, times[name]))
+                continue
             inner = _collective(opcode, types, rest, comps, op_name)
             if inner is None:
                 continue
@@ -200,6 +211,30 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
             if "collective-start" in op_name:
                 in_flight.append(len(found) - 1)
     return found
+
+
+def _across_slices(
+    ops: list[Op], position: int, across: tuple[str, int], computation: str, times: int
+) -> Collective:
+    """The cross-slice collective whose `recv` is `ops[position]`: asynchronous from the
+    transfer's start to its `recv-done`, its result the `recv`'s first element."""
+    op_name, types, _, rest = ops[position]
+    between = _between(ops, position, op_name)
+    result = ARRAY_TYPE.search(types)
+    return Collective(
+        kind=across[0],
+        name=op_name,
+        computation=computation,
+        times=times,
+        nbytes=hlo_bytes(result.group(0)) if result else 0,
+        group_size=across[1],
+        replica_groups=replica_groups(rest),
+        algorithm="dcn",
+        asynchronous=True,
+        overlapped_ops=len(between),
+        overlapped_cycles=sum(_cycles(r) for *_, r in between),
+        across_slices=True,
+    )
 
 
 def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -258,7 +293,7 @@ def _between(ops: list[Op], start: int, start_name: str) -> list[Op]:
         name, _, opcode, rest = op
         if opcode.endswith("-done") and start_name in OPERAND.findall(rest.split(")")[0]):
             return between
-        if opcode not in _BOOKKEEPING and not opcode.endswith(("-start", "-done")):
+        if opcode not in _BOOKKEEPING | _TRANSFERS and not opcode.endswith(("-start", "-done")):
             between.append(op)
     return between
 
@@ -351,9 +386,12 @@ _COST_OP = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter"}
 
 def _collective_seconds(c: Collective, topology: Any) -> float:
     """The cost model's time for `c` over the fastest axes that hold its group: the model
-    axis for a collective inside a replica, the replica axes for the others."""
+    axis for a collective inside a replica, the replica axes for the others, and the
+    slices' DCN for a collective across them."""
     op = _COST_OP.get(c.kind, "all_gather")  # all-to-all, permute: one pass of the bytes
     whole = c.nbytes * (c.group_size if c.kind == "reduce-scatter" else 1)
+    if c.across_slices:
+        return _dcn_seconds(c, topology, op, whole)
     axes, size = [], 1
     links = [a for a in topology.axes if (a.name == MODEL_AXIS) == c.inside_replica]
     for link in reversed(links):  # fastest (ICI minor) first
@@ -366,3 +404,15 @@ def _collective_seconds(c: Collective, topology: Any) -> float:
     # XLA's own algorithm for the group: the cost model's `flat` (on a TPU slice, its
     # multi-dimensional torus algorithm), not the best of the algorithms passes choose from
     return topology.collective_time(op, whole, tuple(axes), algorithm="flat")
+
+
+def _dcn_seconds(c: Collective, topology: Any, op: str, whole: int) -> float:
+    """A cross-slice collective over DCN, among as many slices as its group holds."""
+    if "dcn" not in topology.mesh_axes:
+        raise HloReadError(
+            f"{c.name} is a collective across {c.group_size} slices, but {topology.name} is "
+            "one slice: read this program with its multislice topology (e.g. 2xv5p-512)"
+        )
+    (link,) = topology.axis_links(("dcn",))
+    among = dataclasses.replace(link, size=c.group_size)
+    return cost_model.collective_time(op, whole, [among], algorithm="flat")

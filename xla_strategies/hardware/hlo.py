@@ -37,6 +37,22 @@ _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _QUOTED = re.compile(r"'([^']+)'")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
+# A collective across the slices of a multislice TPU program. XLA's TPU compiler keeps
+# each slice's program on the slice's own chips, and hands the slices' share to the DCN
+# runtime as a host transfer: a `send`/`recv` pair whose `recv` result is the collective's.
+# Its target names the slices (`"{1,2}x{0:255}"`: slices 1 and 2, each chip with its peer)
+# or the groups of global chip ids (`{{100000,200000},...}`, `{{100000->300000},...}`).
+_DCN_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_DCN_SLICES = re.compile(r'_xla_megascale_target="\{([\d,:]+)\}x')
+_DCN_GROUP = re.compile(r"_xla_megascale_target=\{\{([\d,>\-]+)\}")
+_DCN_TARGET = re.compile(r'_xla_megascale_target=("[^"]*"|\{\{.*?\}\})')
+_DCN_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_GATHER": "all-gather",
+    "ALL_TO_ALL": "all-to-all",
+    "ONE_TO_ONE": "collective-permute",
+}
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICAS = re.compile(r"\breplica_count=(\d+)")
 
@@ -53,12 +69,14 @@ def participants(hlo_text: str) -> int:
 
 
 def replica_groups(rest: str) -> str:
-    """The replica groups attribute as XLA wrote it ("" where the instruction has none)."""
+    """The replica groups attribute as XLA wrote it, or a cross-slice transfer's target
+    ("" where the instruction has neither)."""
     for pattern in (_MESH_GROUPS, _IOTA_GROUPS, _EXPLICIT_GROUPS):
         found = pattern.search(rest)
         if found:
             return found.group(0).removeprefix("replica_groups=")
-    return ""
+    target = _DCN_TARGET.search(rest)
+    return target.group(1).strip('"') if target else ""
 
 
 def group_size(kind: str, rest: str, everyone: int, name: str = "") -> int:
@@ -116,6 +134,28 @@ def group_members(kind: str, rest: str, everyone: int, name: str = "") -> list[l
             raise HloReadError(f"{name}: replica groups of different sizes {sorted(sizes)}")
         return groups
     raise HloReadError(f"{name}: cannot read the replica groups of this {kind}: {rest[:300]}")
+
+
+def dcn_collective(opcode: str, rest: str, name: str = "") -> tuple[str, int] | None:
+    """(kind, slices in each group) of a `recv` that is a collective across the slices
+    (see `_DCN_TYPE`); None for any other instruction. Raises HloReadError on a transfer
+    it cannot read, so a cross-slice collective is never left out as free."""
+    if opcode != "recv" or "_xla_megascale_transfer_type" not in rest:
+        return None
+    kind = _DCN_TYPE.search(rest)
+    kind = _DCN_KINDS.get(kind.group(1)) if kind else None
+    slices, group = _DCN_SLICES.search(rest), _DCN_GROUP.search(rest)
+    if kind is None or not (slices or group):
+        raise HloReadError(f"{name}: cannot read this cross-slice transfer: {rest[:300]}")
+    if group:
+        return kind, len(re.split(r",|->", group.group(1)))
+    return kind, sum(_count_ids(part) for part in slices.group(1).split(","))
+
+
+def _count_ids(part: str) -> int:
+    """How many ids `7` or the inclusive range `0:255` names."""
+    low, _, high = part.partition(":")
+    return int(high) - int(low) + 1 if high else 1
 
 
 def hlo_bytes(types: str) -> int:
@@ -189,9 +229,14 @@ def collective_kind(opcode: str) -> str | None:
 
 
 def count_hlo_collectives(hlo_text: str) -> dict[str, int]:
-    """Collective instructions in the program text, per kind (async pairs count once)."""
+    """Collective instructions in the program text, per kind (async pairs, and a
+    cross-slice collective's send and recv, count once)."""
     comps, _ = computations(hlo_text)
-    total = Counter(
-        kind for ops in comps.values() for op in ops if (kind := collective_kind(op[2]))
-    )
+    total = Counter(kind for ops in comps.values() for op in ops if (kind := _kind_of(op)))
     return {kind: total[kind] for kind in COLLECTIVES}
+
+
+def _kind_of(op: Op) -> str | None:
+    name, _, opcode, rest = op
+    across_slices = dcn_collective(opcode, rest, name)
+    return across_slices[0] if across_slices else collective_kind(opcode)

@@ -9,9 +9,12 @@ from xla_strategies.hardware.compiled_report import CompiledReport
 def summary_text(report: CompiledReport, name: str) -> str:
     """The report as a few lines for a terminal."""
     lines = [f"step {name} on {report.topology or report.platform}", _memory_line(report)]
-    across = [c for c in report.collectives if not c.inside_replica]
+    across = [c for c in report.collectives if not (c.inside_replica or c.across_slices)]
     inside = [c for c in report.collectives if c.inside_replica]
+    slices = [c for c in report.collectives if c.across_slices]
     lines.append(f"  collectives/step  {_by_kind(across)}")
+    if slices:
+        lines.append(f"  across slices     {_by_kind(slices)} (over DCN, the slices' runtime)")
     if inside:
         lines.append(f"  inside replicas   {_by_kind(inside)} (XLA's partitioner, model axis)")
     asynchronous = [c for c in report.collectives if c.asynchronous]
