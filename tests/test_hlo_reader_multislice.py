@@ -83,6 +83,12 @@ def test_a_gradient_summed_across_slices_is_read_and_priced_over_dcn(two_slice_s
     assert [(c.kind, c.group_size) for c in across] == [("all-reduce", 2)]
     assert across[0].nbytes == 4 * 2**20 // 4 and across[0].asynchronous
     assert across[0].replica_groups == "{1,2}x{0:3}"
+    # XLA's hierarchy: scattered in each slice, the shards summed across, gathered back;
+    # the cost model's flat all-reduce across slices is priced as the same three steps
+    inside = sorted((c.kind, c.nbytes) for c in found.collectives if not c.across_slices)
+    assert inside == [("all-gather", 4 * 2**20), ("reduce-scatter", 2**20)]
+    flat = topology.collective_time("all_reduce", 4 * 2**20, algorithm="flat")
+    assert found.estimate["communication_s"] == pytest.approx(flat, rel=1e-9)
     assert count_hlo_collectives(text)["all-reduce"] == 1 + sum(
         c.kind == "all-reduce" for c in found.collectives if not c.across_slices
     )

@@ -8,8 +8,9 @@ without wraparound the ring is embedded in a line and gets one direction's bandw
 Algorithms for a reduction over several axes:
 
 - `flat`: the runtime's own collective over every participant at once: inside a TPU slice
-  XLA's multi-dimensional torus algorithm (every dimension's links at once), elsewhere a
-  tree's latency and a ring's bandwidth on the slowest axis;
+  XLA's multi-dimensional torus algorithm (every dimension's links at once); across TPU
+  slices XLA's own hierarchy (that algorithm in each slice, the slices' share over DCN);
+  elsewhere a tree's latency and a ring's bandwidth on the slowest axis;
 - `ordered`: reduce-scatter axis by axis (fastest first), then all-gather back; across a
   slow level (DCN) this is the hierarchical form (ICI, then DCN, then ICI);
 - `rotated`: the data split in parts that run concurrently, each visiting the fast axes in
@@ -90,11 +91,14 @@ def flat_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
     emitter for small data). Bandwidth: inside a TPU slice (every axis a torus dimension
     of ICI), XLA drives all dimensions at once (its backend config records `StrategyND`
     or `RotatedPincer` with the torus's `dim_sizes`), so each dimension's rings carry a
-    share of the data and the bandwidth is their sum; elsewhere (NCCL, gloo, a group
-    across DCN) a ring's bandwidth on the slowest axis."""
+    share of the data and the bandwidth is their sum; across TPU slices, XLA's hierarchy
+    (`slices_time`); elsewhere (NCCL, gloo) a ring's bandwidth on the slowest axis."""
     p = math.prod(a.size for a in axes)
     if p == 1:
         return 0.0
+    fast, slow = split_levels(axes)
+    if fast and slow and all(a.level == "ici" for a in fast):
+        return slices_time(op, nbytes, fast, slow)
     factor = 2 if op == "all_reduce" else 1
     latency = factor * math.ceil(math.log2(p)) * max(a.latency for a in axes)
     used = [a for a in axes if a.size > 1]
@@ -103,6 +107,23 @@ def flat_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
     else:
         bandwidth = min(a.ring_bandwidth for a in axes)
     return latency + factor * (p - 1) / p * nbytes / bandwidth
+
+
+def slices_time(
+    op: str, nbytes: float, slice_axes: Sequence[AxisLink], dcn: Sequence[AxisLink]
+) -> float:
+    """XLA's own collective across TPU slices. Each slice's program keeps the part inside
+    the slice, and hands the slices' part to the DCN runtime on the slice's shard: an
+    all-reduce is a reduce-scatter in the slice, an all-reduce of each chip's shard among
+    the slices, and an all-gather back (its compiled HLO: `reduce-scatter`, a `send`/`recv`
+    pair of `_xla_megascale_transfer_type="ALL_REDUCE"`, `all-gather`)."""
+    shard = nbytes / math.prod(a.size for a in slice_axes)
+    if op == "all_gather":  # the shard among the slices, then within each
+        return flat_time(op, shard, dcn) + flat_time(op, nbytes, slice_axes)
+    inside = flat_time("reduce_scatter", nbytes, slice_axes)
+    across = flat_time(op, shard, dcn)
+    back = flat_time("all_gather", nbytes, slice_axes) if op == "all_reduce" else 0.0
+    return inside + across + back
 
 
 def flat_ring_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
