@@ -24,6 +24,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from xla_strategies.core.layout import replica_axes
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.axis_names import (
     AxisRenamer,
@@ -44,6 +45,8 @@ from xla_strategies.passes.bridge.trace_hooks import (
     GRADIENT_AXES,
     marking_gradient_scales,
     matching_operand_types,
+    pallas_kernels_per_replica,
+    summing_custom_vjp_cotangents,
     tagging_autodiff_reductions,
     varying_loop_carries,
 )
@@ -112,6 +115,8 @@ def capture(
             marking_gradient_scales(),
             varying_loop_carries(),
             matching_operand_types(),
+            pallas_kernels_per_replica(replica_axes(mesh.axis_names)),
+            summing_custom_vjp_cotangents(),
         ):
             jax.make_jaxpr(traced)(*flat_args)
     except (AssertionError, NameError) as exc:

@@ -46,3 +46,12 @@ def vjp_bwd_view(
         grads, logs = result
         return out_avals, out_ct, grads, lambda marked: (marked, logs)
     return out_avals, out_ct, result, lambda marked: marked
+
+
+def bwd_with_logs(flatten_bwd_rest: tuple[Any, ...]) -> bool:
+    """Whether a custom_vjp's backward rule returns `(cotangents, logs)`, from the
+    arguments of `jax._src.custom_derivatives._flatten_bwd` after `in_avals`.
+
+    JAX 0.12 passes `(out_trees, primal_fun, symbolic_zeros, with_logs)` there; JAX 0.10
+    passed `out_trees` alone, and had no logs."""
+    return bool(flatten_bwd_rest[3]) if len(flatten_bwd_rest) > 3 else False

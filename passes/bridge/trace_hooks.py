@@ -4,6 +4,11 @@
   autodiff's reductions from the ones the user wrote;
 - primitives whose JAX wrapper binds operands of different varying axes without casting
   them have their operands cast to varying first;
+- a Pallas kernel (splash attention, any `pallas_call`) runs on each replica's values:
+  its operands are cast to vary over the replica axes, and an output shape that does not
+  say how it varies (JAX's own kernels do not) varies over them too;
+- a custom_vjp's backward rule that gives a replica-invariant input a cotangent varying
+  across replicas has it summed across them, as pvary's transpose sums any other's;
 - every reverse-mode gradient (`jax.vjp`, `jax.grad`, however imported) marks each
   gradient of a replica-invariant value, taken of a varying output, with a multiplication
   by 1 in the scope `GRADIENT_SCOPE(<axes>)`; insert-reductions turns the mark into the
@@ -189,3 +194,102 @@ def _casting_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
 def _varying_over(x: Any, axes: frozenset[str]) -> Any:
     missing = tuple(sorted(axes - _vma(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+@contextlib.contextmanager
+def pallas_kernels_per_replica(axes: tuple[str, ...]) -> Any:
+    """While a step is traced, every Pallas kernel is typed as a function of one replica's
+    values. Pallas refuses an output shape without varying axes under `check_vma=True`
+    (`manual_axis_type` must not be None), and JAX's own kernels give none: splash
+    attention, as MaxText runs it, crashed the capture. Casting the operands too keeps the
+    types whole: a replica-invariant operand's gradient is reduced across the replicas
+    (the cast's transpose), as for any op."""
+    from jax._src import core as jax_core
+
+    try:
+        from jax._src.pallas import core as pallas_core
+        from jax._src.pallas import pallas_call
+    except ImportError:  # this jaxlib has no Pallas
+        yield
+        return
+    varying = jax_core.ManualAxisType(varying=frozenset(axes))
+
+    def typing_outputs(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def convert_varying(out_shape: Any) -> Any:
+            if isinstance(out_shape, jax.ShapeDtypeStruct) and out_shape.manual_axis_type is None:
+                out_shape = jax.ShapeDtypeStruct(
+                    out_shape.shape,
+                    out_shape.dtype,
+                    sharding=out_shape.sharding,
+                    manual_axis_type=varying,
+                )
+            return convert(out_shape)
+
+        return convert_varying
+
+    def casting_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
+        def cast_then_bind(*operands: Any, **params: Any) -> Any:
+            return bind(*(_varying_over(x, frozenset(axes)) for x in operands), **params)
+
+        return cast_then_bind
+
+    with (
+        patched(pallas_core, "_convert_out_shape_to_aval", typing_outputs),
+        patched(pallas_call.pallas_call_p, "bind", casting_operands),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def summing_custom_vjp_cotangents() -> Any:
+    """While a step is traced, a custom_vjp's backward rule may give a replica-invariant
+    input (a mirrored weight) a cotangent that varies across replicas: its replica's share,
+    computed from the replica's data by a Pallas kernel or any other code. The share is
+    summed across the replicas in autodiff's scope, as pvary's transpose sums the gradient
+    of every other op a mirrored value meets; JAX refuses the rule otherwise ("the manual
+    axis types do not match")."""
+    from jax._src import custom_derivatives
+    from jax._src import linear_util as lu
+
+    def summing(flatten_bwd: Callable[..., Any]) -> Callable[..., Any]:
+        def flatten_summed(bwd: Any, in_tree: Any, in_avals: Any, *rest: Any) -> Any:
+            with_logs = jax_compat.bwd_with_logs(rest)
+
+            def summed_bwd(*args: Any) -> Any:
+                out = bwd.call_wrapped(*args)
+                cotangents, logs = out if with_logs else (out, None)
+                cotangents = _summed_like(cotangents, in_tree, in_avals)
+                return (cotangents, logs) if with_logs else cotangents
+
+            wrapped = lu.wrap_init(summed_bwd, debug_info=bwd.debug_info)
+            return flatten_bwd(wrapped, in_tree, in_avals, *rest)
+
+        return flatten_summed
+
+    with patched(custom_derivatives, "_flatten_bwd", summing):
+        yield
+
+
+def _summed_like(cotangents: Any, in_tree: Any, in_avals: Any) -> Any:
+    """`cotangents` (one per primal argument, None for none) with every array that varies
+    over more axes than its primal summed over those."""
+    primals = jax.tree_util.tree_unflatten(in_tree, list(in_avals))
+    if not isinstance(cotangents, tuple | list) or len(cotangents) != len(primals):
+        return cotangents  # JAX's own check names what is wrong
+    try:
+        return type(cotangents)(
+            ct if ct is None else jax.tree.map(_summed_to, primal, ct)
+            for primal, ct in zip(primals, cotangents, strict=True)
+        )
+    except ValueError:  # a structure unlike the primal's: JAX's check reports it
+        return cotangents
+
+
+def _summed_to(primal: Any, cotangent: Any) -> Any:
+    if not isinstance(cotangent, jax.Array | jax.core.Tracer):
+        return cotangent  # None, a symbolic zero
+    extra = _vma(cotangent) - set(varying_axes(primal))
+    if not extra:
+        return cotangent
+    with jax.named_scope(AUTODIFF_SCOPE):
+        return jax.lax.psum(cotangent, tuple(sorted(extra)))
