@@ -125,7 +125,7 @@ def build(
 
 
 def hlo_report(fn: Any, args: tuple) -> dict[str, Any]:
-    from xla_strategies.hardware.compiled_report import executed_collectives
+    from xla_strategies.hardware.hlo_collectives import executed_collectives
 
     compiled = fn.lower(*args).compile()
     executed = executed_collectives(compiled.as_text())

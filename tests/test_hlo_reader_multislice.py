@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xla_strategies.hardware.compiled_report import hlo_report, step_estimate, total_cycles
+from xla_strategies.hardware.compiled_report import hlo_report, step_estimate
 from xla_strategies.hardware.hlo import HloReadError, count_hlo_collectives, dcn_collective
+from xla_strategies.hardware.hlo_collectives import total_cycles
 from xla_strategies.hardware.report_text import summary_text
 from xla_strategies.hardware.topology import Topology
 

@@ -17,8 +17,9 @@ import pytest
 
 import xla_strategies as xs
 from xla_strategies.core.layout import Layout
-from xla_strategies.hardware.compiled_report import compiled_report, executed_collectives
+from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.hardware.hlo import count_hlo_collectives
+from xla_strategies.hardware.hlo_collectives import executed_collectives
 from xla_strategies.passes.cost.collective_stats import collective_summary
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")

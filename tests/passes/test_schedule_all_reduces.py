@@ -9,7 +9,7 @@ import pytest
 import xla_strategies as xs
 from tests import helpers
 from xla_strategies.demo import models
-from xla_strategies.hardware.compiled_report import executed_collectives
+from xla_strategies.hardware.hlo_collectives import executed_collectives
 from xla_strategies.passes import (
     DEFAULT_PIPELINE,
     PassContext,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from xla_strategies.cli.run_until_compiled import runs_in_process
-from xla_strategies.hardware.compiled_report import executed_collectives
+from xla_strategies.hardware.hlo_collectives import executed_collectives
 from xla_strategies.passes import PassContext, parse, print_graph
 from xla_strategies.passes.dump import IRPrinter
 from xla_strategies.passes.ir.render import to_dot, to_json_text

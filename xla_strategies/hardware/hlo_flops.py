@@ -48,6 +48,25 @@ def hlo_flops(hlo_text: str) -> Counter[str]:
     return total
 
 
+#: Custom calls to compiled kernels (Pallas on TPU through Mosaic, Pallas on GPU through
+#: Triton) whose work the HLO does not show: their flops cannot be read from the text.
+_KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
+
+
+def opaque_kernel_calls(hlo_text: str) -> int:
+    """Calls per step of kernels whose flops `hlo_flops` cannot count (see
+    `_KERNEL_TARGETS`): a compute estimate from the HLO leaves them out, and says so."""
+    comps, entry = computations(hlo_text)
+    return sum(
+        times
+        for name, times in executions(comps, entry).items()
+        for _, _, opcode, rest in comps.get(name, [])
+        if opcode == "custom-call"
+        and (target := _TARGET.search(rest))
+        and target.group(1) in _KERNEL_TARGETS
+    )
+
+
 _HALF_WIDTH = ("bf16", "f16", "f8e4m3fn", "f8e5m2")
 
 

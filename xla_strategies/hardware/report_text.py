@@ -38,6 +38,11 @@ def summary_text(report: CompiledReport, name: str) -> str:
             f"(HLO matmul flops at peak), communication {ms['communication_s']:.3f} ms, exposed "
             f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
         )
+    if report.opaque_kernels:
+        lines.append(
+            f"  kernels           {report.opaque_kernels} call(s) per step of compiled kernels "
+            "(Pallas) whose flops the HLO does not show: the compute estimate leaves them out"
+        )
     if report.memory is not None:  # read from an executable, not from text
         lines.append(f"  compile time      {report.compile_seconds:.1f} s")
     return "\n".join(lines)
