@@ -131,7 +131,8 @@ def test_splash_attention_trains_as_on_one_device():
         assert np.abs(expected[name] - params[name]).max() > 1e-6
 
 
-def test_splash_attention_compiles_for_a_tpu_slice_and_the_report_names_its_kernels():
+@pytest.mark.parametrize("axis_name", [None, "batch"])  # "batch": traced on a mesh so named
+def test_splash_attention_compiles_for_a_tpu_slice_and_the_report_names_its_kernels(axis_name):
     pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
     from xla_strategies.hardware.compiled_report import compiled_report
     from xla_strategies.hardware.report_text import summary_text
@@ -149,7 +150,11 @@ def test_splash_attention_compiles_for_a_tpu_slice_and_the_report_names_its_kern
         sharding=strategy.split_sharding(),
     )
     step = _train_step(_attention_loss(_splash_kernel(interpret=False)), tx)
-    compiled = strategy.compile(step, donate_argnums=(0, 1)).lower(*state, batch).compile()
+    compiled = (
+        strategy.compile(step, donate_argnums=(0, 1), axis_name=axis_name)
+        .lower(*state, batch)
+        .compile()
+    )
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
     report = compiled_report(compiled, strategy)
     # forward, and the two backward kernels (queries; keys and values)
@@ -160,4 +165,3 @@ def test_splash_attention_compiles_for_a_tpu_slice_and_the_report_names_its_kern
     projection = 2 * 2 * LENGTH * WIDTH * HEAD_DIM * HEADS
     assert report.flops == 9 * projection
     assert report.fits
-

@@ -73,7 +73,7 @@ def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
         return {
             k: NamedSharding(current, v.spec)
             if isinstance(v, NamedSharding) and v.mesh == ctx.cur_abstract_mesh
-            else v
+            else _on_current_mesh(v)
             for k, v in params.items()
         }
 
@@ -81,3 +81,16 @@ def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
     # takes other fields in each JAX release, so no moved copy of it is built)
     with ctx.manager, jax.sharding.use_abstract_mesh(current):
         yield move
+
+
+def _on_current_mesh(value: Any) -> Any:
+    """A parameter that is an abstract value (a Pallas call's `out_avals`), or a tuple of
+    them, retyped on the mesh being lowered to: the captured one names the trace's mesh
+    and its varying axes, and under `check_vma=False` the types are ours."""
+    if type(value) is tuple:  # not a named tuple of other parameters
+        return tuple(_on_current_mesh(v) for v in value)
+    if type(value) is not jax.core.ShapedArray:
+        return value
+    return jax.core.ShapedArray(
+        value.shape, value.dtype, value.weak_type, memory_space=value.memory_space
+    )
