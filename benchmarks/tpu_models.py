@@ -33,6 +33,45 @@ class TransformerConfig:
     #: "model"): attention split by heads, the MLP by its hidden units, the embedding and
     #: the output layer by the vocabulary
     tensor_parallel: bool = False
+    #: attention by JAX's splash attention kernel (Pallas), as MaxText runs it by default,
+    #: passed to flax's attention as its `attention_fn`
+    splash: bool = False
+
+
+#: MaxText's default splash block sizes (`sa_block_*` in its base.yml)
+SPLASH_BLOCK = 512
+
+
+def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array, **_: Any) -> jax.Array:
+    """flax's `attention_fn` by JAX's splash attention kernel: causal, each sequence's heads
+    at once, queries scaled as `nn.dot_product_attention` scales them."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel,
+        splash_attention_mask,
+    )
+
+    _, length, heads, depth = query.shape
+    causal = splash_attention_mask.CausalMask((length, length))
+    block = min(SPLASH_BLOCK, length)
+    blocks = splash_attention_kernel.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    kernel = splash_attention_kernel.make_splash_mha(
+        splash_attention_mask.MultiHeadMask([causal] * heads),
+        head_shards=1,
+        q_seq_shards=1,
+        block_sizes=blocks,
+    )
+    query = query / jnp.sqrt(depth).astype(query.dtype)
+    heads_first = [jnp.swapaxes(t, 1, 2) for t in (query, key, value)]  # (batch, heads, ...)
+    return jnp.swapaxes(jax.vmap(kernel)(*heads_first), 1, 2)
 
 
 def _split(cfg: TransformerConfig, x: jax.Array, *names: str | None) -> jax.Array:
@@ -91,7 +130,8 @@ class Block(nn.Module):
         norm = partial(nn.RMSNorm if cfg.swiglu else nn.LayerNorm, dtype=COMPUTE)
         dense = partial(nn.Dense, dtype=COMPUTE, use_bias=not cfg.swiglu)
         up, down = _init(cfg, None, "model"), _init(cfg, "model", None)
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2])) if cfg.causal else None
+        causal = cfg.causal and not cfg.splash  # the kernel masks by itself
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2])) if causal else None
         h = norm()(x)
         if cfg.kv_heads or cfg.tensor_parallel:
             x = x + GroupedQueryAttention(cfg)(h)
@@ -103,6 +143,7 @@ class Block(nn.Module):
                 deterministic=True,
                 kernel_init=_init(cfg, None, "model"),  # DenseGeneral's flat kernels
                 out_kernel_init=_init(cfg, "model", None),
+                **({"attention_fn": splash_attention} if cfg.splash else {}),
             )(h, h, mask=mask)
         h = norm()(x)
         if cfg.swiglu:
@@ -276,6 +317,10 @@ WORKLOADS = {
     "llama2-7b": lambda tp=False: _lm(
         "Llama-2-7B",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
+    ),
+    "llama2-7b-splash": lambda: _lm(
+        "Llama-2-7B splash",
+        TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, splash=True),
     ),
     "llama2-70b": lambda tp=False: _lm(
         "Llama-2-70B",
