@@ -131,6 +131,20 @@ def test_splash_attention_trains_as_on_one_device():
         assert np.abs(expected[name] - params[name]).max() > 1e-6
 
 
+def test_an_interpreted_kernel_under_a_step_axis_name_is_a_clear_error():
+    """Pallas's interpreter runs the kernel's own equations, which keep the mesh the step
+    was traced on: under `axis_name=` that mesh is not the strategy's."""
+    rng = np.random.default_rng(3)
+    params = {"w": rng.normal(size=(16,)).astype(np.float32), "v": np.ones((16, 4), np.float32)}
+    tx = optax.sgd(0.5)
+    strategy = xs.MirroredStrategy()
+    state = strategy.replicate(params), strategy.replicate(tx.init(params))
+    batch = next(iter(strategy.experimental_distribute_dataset([np.ones((32, 16), np.float32)])))
+    step = strategy.compile(_train_step(_scaled_loss(_pallas_multiply), tx), axis_name="batch")
+    with pytest.raises(NotImplementedError, match=r"interpret mode .* axis_name="):
+        step(*state, batch)
+
+
 @pytest.mark.parametrize("axis_name", [None, "batch"])  # "batch": traced on a mesh so named
 def test_splash_attention_compiles_for_a_tpu_slice_and_the_report_names_its_kernels(axis_name):
     pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")

@@ -38,6 +38,14 @@ class AxisRenamer:
     def equation(self, eqn: jex.JaxprEqn) -> jex.JaxprEqn:
         if not self._rename:
             return eqn
+        if eqn.primitive.name == "pallas_call" and eqn.params.get("interpret"):
+            # the interpreter runs the kernel's own equations, which keep the trace's mesh
+            raise NotImplementedError(
+                "a Pallas kernel in interpret mode (interpret=True) cannot run in a step "
+                f"compiled with axis_name= (here {sorted(self._rename)}): compile it "
+                "without axis_name (xs.get_replica_context() names the replicas), or run "
+                "the kernel compiled, on its accelerator or for a TPU topology"
+            )
         changes = {}
         for key in self._PARAM_KEYS:
             names = eqn.params.get(key)
