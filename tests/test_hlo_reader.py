@@ -151,6 +151,9 @@ def test_report_reads_a_peers_hlo_text_with_the_same_reader(tmp_path, capsys):
     assert cli.main(["report", str(path), "--topology", "v5e-16", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["collectives"][0]["group_size"] == 16
+    # read with a topology smaller than the program's groups: an error, not a cheap step
+    with pytest.raises(HloReadError, match=r"a group of 16 devices, but it has 4"):
+        hlo_report(text, Topology.from_name("v5e-4"))
     (tmp_path / "not.txt").write_text("hello")
     assert cli.main(["report", str(tmp_path / "not.txt")]) == 1
     assert "not HLO text" in capsys.readouterr().err

@@ -172,15 +172,21 @@ def _collective_seconds(c: Collective, topology: Any) -> float:
     whole = c.nbytes * (c.group_size if c.kind == "reduce-scatter" else 1)
     if c.across_slices:
         return _dcn_seconds(c, topology, op, whole)
+    if c.group_size <= 1:
+        return 0.0
     axes, size = [], 1
     links = [a for a in topology.axes if (a.name == MODEL_AXIS) == c.inside_replica]
     for link in reversed(links):  # fastest (ICI minor) first
-        if size >= max(c.group_size, 1):
+        if size >= c.group_size:
             break
         axes.append(link.name)
         size *= link.size
-    if not axes or c.group_size <= 1:
-        return 0.0
+    if size < c.group_size:  # priced on fewer devices than it spans, it would look cheap
+        held = "its model axis holds" if c.inside_replica else "it has"
+        raise HloReadError(
+            f"{c.name}: a group of {c.group_size} devices, but {held} {size}: read this "
+            f"program with the topology it was compiled for, not {topology.name}"
+        )
     # XLA's own algorithm for the group: the cost model's `flat` (on a TPU slice, its
     # multi-dimensional torus algorithm), not the best of the algorithms passes choose from
     return topology.collective_time(op, whole, tuple(axes), algorithm="flat")
