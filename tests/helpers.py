@@ -208,3 +208,17 @@ def train_on(strategy, step_fn, params, tx, batches, **options):
 
 def held_split(tree, strategy) -> list[bool]:
     return [strategy.is_held_sharded(x) for x in jax.tree.leaves(tree) if x.ndim]
+
+
+def jit_sgd_hlo(mesh: jax.sharding.Mesh) -> str:
+    """The compiled HLO text of plain `jax.jit` data parallelism on `mesh` (a peer's
+    program): one SGD step of a replicated 1024x1024 weight on a 256-row batch split over
+    every mesh axis; its gradient is 4 MiB."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    whole, split = PartitionSpec(), PartitionSpec(tuple(mesh.axis_names))
+    w = jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=NamedSharding(mesh, whole))
+    x = jax.ShapeDtypeStruct((256, 1024), np.float32, sharding=NamedSharding(mesh, split))
+    loss = lambda w, x: jax.numpy.mean(jax.numpy.tanh(x @ w))  # noqa: E731
+    sgd = jax.jit(lambda w, x: w - 0.1 * jax.grad(loss)(w, x))
+    return sgd.lower(w, x).compile().as_text()

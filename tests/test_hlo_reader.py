@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import xla_strategies as xs
+from tests.helpers import jit_sgd_hlo
 from xla_strategies.cli import main as cli
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.hardware.hlo import (
@@ -125,18 +126,9 @@ def test_group_sizes_match_the_shapes_xla_compiled_on_this_release():
 def test_report_reads_a_peers_hlo_text_with_the_same_reader(tmp_path, capsys):
     """Plain `jax.jit` data parallelism over a v5e-16 topology, read from its text."""
     from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
 
     devices = topologies.get_topology_desc("v5e:4x4", "tpu").devices
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(16), ("data",))
-    w = jax.ShapeDtypeStruct(
-        (1024, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec())
-    )
-    x = jax.ShapeDtypeStruct(
-        (256, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data"))
-    )
-    sgd = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w))
-    text = sgd.lower(w, x).compile().as_text()
+    text = jit_sgd_hlo(jax.sharding.Mesh(np.array(devices).reshape(16), ("data",)))
     found = hlo_report(text, Topology.from_name("v5e-16"))
     reductions = [c for c in found.collectives if c.kind == "all-reduce"]
     assert reductions and all(c.group_size == 16 for c in reductions)

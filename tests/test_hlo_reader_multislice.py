@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
+from tests.helpers import jit_sgd_hlo
 from xla_strategies.hardware.compiled_report import hlo_report, step_estimate
 from xla_strategies.hardware.hlo import HloReadError, count_hlo_collectives, dcn_collective
 from xla_strategies.hardware.hlo_collectives import total_cycles
@@ -63,15 +62,7 @@ def two_slice_sgd_hlo():
     from jax.experimental import topologies
 
     devices = topologies.get_topology_desc("v5e:2x2", "tpu", num_slices=2).devices
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 4), ("dcn", "data"))
-    w = jax.ShapeDtypeStruct(
-        (1024, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec())
-    )
-    x = jax.ShapeDtypeStruct(
-        (256, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(("dcn", "data")))
-    )
-    sgd = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w))
-    return sgd.lower(w, x).compile().as_text()
+    return jit_sgd_hlo(jax.sharding.Mesh(np.array(devices).reshape(2, 4), ("dcn", "data")))
 
 
 def test_a_gradient_summed_across_slices_is_read_and_priced_over_dcn(two_slice_sgd_hlo):

@@ -212,7 +212,8 @@ def pallas_kernels_per_replica(axes: tuple[str, ...]) -> Any:
     except ImportError:  # this jaxlib has no Pallas
         yield
         return
-    varying = jax_core.ManualAxisType(varying=frozenset(axes))
+    replicas = frozenset(axes)
+    varying = jax_core.ManualAxisType(varying=replicas)
 
     def typing_outputs(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def convert_varying(out_shape: Any) -> Any:
@@ -229,7 +230,7 @@ def pallas_kernels_per_replica(axes: tuple[str, ...]) -> Any:
 
     def casting_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
         def cast_then_bind(*operands: Any, **params: Any) -> Any:
-            return bind(*(_varying_over(x, frozenset(axes)) for x in operands), **params)
+            return bind(*(_varying_over(x, replicas) for x in operands), **params)
 
         return cast_then_bind
 

@@ -199,8 +199,11 @@ def scatter_lookup_gradient(sharder: LookupRewriter, reduction: Node, prefer: in
         zero_block = typed
     block = sharder.block_of(full, dim)
     # across slices, the local sum is partial until the blocks are summed over them
-    summed = block.like(varying_axes=block.varying_axes | frozenset(sharder.across))
-    summed = summed if sharder.across else block
+    summed = (
+        block.like(varying_axes=block.varying_axes | frozenset(sharder.across))
+        if sharder.across
+        else block
+    )
     every_id = all_ids(sharder, indices, replicas)
     sharder.nodes.append(sharder.copy(scatter, [zero_block, every_id, sent], [summed]))
     if sharder.across:  # the replicas in other slices hold other tokens: sum the blocks
