@@ -202,10 +202,13 @@ def test_the_default_pipeline_says_what_the_cost_model_decided(tmp_path, monkeyp
         step = strategy.compile(step_fn, donate_argnums=(0, 1))
         decisions.append(step.executable(*state, batch).pass_stats["shard-weight-updates"])
     assert decisions[0]["decision"] == {"on": False, "reason": "synchronous collectives"}
-    assert decisions[1]["decision"]["on"] and decisions[1]["decision"]["reason"] == "cost model"
+    decision = decisions[1]["decision"]
+    assert decision["reason"] == "cost model"
+    assert decision["on"] == (decision["sharded_s"] < decision["replicated_s"])
     remarks = "\n".join(p.read_text() for p in tmp_path.rglob("*.txt"))
     assert "shard-weight-updates{mode=auto}: off: emulated devices" in remarks  # and dumped
-    assert "shard-weight-updates{mode=auto}: on:" in remarks
+    said = "on" if decision["on"] else "off"
+    assert f"shard-weight-updates{{mode=auto}}: {said}: {decision['gradient_bytes']}" in remarks
 
 
 def test_global_norm_clipping_sees_the_whole_gradient():

@@ -121,16 +121,9 @@ class DecomposeAllReduces(Pass):
         links = {a.name: a for a in ctx.topology.axis_links(axes)}
         ordered = [links[a] for a in axes]
         nbytes = node.whole_bytes
-        # where the compiler runs a flat reduce-scatter as an all-reduce, it costs one
-        flat_op = (
-            "all_reduce"
-            if node.op == "reduce_scatter" and ctx.topology.reduce_scatter_over_axes_is_all_reduce
-            else node.op
+        estimates = cost_model.block_collective_estimates(
+            node.op, nbytes, ordered, ctx.topology.reduce_scatter_over_axes_is_all_reduce
         )
-        estimates = {
-            "flat": cost_model.flat_time(flat_op, nbytes, ordered),
-            "ordered": cost_model.ordered_time(node.op, nbytes, ordered),
-        }
         choice = self.force if self.force == "ordered" else min(estimates, key=estimates.get)
         shown = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(estimates.items()))
         ctx.remarks.append(

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.cost.model import weight_update_estimates
+from xla_strategies.passes.cost.model import runs_as_all_reduce, weight_update_estimates
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.transforms.block_axes import block_order
 from xla_strategies.passes.transforms.block_sharder import (
@@ -142,12 +142,18 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
         links,
         ctx.topology.memory_bandwidth,
         _weight_bytes(graph, seeds),
+        ctx.topology.reduce_scatter_over_axes_is_all_reduce,
     )
     on = sharded < replicated
+    scatter = "reduce-scatter"
+    if runs_as_all_reduce(
+        "reduce_scatter", links, ctx.topology.reduce_scatter_over_axes_is_all_reduce
+    ):
+        scatter += " (the compiler's all-reduce and slice)"
     ctx.remarks.append(
         f"{where}: {'on' if on else 'off'}: {gradient_bytes} gradient bytes; estimated "
         f"{replicated * 1e3:.3f} ms replicated (all-reduce, whole update) against "
-        f"{sharded * 1e3:.3f} ms sharded (reduce-scatter, 1/{ctx.num_replicas} of the "
+        f"{sharded * 1e3:.3f} ms sharded ({scatter}, 1/{ctx.num_replicas} of the "
         "update, all-gather)"
     )
     return {
