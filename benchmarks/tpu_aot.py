@@ -28,13 +28,19 @@ reader's compute term).
     python -m benchmarks.tpu_aot --models gpt2-medium --topologies v5e-256
     python -m benchmarks.tpu_aot --models llama2-70b --topologies v5p-512 --variants d t
     python -m benchmarks.tpu_aot --models resnet50 --topologies v5e-256 --variants a --untuned
+    python -m benchmarks.tpu_aot --reread     # every recorded cell's saved HLO, read again
+
+Each compiled HLO text is kept (gzipped) in `results/hlo/`, so that a change to the reader
+re-reads the table in seconds instead of compiling it again for hours.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +51,14 @@ from tqdm import tqdm
 
 import xla_strategies as xs
 from benchmarks.tpu_models import WORKLOADS
-from xla_strategies.hardware.compiled_report import compiled_report
+from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.passes.cost.timeline import step_estimate
 from xla_strategies.passes.pipeline import without_pass
 from xla_strategies.step.compile_program import compile_lowered
 
 RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
+#: Each cell's compiled HLO text, gzipped, for `--reread` (not committed: tens of MB)
+HLO_DIR = RESULTS.parent / "hlo"
 TOPOLOGIES = ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512")
 VARIANTS = ("a", "b", "c", "d", "e")
 #: Chips per replica in variant (t), over the fastest torus axis, and the models annotated
@@ -164,13 +172,23 @@ def cell(strategy: Any, workload: Any, variant: str) -> dict[str, Any]:
     except xs.errors.OutOfMemoryError as exc:
         return {"variant": variant, "program": variant, "fits": False, "error": str(exc)[:300]}
     report = compiled_report(compiled, strategy)
-    estimate = report.estimate
     return {
         "variant": variant,
         "program": label,
         "fits": report.fits,
         "memory_gib": report.memory.total_bytes / 2**30,
         "temp_gib": report.memory.temp_bytes / 2**30,
+        **_read(report),
+        "our_compute_ms": 1e3 * getattr(compiled, "our_compute_s", math.nan),
+        "compile_s": report.compile_seconds,
+        "hlo_text": compiled.as_text(),
+    }
+
+
+def _read(report: Any) -> dict[str, Any]:
+    """What the one reader reads from a program's HLO text alone."""
+    estimate = report.estimate
+    return {
         "collectives": sum(c.times for c in report.collectives),
         "collective_bytes": report.bytes_per_step(),
         "synchronous_bytes": report.bytes_per_step(synchronous_only=True),
@@ -178,9 +196,7 @@ def cell(strategy: Any, workload: Any, variant: str) -> dict[str, Any]:
         "asynchronous": sum(1 for c in report.collectives if c.asynchronous),
         "step_ms": 1e3 * (estimate["step_s"] or math.nan),
         "compute_ms": 1e3 * (estimate["compute_s"] or math.nan),
-        "our_compute_ms": 1e3 * getattr(compiled, "our_compute_s", math.nan),
         "exposed_share": (estimate["exposed_s"] or 0.0) / (estimate["step_s"] or math.inf),
-        "compile_s": report.compile_seconds,
         "opaque_kernels": report.opaque_kernels,
     }
 
@@ -225,9 +241,45 @@ def measure_cells(jobs: list[tuple[str, str, str]], tuned: bool = True) -> list[
         if not tuned:
             row["program"] += ", untuned"
         row = {"model": workload.name, "topology": topology, **row, "tuned": tuned}
+        if "hlo_text" in row:
+            row["hlo"] = _save_hlo(row.pop("hlo_text"), row)
         rows.append(row)
         tqdm.write(_row_text(rows[-1]))
     return rows
+
+
+def _save_hlo(text: str, row: dict[str, Any]) -> str:
+    """Keep a cell's compiled HLO text (`HLO_DIR`, not committed) so that a change to the
+    reader can re-read every cell (`--reread`) without compiling it again; its file name."""
+    name = "_".join(
+        [row["model"], row["topology"], row["variant"]] + ([] if row["tuned"] else ["untuned"])
+    )
+    name = re.sub(r"[^\w.-]+", "-", name) + ".hlo.txt.gz"
+    HLO_DIR.mkdir(parents=True, exist_ok=True)
+    (HLO_DIR / name).write_bytes(gzip.compress(text.encode()))
+    return name
+
+
+def reread(results: Path) -> None:
+    """Read every recorded cell's saved HLO text again with the reader as it is now: the
+    collectives, bytes, estimated step and compute columns (memory and compile time are
+    the executable's, kept). Cells without a saved text are named and left as they were."""
+    data = json.loads(results.read_text())
+    missing = []
+    for row in tqdm(data["rows"], desc="re-read", unit="program"):
+        path = HLO_DIR / row.get("hlo", "-")
+        if "error" in row:
+            continue
+        if not path.exists():
+            missing.append(f"{row['model']} {row['topology']} ({row['variant']})")
+            continue
+        text = gzip.decompress(path.read_bytes()).decode()
+        per_replica = TENSOR_PARALLEL if row["variant"] == "t" else 1
+        row.update(_read(hlo_report(text, xs.Topology.from_name(row["topology"]), per_replica)))
+    results.write_text(json.dumps(data, indent=1) + "\n")
+    print(markdown(data["rows"]))
+    if missing:
+        print(f"not re-read, no saved HLO text (compile them again): {', '.join(missing)}")
 
 
 def _row_text(r: dict[str, Any]) -> str:
@@ -315,7 +367,15 @@ def main() -> None:
         action="store_true",
         help="only refill the cost model's compute estimate of the recorded cells of ours",
     )
+    parser.add_argument(
+        "--reread",
+        action="store_true",
+        help="only read every recorded cell's saved HLO text again, with the reader as it is",
+    )
     args = parser.parse_args()
+    if args.reread:
+        reread(RESULTS)
+        return
     if args.compute_check:
         compute_check(RESULTS, args.models)
         return

@@ -4,9 +4,10 @@ it scheduled behind each asynchronous one.
 
 The numbers come from the executable (`memory_analysis()`, its scheduled HLO text), not
 from our cost model. Where an estimate is needed, it is labelled: communication time from
-the topology's cost model, compute time from the HLO's own matmul flops (`hlo_flops`, every
-loop body once per trip) at the chip's peak, and the share of that compute XLA scheduled
-behind each asynchronous collective from XLA's own per-op cycle estimates. One reader for
+the topology's cost model, compute time from the HLO's own instructions as a roofline
+(`hlo_roofline`: each one's matmul flops at the chip's peak or its device-memory bytes at
+the memory's bandwidth, every loop body once per trip), and the share of that compute XLA
+scheduled behind each asynchronous collective from XLA's own per-op cycle estimates. One reader for
 every program: a step compiled here and any HLO text (a peer's dump) are read alike.
 `cost_analysis()` is not used: it counts a loop body once, and scaling it per trip by XLA's
 cycle estimates gave BERT-large 23.7 ms of compute on v5e-256 where its matmuls take 54.
@@ -22,6 +23,7 @@ from xla_strategies.core.layout import MODEL_AXIS
 from xla_strategies.hardware.hlo import HloReadError
 from xla_strategies.hardware.hlo_collectives import Collective, collectives, total_cycles
 from xla_strategies.hardware.hlo_flops import hlo_flops, matmul_seconds, opaque_kernel_calls
+from xla_strategies.hardware.hlo_roofline import roofline_seconds
 from xla_strategies.passes.cost import model as cost_model
 
 
@@ -116,9 +118,9 @@ def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
 def hlo_report(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> CompiledReport:
     """Read a program from its compiled HLO text alone (ours, `jax.jit`'s, MaxText's dump):
     its collectives and their communication on `topology`, and its compute from the HLO's
-    matmul flops (`hlo_flops`), every loop body once per trip, with the kernel calls
-    whose flops the text does not show counted apart. Memory needs the executable, so it
-    is None."""
+    instructions (`hlo_roofline`; its matmul flops, `hlo_flops`, apart), every loop body
+    once per trip, with the kernel calls whose flops the text does not show counted apart.
+    Memory needs the executable, so it is None."""
     by_dtype = dict(hlo_flops(hlo_text))
     report = CompiledReport(
         platform=getattr(topology, "hardware", None) or "unknown",
@@ -131,19 +133,32 @@ def hlo_report(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> Co
         flops_by_dtype=by_dtype,
         opaque_kernels=opaque_kernel_calls(hlo_text),
     )
-    report.estimate = step_estimate(report, topology, total_cycles(hlo_text))
+    compute = roofline_seconds(hlo_text, topology)
+    report.estimate = step_estimate(report, topology, total_cycles(hlo_text), compute)
     return report
 
 
-def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[str, float | None]:
-    """Seconds per step: compute from the HLO's matmul flops at each element type's peak
-    (`hlo_flops`); communication from the topology's cost model per collective XLA kept;
+def step_estimate(
+    report: CompiledReport, topology: Any, cycles: int, compute: float | None = None
+) -> dict[str, float | None]:
+    """Seconds per step: compute by the HLO's roofline (`compute`, `hlo_roofline`: each
+    instruction's matmul flops at peak or its device-memory bytes at the memory's
+    bandwidth, whichever is longer), or where the topology knows no memory bandwidth the
+    matmul flops at each element type's peak alone (`matmul_s`, always given: MFU's
+    numerator); communication from the topology's cost model per collective XLA kept;
     exposed communication from XLA's schedule (an asynchronous collective hides behind the
     share of the compute, by XLA's cycle estimates, scheduled between its start and done).
     None where the topology does not know a rate."""
-    compute = matmul_seconds(report.flops_by_dtype or {}, topology)
+    matmul = matmul_seconds(report.flops_by_dtype or {}, topology)
+    compute = matmul if compute is None else compute
     if topology is None:
-        return {"compute_s": compute, "communication_s": None, "exposed_s": None, "step_s": None}
+        return {
+            "compute_s": compute,
+            "matmul_s": matmul,
+            "communication_s": None,
+            "exposed_s": None,
+            "step_s": None,
+        }
     communication = exposed = 0.0
     for c in report.collectives:
         seconds = _collective_seconds(c, topology)
@@ -155,6 +170,7 @@ def step_estimate(report: CompiledReport, topology: Any, cycles: int) -> dict[st
     step = None if compute is None else compute + exposed
     return {
         "compute_s": compute,
+        "matmul_s": matmul,
         "communication_s": communication,
         "exposed_s": exposed,
         "step_s": step,

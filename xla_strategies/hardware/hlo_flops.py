@@ -85,15 +85,22 @@ def _computation_flops(name: str, comps: dict[str, list[Op]]) -> Counter[str]:
     ops = comps.get(name, [])
     types = {op_name: op_types for op_name, op_types, _, _ in ops}
     found: Counter[str] = Counter()
-    for _, op_types, opcode, rest in ops:
-        if opcode == "fusion":
-            for callee in CALLEE.findall(rest):
-                found.update(_computation_flops(callee, comps))
-            continue
-        counted = _op_flops(opcode, op_types, rest, types)
-        if counted:
-            found[counted[0]] += counted[1]
+    for op in ops:
+        found.update(instruction_flops(op, comps, types))
     return found
+
+
+def instruction_flops(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> Counter[str]:
+    """The matmul flops of one execution of `op` (a fusion's: its fused computation's), by
+    element type; `types`: the result types of its computation's instructions."""
+    _, op_types, opcode, rest = op
+    if opcode == "fusion":
+        found: Counter[str] = Counter()
+        for callee in CALLEE.findall(rest):
+            found.update(_computation_flops(callee, comps))
+        return found
+    counted = _op_flops(opcode, op_types, rest, types)
+    return Counter({counted[0]: counted[1]}) if counted else Counter()
 
 
 def _op_flops(opcode: str, result: str, rest: str, types: dict[str, str]) -> tuple[str, int] | None:

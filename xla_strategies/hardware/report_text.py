@@ -33,9 +33,15 @@ def summary_text(report: CompiledReport, name: str) -> str:
     if est.get("step_s") is not None:
         share = est["exposed_s"] / est["step_s"] if est["step_s"] else 0.0
         ms = {k: (v or 0.0) * 1e3 for k, v in est.items()}
+        bound = (
+            "the HLO's roofline: matmul flops at peak "
+            f"{ms['matmul_s']:.3f} ms, the rest device-memory bytes at its bandwidth"
+            if ms["compute_s"] != ms["matmul_s"]
+            else "HLO matmul flops at peak"
+        )
         lines.append(
             f"  estimated step    {ms['step_s']:.3f} ms: compute {ms['compute_s']:.3f} ms "
-            f"(HLO matmul flops at peak), communication {ms['communication_s']:.3f} ms, exposed "
+            f"({bound}), communication {ms['communication_s']:.3f} ms, exposed "
             f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
         )
     if report.opaque_kernels:

@@ -1,0 +1,220 @@
+"""A compiled program's compute time, read from its HLO as a roofline per instruction: each
+executed instruction (a fusion as one) takes the longer of its matmul flops at the chip's
+peak (`hlo_flops`) and the bytes it moves to and from device memory (HBM) at the memory's
+bandwidth. An elementwise optimizer update has no matmul flops, yet reads every weight,
+gradient and moment and writes them back: a flops-only estimate counts it as free.
+
+What an instruction moves: each operand it reads and the result it writes, where they live
+in device memory (a layout's `S(1)` and up is on-chip memory: free here; the copies that
+fill it from HBM are counted). Inside a fusion, an operand read only through slices
+(a layer of a stacked weight in a scanned loop) moves only the slices, and an in-place
+`dynamic-update-slice` writes only its update (XLA's buffer is updated where it lies).
+Not counted: collectives and transfers (communication, priced apart), control flow
+(`while`, `call`: their bodies are counted, a loop's once per trip), and instructions
+that only rename buffers (`bitcast`, `tuple`, `get-tuple-element`, `parameter`).
+An estimate, labelled as one: a lower bound on each instruction's time, not XLA's schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from xla_strategies.hardware.hlo import (
+    ARRAY_TYPE,
+    CALLEE,
+    OPERAND,
+    Op,
+    collective_kind,
+    computations,
+    executions,
+)
+from xla_strategies.hardware.hlo_flops import instruction_flops, matmul_seconds
+from xla_strategies.passes.ir.graph import itemsize
+
+#: Instructions that move no data through HBM of their own, or whose traffic is priced
+#: elsewhere (communication; a loop's or call's body).
+_NO_TRAFFIC = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "copy-done",
+    "send",
+    "send-done",
+    "recv",
+    "recv-done",
+    "domain",
+}
+_SLICING = ("dynamic-slice", "slice", "gather")
+# an array type with its layout, if printed (`f32[8,4]{1,0:T(8,128)S(1)}`)
+_LAID_OUT = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+
+
+def roofline_seconds(hlo_text: str, topology: Any) -> float | None:
+    """Seconds one step computes by the roofline (see the module's docstring); None where
+    the topology knows no peak flops or no memory bandwidth."""
+    bandwidth = getattr(topology, "memory_bandwidth", None)
+    if not bandwidth or matmul_seconds({"bf16": 1.0}, topology) is None:
+        return None
+    comps, entry = computations(hlo_text)
+    total = 0.0
+    for name, times in executions(comps, entry).items():
+        ops = comps.get(name, [])
+        types = {op[0]: op[1] for op in ops}
+        for op in ops:
+            flops = matmul_seconds(instruction_flops(op, comps, types), topology) or 0.0
+            total += times * max(flops, hbm_bytes(op, comps, types) / bandwidth)
+    return total
+
+
+def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
+    """Bytes one execution of `op` reads from and writes to device memory."""
+    _, result, opcode, rest = op
+    if opcode in _NO_TRAFFIC or collective_kind(opcode) or opcode.endswith("-done"):
+        return 0
+    operands = _operands(rest)
+    if opcode == "copy-start":  # a prefetch reads HBM, an eviction writes it
+        written = _first_array_bytes(result)
+        return max(sum(_in_hbm(types.get(o, "")) for o in operands), written)
+    if opcode != "fusion":
+        return sum(_in_hbm(types.get(o, "")) for o in operands) + _in_hbm(result)
+    callee = CALLEE.search(rest)
+    fused = comps.get(callee.group(1), []) if callee else []
+    return _fusion_bytes(operands, result, fused, types, comps)
+
+
+def _fusion_bytes(
+    operands: list[str],
+    result: str,
+    fused: list[Op],
+    types: dict[str, str],
+    comps: dict[str, list[Op]],
+) -> int:
+    fused_types = {name: t for name, t, _, _ in fused}
+    updated, written = _in_place_updates(fused, fused_types, result)
+    params = _parameters(fused)
+    total = written
+    for index, outer in enumerate(operands):
+        inner, whole = params.get(index), _in_hbm(types.get(outer, ""))
+        if inner is None or whole == 0 or inner in updated:
+            continue
+        total += min(whole, _read_bytes(inner, fused, comps, whole))
+    return total
+
+
+def _parameters(fused: list[Op]) -> dict[int, str]:
+    """A fused computation's parameters by index."""
+    return {
+        int(m.group(1)): name
+        for name, _, opcode, rest in fused
+        if opcode == "parameter" and (m := re.match(r"(\d+)\)", rest))
+    }
+
+
+def _read_bytes(param: str, fused: list[Op], comps: dict[str, list[Op]], whole: int) -> int:
+    """What a fusion reads of its parameter `param` (`whole` bytes): the slices its
+    readers take (also inside a nested fusion), or all of it."""
+    total = 0
+    for _, result, opcode, rest in fused:
+        args = _operands(rest)
+        if param not in args:
+            continue
+        if opcode in _SLICING and args[0] == param:
+            total += _bytes(result)
+        elif opcode == "fusion" and (callee := CALLEE.search(rest)):
+            nested = comps.get(callee.group(1), [])
+            inner = _parameters(nested)
+            total += sum(
+                _read_bytes(inner[i], nested, comps, whole)
+                for i, arg in enumerate(args)
+                if arg == param and i in inner
+            )
+        else:
+            return whole
+    return total
+
+
+def _in_place_updates(
+    fused: list[Op], fused_types: dict[str, str], result: str
+) -> tuple[set[str], int]:
+    """The fused parameters an in-place `dynamic-update-slice` at the root updates (not
+    read), and the bytes the fusion writes: each such update's, the rest of the result
+    whole."""
+    root = _root(fused)
+    if root is None or _in_hbm(result) == 0:
+        return set(), 0
+    outputs = [root]
+    if root[2] == "tuple":
+        by_name = {op[0]: op for op in fused}
+        outputs = [by_name[o] for o in _operands(root[3]) if o in by_name]
+    updated, written = set(), 0
+    for _, out_type, opcode, rest in outputs:
+        args = _operands(rest)
+        if opcode == "dynamic-update-slice" and len(args) > 1:
+            updated.add(args[0])
+            written += _bytes(fused_types.get(args[1], ""))
+        else:
+            written += _bytes(out_type)
+    if root[2] != "tuple" and root[2] != "dynamic-update-slice":
+        written = _in_hbm(result)
+    return updated, written
+
+
+def _root(fused: list[Op]) -> Op | None:
+    return fused[-1] if fused else None
+
+
+def _operands(rest: str) -> list[str]:
+    """The names of an instruction's operands: up to the closing parenthesis of its operand
+    list (operand types printed inline may hold parentheses of their own: `T(8,128)`)."""
+    depth = 0
+    for at, char in enumerate(rest):
+        if char in "([{":
+            depth += 1
+        elif char in "]}" or (char == ")" and depth > 0):
+            depth -= 1
+        elif char == ")":
+            return OPERAND.findall(rest[:at])
+    return OPERAND.findall(rest)
+
+
+def _in_hbm(types: str) -> int:
+    """The bytes of the arrays in `types` that live in device memory (no `S(n)`, n > 0)."""
+    total = 0
+    for dtype, dims, layout in _LAID_OUT.findall(types):
+        space = _MEMORY_SPACE.search(layout or "")
+        if space and int(space.group(1)) > 0:
+            continue
+        total += _array_bytes(dtype, dims)
+    return total
+
+
+def _bytes(types: str) -> int:
+    return sum(_array_bytes(d, s) for d, s in ARRAY_TYPE.findall(types))
+
+
+def _first_array_bytes(types: str) -> int:
+    """Bytes of a copy's destination (the first array of `copy-start`'s tuple), where it
+    is device memory: an eviction from on-chip memory."""
+    first = _LAID_OUT.search(types)
+    return _in_hbm(first.group(0)) if first else 0
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    try:
+        size = itemsize(dtype)
+    except (KeyError, ValueError, TypeError):
+        return 0  # token[], opaque types: no array data
+    return math.prod(int(d) for d in dims.split(",") if d) * size
