@@ -179,3 +179,56 @@ def test_splash_attention_compiles_for_a_tpu_slice_and_the_report_names_its_kern
     projection = 2 * 2 * LENGTH * WIDTH * HEAD_DIM * HEADS
     assert report.flops == 9 * projection
     assert report.fits
+
+
+DECLARED_BYTES = 1_000_000
+
+
+def _declared_matmul(declare: bool):
+    """A Pallas matmul kernel of two bf16 [512, 512] blocks, declaring its cost or not."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, y_ref, o_ref):
+        product = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        o_ref[...] = product.astype(o_ref.dtype)
+
+    # the bytes it declares differ from its operands' and result's, to tell them apart
+    cost = pl.CostEstimate(flops=2 * 512**3, transcendentals=0, bytes_accessed=DECLARED_BYTES)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((512, 512), jnp.bfloat16),
+        cost_estimate=cost if declare else None,
+    )
+
+
+@pytest.mark.parametrize("declare", [True, False])
+def test_a_kernel_that_declares_its_cost_is_priced_by_it(declare):
+    """Pallas keeps a kernel's `cost_estimate` in the compiled HLO: the reader counts its
+    flops and bytes (MaxText's splash kernels declare theirs); a kernel that declares
+    nothing stays counted apart, as opaque."""
+    pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from xla_strategies.hardware.compiled_report import hlo_report
+    from xla_strategies.hardware.hlo import computations
+    from xla_strategies.hardware.hlo_roofline import hbm_bytes
+    from xla_strategies.hardware.topology import Topology
+
+    chip = topologies.get_topology_desc("v5e:2x2", "tpu").devices[:1]
+    one = NamedSharding(Mesh(np.array(chip), ("chip",)), PartitionSpec())
+    block = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=one)
+    text = jax.jit(_declared_matmul(declare)).lower(block, block).compile().as_text()
+    topology = Topology.from_name("v5e-4")
+    report = hlo_report(text, topology)
+    assert report.flops == (2 * 512**3 if declare else 0)
+    assert report.opaque_kernels == (0 if declare else 1)
+    comps, entry = computations(text)
+    types = {op[0]: op[1] for op in comps[entry]}
+    (kernel,) = [op for op in comps[entry] if "tpu_custom_call" in op[3]]
+    moved = hbm_bytes(kernel, comps, types)
+    if declare:  # its flops at the bf16 peak, and the bytes it declares
+        assert report.estimate["matmul_s"] == pytest.approx(2 * 512**3 / topology.peak_flops)
+        assert moved == DECLARED_BYTES
+    else:  # what it reads and writes
+        assert moved == 3 * 512 * 512 * 2

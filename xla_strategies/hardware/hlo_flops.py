@@ -3,7 +3,8 @@ executables report none (XLA's GPU compiler: `cost_analysis()` is None).
 
 Counted: `dot`s (also inside fusions, such as XLA's Triton GEMM fusions), cuBLAS GEMM
 custom calls, `convolution`s and cuDNN convolution custom calls, each 2 flops per
-multiply-add, once per execution (a while body's once per trip). Not counted: elementwise
+multiply-add, and the flops a compiled kernel declares (Pallas' `cost_estimate`), once
+per execution (a while body's once per trip). Not counted: elementwise
 and reduction ops, which are bound by memory bandwidth, not the matmul peak. The result is
 keyed by the operands' element type, so each can be priced at its own peak.
 """
@@ -49,22 +50,38 @@ def hlo_flops(hlo_text: str) -> Counter[str]:
 
 
 #: Custom calls to compiled kernels (Pallas on TPU through Mosaic, Pallas on GPU through
-#: Triton) whose work the HLO does not show: their flops cannot be read from the text.
+#: Triton) whose work the HLO does not show, unless the kernel declares it: a Pallas
+#: kernel's `cost_estimate=pl.CostEstimate(...)` is kept in its backend config.
 _KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
+_DECLARED = re.compile(r'"cost_estimate":\{([^}]*)\}')
+_DECLARED_FIELD = re.compile(r'"(\w+)":"?(\d+)"?')
+
+
+def declared_cost(opcode: str, rest: str) -> dict[str, int] | None:
+    """What a compiled kernel declares it costs (`flops`, `bytes_accessed`, ...); None for
+    any other instruction, or a kernel that declares nothing."""
+    if opcode != "custom-call" or not _is_kernel(rest):
+        return None
+    found = _DECLARED.search(rest)
+    return {k: int(v) for k, v in _DECLARED_FIELD.findall(found.group(1))} if found else None
 
 
 def opaque_kernel_calls(hlo_text: str) -> int:
     """Calls per step of kernels whose flops `hlo_flops` cannot count (see
-    `_KERNEL_TARGETS`): a compute estimate from the HLO leaves them out, and says so."""
+    `_KERNEL_TARGETS`; they declare no cost): a compute estimate from the HLO leaves them
+    out, and says so."""
     comps, entry = computations(hlo_text)
     return sum(
         times
         for name, times in executions(comps, entry).items()
         for _, _, opcode, rest in comps.get(name, [])
-        if opcode == "custom-call"
-        and (target := _TARGET.search(rest))
-        and target.group(1) in _KERNEL_TARGETS
+        if opcode == "custom-call" and _is_kernel(rest) and declared_cost(opcode, rest) is None
     )
+
+
+def _is_kernel(rest: str) -> bool:
+    target = _TARGET.search(rest)
+    return bool(target) and target.group(1) in _KERNEL_TARGETS
 
 
 _HALF_WIDTH = ("bf16", "f16", "f8e4m3fn", "f8e5m2")
@@ -111,6 +128,9 @@ def _op_flops(opcode: str, result: str, rest: str, types: dict[str, str]) -> tup
         return _convolution(result, operands[1], rest, operands[0])
     if opcode != "custom-call" or not (target := _TARGET.search(rest)):
         return None
+    declared = declared_cost(opcode, rest)
+    if declared and declared.get("flops"):  # priced at its operands' type's peak
+        return _dtype(operands[0] if operands else result), declared["flops"]
     if target.group(1) in _GEMM_TARGETS and operands:
         return _matmul(result, operands[0], _CUBLAS_CONTRACTING.search(rest))
     where = _CONV_TARGETS.get(target.group(1))

@@ -6,9 +6,10 @@ gradient and moment and writes them back: a flops-only estimate counts it as fre
 
 What an instruction moves: each operand it reads and the result it writes, where they live
 in device memory (a layout's `S(1)` and up is on-chip memory: free here; the copies that
-fill it from HBM are counted). Inside a fusion, an operand read only through slices
-(a layer of a stacked weight in a scanned loop) moves only the slices, and an in-place
-`dynamic-update-slice` writes only its update (XLA's buffer is updated where it lies).
+fill it from HBM are counted); a compiled kernel's, what it declares (`bytes_accessed`).
+Inside a fusion, an operand read only through slices (a layer of a stacked weight in a
+scanned loop) moves only the slices, and an in-place `dynamic-update-slice` writes only
+its update (XLA's buffer is updated where it lies).
 Not counted: collectives and transfers (communication, priced apart), control flow
 (`while`, `call`: their bodies are counted, a loop's once per trip), and instructions
 that only rename buffers (`bitcast`, `tuple`, `get-tuple-element`, `parameter`).
@@ -30,7 +31,7 @@ from xla_strategies.hardware.hlo import (
     computations,
     executions,
 )
-from xla_strategies.hardware.hlo_flops import instruction_flops, matmul_seconds
+from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
 from xla_strategies.passes.ir.graph import itemsize
 
 #: Instructions that move no data through HBM of their own, or whose traffic is priced
@@ -84,6 +85,9 @@ def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
     _, result, opcode, rest = op
     if opcode in _NO_TRAFFIC or collective_kind(opcode) or opcode.endswith("-done"):
         return 0
+    declared = declared_cost(opcode, rest)
+    if declared and "bytes_accessed" in declared:  # a kernel that says what it moves
+        return declared["bytes_accessed"]
     operands = _operands(rest)
     if opcode == "copy-start":  # a prefetch reads HBM, an eviction writes it
         written = _first_array_bytes(result)

@@ -47,7 +47,8 @@ def summary_text(report: CompiledReport, name: str) -> str:
     if report.opaque_kernels:
         lines.append(
             f"  kernels           {report.opaque_kernels} call(s) per step of compiled kernels "
-            "(Pallas) whose flops the HLO does not show: the compute estimate leaves them out"
+            "(Pallas) that declare no cost (`cost_estimate`), whose flops the HLO does not "
+            "show: the compute estimate leaves them out"
         )
     if report.memory is not None:  # read from an executable, not from text
         lines.append(f"  compile time      {report.compile_seconds:.1f} s")
