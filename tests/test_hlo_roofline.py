@@ -133,3 +133,31 @@ def test_slices_through_nested_fusions_on_chip_memory_and_prefetches():
     assert hbm_bytes(by_name["cd"], comps, types) == 0
     # the slice read and the result written; the prefetched operand is on chip
     assert hbm_bytes(by_name["fused"], comps, types) == block + 4 + block  # and the index
+
+
+_PREFETCH_BESIDE_A_MATMUL = """\
+HloModule m
+
+ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096], c: f32[1024,1024]) -> bf16[4096,4096] {
+  %a = bf16[4096,4096]{1,0} parameter(0)
+  %b = bf16[4096,4096]{1,0} parameter(1)
+  %c = f32[1024,1024]{1,0} parameter(2)
+  %cs = (f32[1024,1024]{1,0:T(8,128)S(1)}, f32[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%c)
+  %d = bf16[4096,4096]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cd = f32[1024,1024]{1,0:T(8,128)S(1)} copy-done(%cs)
+  ROOT %t = (bf16[4096,4096]{1,0}, f32[1024,1024]{1,0:T(8,128)S(1)}) tuple(%d, %cd)
+}
+"""
+
+
+def test_a_prefetch_runs_beside_the_compute():
+    """A 4 MiB prefetch while a flops-bound matmul runs adds no time: the step is the
+    matmul's flops at peak (its 96 MiB and the prefetch's 4 at the memory's bandwidth are
+    less)."""
+    from xla_strategies.hardware.hlo_roofline import roofline_seconds
+
+    flops = 2 * 4096**3
+    assert (3 * 32 + 4) * MIB / V5E.memory_bandwidth < flops / V5E.peak_flops
+    assert roofline_seconds(_PREFETCH_BESIDE_A_MATMUL, V5E) == pytest.approx(
+        flops / V5E.peak_flops
+    )

@@ -13,6 +13,9 @@ its update (XLA's buffer is updated where it lies).
 Not counted: collectives and transfers (communication, priced apart), control flow
 (`while`, `call`: their bodies are counted, a loop's once per trip), and instructions
 that only rename buffers (`bitcast`, `tuple`, `get-tuple-element`, `parameter`).
+Asynchronous copies (`copy-start`, `slice-start`: prefetches into on-chip memory) run
+beside the compute: they add no time of their own, but the step is never shorter than
+every byte, theirs too, at the memory's bandwidth.
 An estimate, labelled as one: a lower bound on each instruction's time, not XLA's schedule.
 """
 
@@ -70,14 +73,18 @@ def roofline_seconds(hlo_text: str, topology: Any) -> float | None:
     if not bandwidth or matmul_seconds({"bf16": 1.0}, topology) is None:
         return None
     comps, entry = computations(hlo_text)
-    total = 0.0
+    serial = moved = 0.0
     for name, times in executions(comps, entry).items():
         ops = comps.get(name, [])
         types = {op[0]: op[1] for op in ops}
         for op in ops:
+            nbytes = hbm_bytes(op, comps, types)
+            moved += times * nbytes
+            if op[2] in _DMA_DESTINATION:  # beside the compute, sharing the bandwidth
+                continue
             flops = matmul_seconds(instruction_flops(op, comps, types), topology) or 0.0
-            total += times * max(flops, hbm_bytes(op, comps, types) / bandwidth)
-    return total
+            serial += times * max(flops, nbytes / bandwidth)
+    return max(serial, moved / bandwidth)
 
 
 def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
@@ -89,14 +96,29 @@ def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
     if declared and "bytes_accessed" in declared:  # a kernel that says what it moves
         return declared["bytes_accessed"]
     operands = _operands(rest)
-    if opcode == "copy-start":  # a prefetch reads HBM, an eviction writes it
-        written = _first_array_bytes(result)
-        return max(sum(_in_hbm(types.get(o, "")) for o in operands), written)
+    if opcode in _DMA_DESTINATION:
+        return _dma_bytes(opcode, types.get(operands[0], "") if operands else "", result)
     if opcode != "fusion":
         return sum(_in_hbm(types.get(o, "")) for o in operands) + _in_hbm(result)
     callee = CALLEE.search(rest)
     fused = comps.get(callee.group(1), []) if callee else []
+    if any(collective_kind(op[2]) for op in fused):  # XLA's async collective fusions
+        return 0
     return _fusion_bytes(operands, result, fused, types, comps)
+
+
+#: Asynchronous copies between device memory and on-chip memory (a prefetch, an eviction,
+#: a slice fetched ahead): which array of the result tuple is the destination
+#: (`copy-start`: (destination, source, context); `slice-start`: ((source), slice, ...)).
+_DMA_DESTINATION = {"copy-start": 0, "slice-start": 1}
+
+
+def _dma_bytes(opcode: str, source: str, result: str) -> int:
+    """The bytes a DMA copies, where either end is device memory."""
+    arrays = [m.group(0) for m in _LAID_OUT.finditer(result)]
+    index = _DMA_DESTINATION[opcode]
+    destination = arrays[index] if index < len(arrays) else ""
+    return _bytes(destination) if _in_hbm(source) or _in_hbm(destination) else 0
 
 
 def _fusion_bytes(
@@ -207,13 +229,6 @@ def _in_hbm(types: str) -> int:
 
 def _bytes(types: str) -> int:
     return sum(_array_bytes(d, s) for d, s in ARRAY_TYPE.findall(types))
-
-
-def _first_array_bytes(types: str) -> int:
-    """Bytes of a copy's destination (the first array of `copy-start`'s tuple), where it
-    is device memory: an eviction from on-chip memory."""
-    first = _LAID_OUT.search(types)
-    return _in_hbm(first.group(0)) if first else 0
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
