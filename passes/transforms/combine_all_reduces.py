@@ -14,9 +14,10 @@ concatenated along the second dimension, and one collective over the first moves
 member's block. A block is contiguous when every dimension before the split one is 1, and
 the view is a reshape; otherwise (a scanned layer stack [L, d, d] split on d) the split
 dimension is transposed to the front first, a local copy. Where the topology says so
-(`bucket_layer_collectives = false`: TPU v5e), the gathers and reduce-scatters inside a
-layer loop (parameter sharding's, per layer) stay one per weight: XLA's compiler there runs
-each weight's gather beside the matmul before its use, which a bucket would delay.
+(`bucket_layer_collectives = false`: TPU v5e, v5p, v6e), the gathers and reduce-scatters
+inside a layer loop (parameter sharding's, per layer) stay one per weight: XLA's compiler
+runs each weight's gather beside the matmul before its use on v5e, which a bucket would
+delay, and on every TPU copies each weight out of a gathered bucket into its tiled layout.
 
     Before (8 replicas):
       %2: f32[2,4]{replica} = reduce_scatter(%0) {"axes": ["replica"], "dimension": 0}

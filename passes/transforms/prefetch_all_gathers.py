@@ -55,8 +55,8 @@ class PrefetchAllGathers(Pass):
         the topology says the compiler runs them synchronously
         (`Topology.loop_all_gathers_asynchronous`: TPU v5p and v6e): there a prefetch
         hides nothing and holds one more layer; nor where each weight is gathered apart
-        and the compiler overlaps each gather itself (`Topology.bucket_layer_collectives`:
-        TPU v5e).
+        and the compiler overlaps each gather itself (`Topology.bucket_layer_collectives`
+        false and the gathers asynchronous: TPU v5e).
     """
 
     name = "prefetch-all-gathers"
@@ -102,14 +102,14 @@ class PrefetchAllGathers(Pass):
         is also named in a remark."""
         if ctx.topology is None:
             return "synchronous collectives" if ctx.synchronous_collectives else "no topology"
-        if not ctx.topology.bucket_layer_collectives:
-            reason = "gathers overlapped per weight"
-            why = "runs each weight's gather beside the compute before its use, so a prefetch"
-            why += " would hold one more layer for nothing"
-        elif not ctx.topology.loop_all_gathers_asynchronous:
+        if not ctx.topology.loop_all_gathers_asynchronous:
             reason = "synchronous gathers"
             why = "runs a layer loop's all-gathers synchronously, so a prefetch would hide"
             why += " nothing and hold one more layer"
+        elif not ctx.topology.bucket_layer_collectives:
+            reason = "gathers overlapped per weight"
+            why = "runs each weight's gather beside the compute before its use, so a prefetch"
+            why += " would hold one more layer for nothing"
         else:
             return None
         ctx.remarks.append(

@@ -285,13 +285,15 @@ func @step(%0: f32[2,16]{replica}, %1: f32[3,2,16]{replica}, %2: f32[3,2,16]{rep
 """
 
 
-@pytest.mark.parametrize(("hardware", "loop_gathers"), [("v5e-8", 2), ("v5p-8", 1)])
+@pytest.mark.parametrize(("hardware", "loop_gathers"), [("v5e-8", 2), ("v5p-8", 2), ("dgx-h100", 1)])
 def test_a_layer_loop_gathers_each_weight_apart_where_the_compiler_overlaps_each(
     hardware, loop_gathers
 ):
-    """On v5e, libtpu runs each weight's gather beside the matmul before its use, so a
-    layer's gathers stay apart (Llama-2-7B on v5e-256: 4.77 to 3.74 GiB per chip, 777.3 to
-    751.5 ms); elsewhere they are bucketed, and outside a layer loop always."""
+    """On TPU a layer's gathers stay apart: on v5e libtpu runs each weight's gather beside
+    the matmul before its use (Llama-2-7B on v5e-256: 4.77 to 3.74 GiB per chip, 777.3 to
+    751.5 ms), and on v5p and v6e a bucket's weights are copied out of it into their tiled
+    layouts after each gather. Across GPUs they are bucketed, and outside a layer loop
+    always."""
     import xla_strategies as xs
 
     topology = xs.Topology.from_name(hardware)
