@@ -26,7 +26,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU here: the CUDA plugin only compiles
 
-from benchmarks.tpu_aot import compute_check, markdown, measure_cells, record  # noqa: E402
+from benchmarks.tpu_aot import compute_check, measure_cells, record  # noqa: E402
+from benchmarks.tpu_table import markdown  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gpu_aot.json"
 CELLS = [

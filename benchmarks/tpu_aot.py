@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 import xla_strategies as xs
 from benchmarks.tpu_models import WORKLOADS
+from benchmarks.tpu_table import markdown, row_text
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.passes.cost.timeline import step_estimate
 from xla_strategies.passes.pipeline import without_pass
@@ -245,7 +246,7 @@ def measure_cells(jobs: list[tuple[str, str, str]], tuned: bool = True) -> list[
         if "hlo_text" in row:
             row["hlo"] = _save_hlo(row.pop("hlo_text"), row)
         rows.append(row)
-        tqdm.write(_row_text(rows[-1]))
+        tqdm.write(row_text(rows[-1]))
     return rows
 
 
@@ -281,57 +282,6 @@ def reread(results: Path) -> None:
     print(markdown(data["rows"]))
     if missing:
         print(f"not re-read, no saved HLO text (compile them again): {', '.join(missing)}")
-
-
-def _row_text(r: dict[str, Any]) -> str:
-    head = f"{r['model']:<13}{r['topology']:<11}{r['program']:<9}"
-    if "error" in r:
-        return head + f"does not fit: {r['error']}"
-    return head + (
-        f"{r['memory_gib']:>8.2f} GiB {'fits' if r['fits'] else 'OOM':<5}"
-        f"{r['collectives']:>6} coll {r['collective_bytes'] / 2**20:>10,.1f} MiB"
-        f"{r['step_ms']:>10.2f} ms  exposed {r['exposed_share']:>6.1%}"
-        f"{r['compile_s']:>8.1f} s"
-    )
-
-
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The table for benchmarks/README.md."""
-    lines = [
-        "| model | topology | program | GiB/chip | fits | collectives/step | MiB/step "
-        "| synchronous MiB/step | step ms | exposed | MFU | HLO compute ms | HLO matmul ms "
-        "| our compute ms | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(
-                f"| {r['model']} | {r['topology']} | {r['program']} | - | no | - | - | - | - "
-                "| - | - | - | - | - | - |"
-            )
-            continue
-        ours_ms = r.get("our_compute_ms", math.nan)
-        matmul = r.get("matmul_ms", r["compute_ms"])  # rows read before the roofline
-        waited = r.get("synchronous_bytes")  # rows before 2026-11-26 have none
-        # a step with kernels whose flops the HLO does not show: its compute, step and MFU
-        # leave them out
-        without_kernels = " †" if r.get("opaque_kernels") else ""
-        lines.append(
-            f"| {r['model']} | {r['topology']} | {r['program']} | {r['memory_gib']:.2f} "
-            f"| {'yes' if r['fits'] else 'no'} | {r['collectives']} "
-            f"| {r['collective_bytes'] / 2**20:,.0f} "
-            f"| {'-' if waited is None else f'{waited / 2**20:,.0f}'} "
-            f"| {r['step_ms']:.2f}{without_kernels} "
-            f"| {r['exposed_share']:.1%} | {matmul / r['step_ms']:.1%}{without_kernels} "
-            f"| {r['compute_ms']:.2f} | {matmul:.2f} "
-            f"| {'-' if math.isnan(ours_ms) else f'{ours_ms:.2f}'} | {r['compile_s']:.0f} |"
-        )
-    if any(r.get("opaque_kernels") for r in rows):
-        lines.append(
-            "\n† leaves out the compute of kernels (Pallas) whose flops the HLO does not "
-            "show: an estimate too short, and its MFU"
-        )
-    return "\n".join(lines)
 
 
 def compute_check(results: Path, models: list[str] | None = None) -> None:
@@ -392,7 +342,7 @@ def record(rows: list[dict[str, Any]], results: Path) -> None:
     kept = [r for r in old["rows"] if _cell_key(r) not in done]
     results.parent.mkdir(exist_ok=True)
     results.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
-    print("\n".join(_row_text(r) for r in rows))
+    print("\n".join(row_text(r) for r in rows))
     print(markdown(kept + rows))
 
 
