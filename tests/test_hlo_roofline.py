@@ -158,6 +158,30 @@ def test_a_prefetch_runs_beside_the_compute():
 
     flops = 2 * 4096**3
     assert (3 * 32 + 4) * MIB / V5E.memory_bandwidth < flops / V5E.peak_flops
-    assert roofline_seconds(_PREFETCH_BESIDE_A_MATMUL, V5E) == pytest.approx(
-        flops / V5E.peak_flops
-    )
+    assert roofline_seconds(_PREFETCH_BESIDE_A_MATMUL, V5E) == pytest.approx(flops / V5E.peak_flops)
+
+
+_UNFUSED_SLICES = """\
+HloModule m
+
+ENTRY %main (a: f32[8,256,128], u: f32[1,256,128], i: s32[]) -> f32[8,256,128] {
+  %a = f32[8,256,128]{2,1,0} parameter(0)
+  %u = f32[1,256,128]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %ds = f32[1,256,128]{2,1,0} dynamic-slice(%a, %i, %z, %z), dynamic_slice_sizes={1,256,128}
+  %sum = f32[1,256,128]{2,1,0} add(%ds, %u)
+  ROOT %dus = f32[8,256,128]{2,1,0} dynamic-update-slice(%a, %sum, %i, %z, %z)
+}
+"""
+
+
+def test_an_unfused_slice_reads_the_slice_and_an_unfused_update_writes_in_place():
+    comps, entry = computations(_UNFUSED_SLICES)
+    ops = comps[entry]
+    types = {op[0]: op[1] for op in ops}
+    by_name = {op[0]: op for op in ops}
+    block = 256 * 128 * 4  # one of the eight
+    assert hbm_bytes(by_name["ds"], comps, types) == block + 4 + 4 + 4 + block
+    # the update read and written where it lies; the indices read
+    assert hbm_bytes(by_name["dus"], comps, types) == block + 4 * 3 + block

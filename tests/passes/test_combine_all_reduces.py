@@ -285,7 +285,9 @@ func @step(%0: f32[2,16]{replica}, %1: f32[3,2,16]{replica}, %2: f32[3,2,16]{rep
 """
 
 
-@pytest.mark.parametrize(("hardware", "loop_gathers"), [("v5e-8", 2), ("v5p-8", 2), ("dgx-h100", 1)])
+@pytest.mark.parametrize(
+    ("hardware", "loop_gathers"), [("v5e-8", 2), ("v5p-8", 2), ("dgx-h100", 1)]
+)
 def test_a_layer_loop_gathers_each_weight_apart_where_the_compiler_overlaps_each(
     hardware, loop_gathers
 ):

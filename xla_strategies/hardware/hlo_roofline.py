@@ -59,6 +59,13 @@ _NO_TRAFFIC = {
     "recv",
     "recv-done",
     "domain",
+    # an asynchronous call's wrapper (an offload to another core, such as v5p's SparseCore
+    # gathers): its called computation is counted
+    "call-start",
+    "call-update",
+    "call-done",
+    "async-start",
+    "async-update",
 }
 _SLICING = ("dynamic-slice", "slice", "gather")
 # an array type with its layout, if printed (`f32[8,4]{1,0:T(8,128)S(1)}`)
@@ -99,7 +106,12 @@ def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
     if opcode in _DMA_DESTINATION:
         return _dma_bytes(opcode, types.get(operands[0], "") if operands else "", result)
     if opcode != "fusion":
-        return sum(_in_hbm(types.get(o, "")) for o in operands) + _in_hbm(result)
+        read = [_in_hbm(types.get(o, "")) for o in operands]
+        if opcode in _SLICING and read:  # reads the slice it takes
+            read[0] = min(read[0], _in_hbm(result))
+        elif opcode == "dynamic-update-slice" and len(read) > 1:  # in place: the update
+            return sum(read[1:]) + read[1]
+        return sum(read) + _in_hbm(result)
     callee = CALLEE.search(rest)
     fused = comps.get(callee.group(1), []) if callee else []
     if any(collective_kind(op[2]) for op in fused):  # XLA's async collective fusions
