@@ -62,7 +62,9 @@ DEFAULT_THRESHOLD_BYTES = 64 * 1024
 # buffer: on CPU, copying large
 # tensors in and out cost more than reducing them (2.5-3.9x XLA's tuple all-reduce from
 # 1 MiB buckets up, benchmarks/README.md), while many small operands cost more than copying
-# them. Elsewhere buckets stay flat: decompose-all-reduces splits the flat buffer.
+# them. On TPU every member is its own operand (`Topology.tuple_all_reduce_buckets`: its
+# tiled layouts make the flat buffer a copy in and out). Elsewhere buckets stay flat:
+# decompose-all-reduces splits the flat buffer.
 OWN_OPERAND_BYTES = DEFAULT_THRESHOLD_BYTES
 # With a topology, the first bucket of each kind holds at most 1/16 of the threshold.
 FIRST_BUCKET_FRACTION = 16
@@ -138,11 +140,7 @@ class CombineAllReduces(Pass):
                     tile = getattr(ctx.topology, "collective_block_tile", None)
                     combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes, tile)
                 else:
-                    # an emulated topology keeps the real slice's flat buckets
-                    tuple_ok = ctx.topology is None and ctx.synchronous_collectives
-                    tuple_ok = tuple_ok and op == "all_reduce"
-                    own_bytes = 1 if spans else OWN_OPERAND_BYTES if tuple_ok else 0
-                    combine(region, bucket, len(sizes), self.name, own_bytes)
+                    combine(region, bucket, len(sizes), self.name, _own_bytes(ctx, op, spans))
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         if left_apart:
@@ -232,6 +230,18 @@ def _pack_of(graph: Graph, num_packs: int, kinds: tuple[str, ...] = ()) -> dict[
         packs[node] = min(num_packs - 1, int(num_packs * middle / max(totals[key], 1)))
         offsets[key] = offsets.get(key, 0) + size
     return packs
+
+
+def _own_bytes(ctx: PassContext, op: str, spans: bool) -> int:
+    """The bytes from which a bucket's member is an operand of its own rather than copied
+    into the flat buffer: every member with a model axis or on a compiler with tiled
+    layouts (`tuple_all_reduce_buckets`: TPU; an emulated TPU slice keeps the real one's
+    buckets), large ones on emulated CPU devices, none elsewhere (flat)."""
+    if spans or (ctx.topology is not None and ctx.topology.tuple_all_reduce_buckets):
+        return 1
+    if ctx.topology is None and ctx.synchronous_collectives and op == "all_reduce":
+        return OWN_OPERAND_BYTES
+    return 0
 
 
 def _leaves_layer_collectives(ctx: PassContext) -> bool:

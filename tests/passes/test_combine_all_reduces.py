@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.filecheck import filecheck
@@ -148,6 +150,27 @@ def test_unknown_hardware_copies_every_member_into_the_bucket():
     assert [line.count("all_reduce(%") for line in after.splitlines() if "all_reduce" in line] == [
         1
     ]
+
+
+@pytest.mark.parametrize(("hardware", "operands"), [("v5e-8", 3), ("dgx-h100", 1)])
+def test_on_tpu_every_member_is_an_operand_of_its_own(hardware, operands):
+    """XLA's TPU layouts are tiled: a flat buffer copies every member in and out (BERT-large
+    data parallel on v5p-512: 41.75 against 39.09 ms estimated with tuples, the same 27
+    all-reduces). Across GPUs the buffer stays flat, for decompose-all-reduces to split."""
+    import xla_strategies as xs
+
+    topology = xs.Topology.from_name(hardware)
+    axes = list(topology.mesh_axes)
+    text = LARGE_AND_SMALL.replace('"axes": ["replica"]', f'"axes": {json.dumps(axes)}')
+    text = text.replace("{replica}", "{" + ",".join(axes) + "}")
+    options = {"threshold_bytes": 1 << 20, "first_bucket_bytes": 1 << 20}
+    changed, after, _ = run_pass(
+        CombineAllReduces(**options), text, topology.mesh_axes, topology=topology
+    )
+    assert changed
+    (reduction,) = [line for line in after.splitlines() if "all_reduce(" in line]
+    assert reduction.split("all_reduce(")[1].split(")")[0].count("%") == operands
+    assert ("concatenate(" in after) == (operands == 1)
 
 
 def test_tuple_buckets_keep_the_numbers():

@@ -90,9 +90,14 @@ class Topology:
     #: to run them synchronously (TPU v5p and v6e, libtpu 0.0.50)
     loop_all_gathers_asynchronous: bool = True
     #: whether a layer loop's all-gathers and reduce-scatters are bucketed
-    #: (`combine-all-reduces`); False where XLA's compiler was measured to overlap each
-    #: weight's own gather with the compute beside it better than a bucket (TPU v5e)
+    #: (`combine-all-reduces`); False on TPU: XLA's compiler overlaps each weight's own
+    #: gather with the compute beside it (v5e), and copies every weight out of a gathered
+    #: bucket into its tiled layout (v5p, v6e)
     bucket_layer_collectives: bool = True
+    #: whether `combine-all-reduces` buckets all-reduces as one tuple all-reduce (each
+    #: member an operand of its own) rather than a flat buffer: on TPU, whose tiled layouts
+    #: make the flat buffer a copy of every member in and out
+    tuple_all_reduce_buckets: bool = False
     #: more of them (`[compiler_options_replicated_parameters]`) for steps whose parameters
     #: stay whole on every chip: measured to win there and to lose where the step gathers
     #: its parameters (`shard_parameters`)
@@ -133,6 +138,7 @@ class Topology:
             compiler_options=tuple(sorted(config.get("compiler_options", {}).items())),
             loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
             bucket_layer_collectives=config.get("bucket_layer_collectives", True),
+            tuple_all_reduce_buckets=config.get("tuple_all_reduce_buckets", False),
             replicated_parameter_options=tuple(
                 sorted(config.get("compiler_options_replicated_parameters", {}).items())
             ),
