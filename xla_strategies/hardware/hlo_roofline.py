@@ -244,8 +244,4 @@ def _bytes(types: str) -> int:
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
-    try:
-        size = itemsize(dtype)
-    except (KeyError, ValueError, TypeError):
-        return 0  # token[], opaque types: no array data
-    return math.prod(int(d) for d in dims.split(",") if d) * size
+    return math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
