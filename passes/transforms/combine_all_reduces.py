@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.cost.model import bucket_bytes
+from xla_strategies.passes.cost.model import SLOW_LEVELS, bucket_bytes
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.bucket_lowering import Bucket, combine, combine_blocks
@@ -62,9 +62,11 @@ DEFAULT_THRESHOLD_BYTES = 64 * 1024
 # buffer: on CPU, copying large
 # tensors in and out cost more than reducing them (2.5-3.9x XLA's tuple all-reduce from
 # 1 MiB buckets up, benchmarks/README.md), while many small operands cost more than copying
-# them. On TPU every member is its own operand (`Topology.tuple_all_reduce_buckets`: its
-# tiled layouts make the flat buffer a copy in and out). Elsewhere buckets stay flat:
-# decompose-all-reduces splits the flat buffer.
+# them. Inside a TPU slice every member is its own operand
+# (`Topology.tuple_all_reduce_buckets`: its tiled layouts make the flat buffer a copy in
+# and out). Elsewhere buckets stay flat: across TPU slices flat measured better (Llama-2-7B
+# FSDP on 2xv5p-512: 4.07 against 4.09 GiB, 445.2 against 455.9 ms), and
+# decompose-all-reduces splits a flat buffer across GPU nodes.
 OWN_OPERAND_BYTES = DEFAULT_THRESHOLD_BYTES
 # With a topology, the first bucket of each kind holds at most 1/16 of the threshold.
 FIRST_BUCKET_FRACTION = 16
@@ -140,7 +142,8 @@ class CombineAllReduces(Pass):
                     tile = getattr(ctx.topology, "collective_block_tile", None)
                     combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes, tile)
                 else:
-                    combine(region, bucket, len(sizes), self.name, _own_bytes(ctx, op, spans))
+                    own_bytes = _own_bytes(ctx, bucket.members[0], spans)
+                    combine(region, bucket, len(sizes), self.name, own_bytes)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         if left_apart:
@@ -232,14 +235,19 @@ def _pack_of(graph: Graph, num_packs: int, kinds: tuple[str, ...] = ()) -> dict[
     return packs
 
 
-def _own_bytes(ctx: PassContext, op: str, spans: bool) -> int:
+def _own_bytes(ctx: PassContext, member: Node, spans: bool) -> int:
     """The bytes from which a bucket's member is an operand of its own rather than copied
-    into the flat buffer: every member with a model axis or on a compiler with tiled
-    layouts (`tuple_all_reduce_buckets`: TPU; an emulated TPU slice keeps the real one's
-    buckets), large ones on emulated CPU devices, none elsewhere (flat)."""
-    if spans or (ctx.topology is not None and ctx.topology.tuple_all_reduce_buckets):
+    into the flat buffer: every member with a model axis, or on a TPU slice
+    (`tuple_all_reduce_buckets`: its tiled layouts make the flat buffer a copy in and out;
+    an emulated slice keeps the real one's buckets); large ones on emulated CPU devices;
+    none elsewhere, nor across TPU slices (flat, as measured there)."""
+    topology = ctx.topology
+    if spans:
         return 1
-    if ctx.topology is None and ctx.synchronous_collectives and op == "all_reduce":
+    if topology is not None and topology.tuple_all_reduce_buckets:
+        links = topology.axis_links(tuple(member.attrs["axes"]))
+        return 0 if any(link.level in SLOW_LEVELS for link in links) else 1
+    if topology is None and ctx.synchronous_collectives and member.op == "all_reduce":
         return OWN_OPERAND_BYTES
     return 0
 
