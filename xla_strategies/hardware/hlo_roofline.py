@@ -21,21 +21,19 @@ An estimate, labelled as one: a lower bound on each instruction's time, not XLA'
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 from xla_strategies.hardware.hlo import (
-    ARRAY_TYPE,
     CALLEE,
     OPERAND,
     Op,
     collective_kind,
     computations,
     executions,
+    hlo_bytes,
 )
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
-from xla_strategies.passes.ir.graph import itemsize
 
 #: Instructions that move no data through HBM of their own, or whose traffic is priced
 #: elsewhere (communication; a loop's or call's body).
@@ -68,6 +66,10 @@ _NO_TRAFFIC = {
     "async-update",
 }
 _SLICING = ("dynamic-slice", "slice", "gather")
+#: Asynchronous copies between device memory and on-chip memory (a prefetch, an eviction,
+#: a slice fetched ahead): which array of the result tuple is the destination
+#: (`copy-start`: (destination, source, context); `slice-start`: ((source), slice, ...)).
+_DMA_DESTINATION = {"copy-start": 0, "slice-start": 1}
 # an array type with its layout, if printed (`f32[8,4]{1,0:T(8,128)S(1)}`)
 _LAID_OUT = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
@@ -77,7 +79,7 @@ def roofline_seconds(hlo_text: str, topology: Any) -> float | None:
     """Seconds one step computes by the roofline (see the module's docstring); None where
     the topology knows no peak flops or no memory bandwidth."""
     bandwidth = getattr(topology, "memory_bandwidth", None)
-    if not bandwidth or matmul_seconds({"bf16": 1.0}, topology) is None:
+    if not bandwidth or not getattr(topology, "peak_flops", None):
         return None
     comps, entry = computations(hlo_text)
     serial = moved = 0.0
@@ -119,18 +121,12 @@ def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
     return _fusion_bytes(operands, result, fused, types, comps)
 
 
-#: Asynchronous copies between device memory and on-chip memory (a prefetch, an eviction,
-#: a slice fetched ahead): which array of the result tuple is the destination
-#: (`copy-start`: (destination, source, context); `slice-start`: ((source), slice, ...)).
-_DMA_DESTINATION = {"copy-start": 0, "slice-start": 1}
-
-
 def _dma_bytes(opcode: str, source: str, result: str) -> int:
     """The bytes a DMA copies, where either end is device memory."""
     arrays = [m.group(0) for m in _LAID_OUT.finditer(result)]
     index = _DMA_DESTINATION[opcode]
     destination = arrays[index] if index < len(arrays) else ""
-    return _bytes(destination) if _in_hbm(source) or _in_hbm(destination) else 0
+    return hlo_bytes(destination) if _in_hbm(source) or _in_hbm(destination) else 0
 
 
 def _fusion_bytes(
@@ -140,8 +136,7 @@ def _fusion_bytes(
     types: dict[str, str],
     comps: dict[str, list[Op]],
 ) -> int:
-    fused_types = {name: t for name, t, _, _ in fused}
-    updated, written = _in_place_updates(fused, fused_types, result)
+    updated, written = _in_place_updates(fused, result)
     params = _parameters(fused)
     total = written
     for index, outer in enumerate(operands):
@@ -170,7 +165,7 @@ def _read_bytes(param: str, fused: list[Op], comps: dict[str, list[Op]], whole: 
         if param not in args:
             continue
         if opcode in _SLICING and args[0] == param:
-            total += _bytes(result)
+            total += hlo_bytes(result)
         elif opcode == "fusion" and (callee := CALLEE.search(rest)):
             nested = comps.get(callee.group(1), [])
             inner = _parameters(nested)
@@ -184,34 +179,30 @@ def _read_bytes(param: str, fused: list[Op], comps: dict[str, list[Op]], whole: 
     return total
 
 
-def _in_place_updates(
-    fused: list[Op], fused_types: dict[str, str], result: str
-) -> tuple[set[str], int]:
+def _in_place_updates(fused: list[Op], result: str) -> tuple[set[str], int]:
     """The fused parameters an in-place `dynamic-update-slice` at the root updates (not
     read), and the bytes the fusion writes: each such update's, the rest of the result
     whole."""
-    root = _root(fused)
-    if root is None or _in_hbm(result) == 0:
+    if not fused or _in_hbm(result) == 0:
         return set(), 0
-    outputs = [root]
-    if root[2] == "tuple":
+    root = fused[-1]
+    if root[2] == "dynamic-update-slice":
+        outputs = [root]
+    elif root[2] == "tuple":
         by_name = {op[0]: op for op in fused}
         outputs = [by_name[o] for o in _operands(root[3]) if o in by_name]
+    else:
+        return set(), _in_hbm(result)
+    fused_types = {name: t for name, t, _, _ in fused}
     updated, written = set(), 0
     for _, out_type, opcode, rest in outputs:
         args = _operands(rest)
         if opcode == "dynamic-update-slice" and len(args) > 1:
             updated.add(args[0])
-            written += _bytes(fused_types.get(args[1], ""))
+            written += hlo_bytes(fused_types.get(args[1], ""))
         else:
-            written += _bytes(out_type)
-    if root[2] != "tuple" and root[2] != "dynamic-update-slice":
-        written = _in_hbm(result)
+            written += hlo_bytes(out_type)
     return updated, written
-
-
-def _root(fused: list[Op]) -> Op | None:
-    return fused[-1] if fused else None
 
 
 def _operands(rest: str) -> list[str]:
@@ -231,17 +222,8 @@ def _operands(rest: str) -> list[str]:
 def _in_hbm(types: str) -> int:
     """The bytes of the arrays in `types` that live in device memory (no `S(n)`, n > 0)."""
     total = 0
-    for dtype, dims, layout in _LAID_OUT.findall(types):
-        space = _MEMORY_SPACE.search(layout or "")
-        if space and int(space.group(1)) > 0:
-            continue
-        total += _array_bytes(dtype, dims)
+    for array in _LAID_OUT.finditer(types):
+        space = _MEMORY_SPACE.search(array.group(3) or "")
+        if not (space and int(space.group(1)) > 0):
+            total += hlo_bytes(array.group(0))
     return total
-
-
-def _bytes(types: str) -> int:
-    return sum(_array_bytes(d, s) for d, s in ARRAY_TYPE.findall(types))
-
-
-def _array_bytes(dtype: str, dims: str) -> int:
-    return math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
