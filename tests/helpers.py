@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -222,3 +223,14 @@ def jit_sgd_hlo(mesh: jax.sharding.Mesh) -> str:
     loss = lambda w, x: jax.numpy.mean(jax.numpy.tanh(x @ w))  # noqa: E731
     sgd = jax.jit(lambda w, x: w - 0.1 * jax.grad(loss)(w, x))
     return sgd.lower(w, x).compile().as_text()
+
+
+@functools.cache
+def one_tpu_chip() -> jax.sharding.NamedSharding:
+    """One chip of a compile-only TPU v5e topology, whole: for compiling a plain `jax.jit`
+    program with the TPU compiler (the same devices every call, so programs combine)."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    chip = topologies.get_topology_desc("v5e:2x2", "tpu").devices[:1]
+    return NamedSharding(Mesh(np.array(chip), ("chip",)), PartitionSpec())

@@ -204,20 +204,16 @@ def _declared_matmul(declare: bool):
 @pytest.mark.parametrize("declare", [True, False])
 def test_a_kernel_that_declares_its_cost_is_priced_by_it(declare):
     """Pallas keeps a kernel's `cost_estimate` in the compiled HLO: the reader counts its
-    flops and bytes (MaxText's splash kernels declare theirs); a kernel that declares
-    nothing stays counted apart, as opaque."""
+    flops and bytes; a kernel that declares nothing (JAX's and MaxText 0.2.5's splash
+    kernels) stays counted apart, as opaque."""
     pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
+    from tests.helpers import one_tpu_chip
     from xla_strategies.hardware.compiled_report import hlo_report
     from xla_strategies.hardware.hlo import computations
     from xla_strategies.hardware.hlo_roofline import hbm_bytes
     from xla_strategies.hardware.topology import Topology
 
-    chip = topologies.get_topology_desc("v5e:2x2", "tpu").devices[:1]
-    one = NamedSharding(Mesh(np.array(chip), ("chip",)), PartitionSpec())
-    block = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=one)
+    block = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=one_tpu_chip())
     text = jax.jit(_declared_matmul(declare)).lower(block, block).compile().as_text()
     topology = Topology.from_name("v5e-4")
     report = hlo_report(text, topology)

@@ -4,13 +4,11 @@ this release's TPU compiler for one v5e chip, and HLO written by hand for the ru
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+from tests.helpers import one_tpu_chip
 from xla_strategies.hardware.compiled_report import hlo_report
 from xla_strategies.hardware.hlo import computations
 from xla_strategies.hardware.hlo_roofline import hbm_bytes
@@ -22,17 +20,8 @@ MIB = 2**20
 V5E = Topology.from_name("v5e-4")
 
 
-@functools.cache
-def _one_chip() -> jax.sharding.NamedSharding:
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    chip = topologies.get_topology_desc("v5e:2x2", "tpu").devices[:1]
-    return NamedSharding(Mesh(np.array(chip), ("chip",)), PartitionSpec())
-
-
 def _one_chip_spec(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=_one_chip())
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=one_tpu_chip())
 
 
 def _read(fn, *shapes, donate=()) -> tuple[float, float]:
