@@ -109,6 +109,7 @@ def unavailable(cause: BaseException | None = None) -> UnavailableError | None:
         _lost.append(str(cause).splitlines()[0])
     else:
         return None
+    _record_exit_status()  # the process now ends through `exit_if_peer_lost`
     who = _who(dead) if dead else "a peer worker (which one, the service has not yet confirmed)"
     why = f" ({_lost[0]})" if _lost else ""
     return UnavailableError(
@@ -146,13 +147,11 @@ def wait_for(outputs: Any) -> None:
         except concurrent.futures.TimeoutError:
             if _dead:
                 _stuck.append(done)
-                _record_exit_status()
                 raise unavailable() from None
 
 
 # Steps whose collective never returned. Such a collective cannot be cancelled, and the
-# runtime's teardown at exit would end the process with std::terminate: `exit_if_stuck`
-# ends it first, with the status the program gave.
+# runtime's teardown at exit would end the process with std::terminate.
 _stuck: list[concurrent.futures.Future] = []
 _exit_status: list[Any] = []
 
@@ -171,10 +170,14 @@ def _record_exit_status() -> None:
     sys.exit = exit_recording
 
 
-def exit_if_stuck() -> None:
-    """At exit, while a step's collective is still stuck on a dead peer: flush and end the
-    process now, with the status given to `sys.exit` (1 after an uncaught exception)."""
-    if not any(not f.done() for f in _stuck):
+def exit_if_peer_lost() -> None:
+    """At exit, once a peer worker has died: flush and end the process now, with the
+    status given to `sys.exit` (1 after an uncaught exception). The runtime's teardown is
+    not safe then: a collective may still be stuck on the dead peer, and a thread still
+    inside a call to the coordination service (asking which peer died) is ended by Python's
+    finalization mid-call, which aborts the process (std::terminate, SIGABRT), under load
+    even after the user's handler has finished."""
+    if not (_dead or _lost or any(not f.done() for f in _stuck)):
         return
     status = _exit_status[-1] if _exit_status else (1 if _uncaught() else 0)
     if status is None:

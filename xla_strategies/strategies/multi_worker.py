@@ -166,8 +166,8 @@ def _shutdown(meet: bool = True) -> None:
     from jax._src import distributed
 
     cluster_health.stop_watching()
-    cluster_health.exit_if_stuck()  # a collective stuck on a dead peer: teardown would abort
-    if cluster_health.known_dead() or distributed.global_state.client is None:
+    cluster_health.exit_if_peer_lost()  # a peer died: the runtime's teardown would abort
+    if distributed.global_state.client is None:
         return
     try:
         if meet:
