@@ -345,6 +345,7 @@ def weight_update_estimates(
     memory_bandwidth: float | None = None,
     weight_bytes: float | None = None,
     reduce_scatter_is_all_reduce: bool = False,
+    update_hidden: bool = False,
 ) -> tuple[float, float]:
     """(replicated, sharded) seconds for reducing the gradients and updating the weights:
     an all-reduce and the whole update (`update_bytes` read and written at
@@ -354,9 +355,11 @@ def weight_update_estimates(
     reduce-scatter and the all-gather cost what `decompose-all-reduces` will make of them
     (`block_collective_estimates`, the cheaper algorithm): on TPU, where a flat
     reduce-scatter over several torus axes runs as an all-reduce
-    (`reduce_scatter_is_all_reduce`), the flat one costs an all-reduce."""
+    (`reduce_scatter_is_all_reduce`), the flat one costs an all-reduce. Where the compiler
+    hides the replicated update's memory traffic behind the backward pass
+    (`update_hidden`), the update costs neither way: only the collectives differ."""
     p = math.prod(a.size for a in axes)
-    update = update_bytes / (memory_bandwidth or UPDATE_BYTES_PER_S)
+    update = 0.0 if update_hidden else update_bytes / (memory_bandwidth or UPDATE_BYTES_PER_S)
     replicated = collective_time("all_reduce", gradient_bytes, axes) + update
     gathered = gradient_bytes if weight_bytes is None else weight_bytes
     scatter = block_collective_estimates(

@@ -143,6 +143,7 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
         ctx.topology.memory_bandwidth,
         _weight_bytes(graph, seeds),
         ctx.topology.reduce_scatter_over_axes_is_all_reduce,
+        ctx.topology.hides_update_traffic,
     )
     on = sharded < replicated
     scatter = "reduce-scatter"
@@ -150,9 +151,12 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
         "reduce_scatter", links, ctx.topology.reduce_scatter_over_axes_is_all_reduce
     ):
         scatter += " (the compiler's all-reduce and slice)"
+    update = "whole update"
+    if ctx.topology.hides_update_traffic:
+        update += ", which the compiler hides behind the backward pass"
     ctx.remarks.append(
         f"{where}: {'on' if on else 'off'}: {gradient_bytes} gradient bytes; estimated "
-        f"{replicated * 1e3:.3f} ms replicated (all-reduce, whole update) against "
+        f"{replicated * 1e3:.3f} ms replicated (all-reduce, {update}) against "
         f"{sharded * 1e3:.3f} ms sharded ({scatter}, 1/{ctx.num_replicas} of the "
         "update, all-gather)"
     )

@@ -203,12 +203,18 @@ def test_auto_mode_is_off_without_a_topology_and_says_why():
     }
 
 
-def _keeping_reduce_scatters(name: str):
-    """The TPU slice `name`, were its compiler to keep a reduce-scatter over several axes."""
+def _keeping_reduce_scatters(name: str, hides_update_traffic: bool = False):
+    """The TPU slice `name`, were its compiler to keep a reduce-scatter over several axes
+    and (unless `hides_update_traffic`) leave the replicated update's memory traffic
+    exposed."""
     from xla_strategies.hardware.topology import Topology
 
     topology = Topology.from_name(name)
-    return dataclasses.replace(topology, reduce_scatter_over_axes_is_all_reduce=False)
+    return dataclasses.replace(
+        topology,
+        reduce_scatter_over_axes_is_all_reduce=False,
+        hides_update_traffic=hides_update_traffic,
+    )
 
 
 def _momentum_on(topology, shape: str = "2048,64") -> tuple[bool, PassContext]:
@@ -233,6 +239,25 @@ def test_auto_mode_asks_the_cost_model_on_a_topology():
     assert any("mode=auto}: on:" in r and "ms sharded" in r for r in ctx.remarks)
 
 
+def test_an_update_the_compiler_hides_behind_the_backward_pass_stays_replicated():
+    """XLA's TPU compiler overlaps the replicated update's memory traffic with the backward
+    pass (`hides_update_traffic`; ResNet-50 on v5e-256: sharding it saved 0.14 ms of the
+    0.94 ms the cost model counted, and its all-gather made the step 0.4 ms slower). Then
+    only the collectives differ, and a reduce-scatter and an all-gather cost no less than
+    the all-reduce they replace: the same gradient that shards where the update's traffic
+    is exposed stays replicated."""
+    from xla_strategies.hardware.topology import Topology
+
+    exposed, _ = _momentum_on(_keeping_reduce_scatters("v5e-8"))
+    hidden, ctx = _momentum_on(_keeping_reduce_scatters("v5e-8", hides_update_traffic=True))
+    assert exposed and not hidden
+    decision = ctx.stats["shard-weight-updates"]["decision"]
+    assert decision["sharded_s"] >= decision["replicated_s"]
+    assert any("which the compiler hides behind the backward pass" in r for r in ctx.remarks)
+    for name in ("v5e-256", "v5p-512", "v6e-256", "2xv5p-512"):
+        assert Topology.from_name(name).hides_update_traffic, name
+
+
 def test_the_cost_model_prices_a_reduce_scatter_the_tpu_compiler_runs_as_an_all_reduce():
     """XLA's TPU compiler runs a reduce-scatter over several torus axes as an all-reduce and
     a slice (`reduce_scatter_over_axes_is_all_reduce`): the sharded update then moves an
@@ -243,7 +268,7 @@ def test_the_cost_model_prices_a_reduce_scatter_the_tpu_compiler_runs_as_an_all_
     from xla_strategies.hardware.topology import Topology
 
     for name in ("v5e-8", "v5p-8", "v5e-16"):
-        topology = Topology.from_name(name)
+        topology = dataclasses.replace(Topology.from_name(name), hides_update_traffic=False)
         assert topology.reduce_scatter_over_axes_is_all_reduce
         changed, ctx = _momentum_on(topology, "8192,512")
         decision = ctx.stats["shard-weight-updates"]["decision"]

@@ -98,6 +98,10 @@ class Topology:
     #: member an operand of its own) rather than a flat buffer: on TPU, whose tiled layouts
     #: make the flat buffer a copy of every member in and out
     tuple_all_reduce_buckets: bool = False
+    #: whether the compiler hides a replicated optimizer update's device-memory traffic
+    #: behind the backward pass (TPU: it prefetches the update's operands into on-chip
+    #: memory beside the gradient matmuls), so sharding the update saves no step time
+    hides_update_traffic: bool = False
     #: more of them (`[compiler_options_replicated_parameters]`) for steps whose parameters
     #: stay whole on every chip: measured to win there and to lose where the step gathers
     #: its parameters (`shard_parameters`)
@@ -139,6 +143,7 @@ class Topology:
             loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
             bucket_layer_collectives=config.get("bucket_layer_collectives", True),
             tuple_all_reduce_buckets=config.get("tuple_all_reduce_buckets", False),
+            hides_update_traffic=config.get("hides_update_traffic", False),
             replicated_parameter_options=tuple(
                 sorted(config.get("compiler_options_replicated_parameters", {}).items())
             ),
