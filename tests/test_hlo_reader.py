@@ -25,6 +25,7 @@ from xla_strategies.hardware.hlo import (
     group_size,
     hlo_bytes,
 )
+from xla_strategies.hardware.hlo_collectives import collectives
 from xla_strategies.hardware.hlo_flops import hlo_flops
 from xla_strategies.hardware.topology import Topology
 
@@ -184,3 +185,55 @@ def _conv(x, w):
     return jax.lax.conv_general_dilated(
         x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
     )
+
+
+# an instruction up to its opcode's parenthesis, its operand names alone, the rest
+_UNTYPED_OPERANDS = re.compile(r"^(\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s[a-z][a-z\-]*\()(%[^)]*)(\).*)$")
+
+
+def _with_operand_types(hlo_text: str) -> str:
+    """`hlo_text` as XLA prints it with operand shapes: each operand's type, tiled layout
+    and all, printed before its name (`f32[8,128]{1,0:T(8,128)} %p`)."""
+    comps, _ = computations(hlo_text)
+    types = {name: result for ops in comps.values() for name, result, _, _ in ops}
+    lines = []
+    for line in hlo_text.splitlines():
+        found = _UNTYPED_OPERANDS.match(line)
+        names = [o.strip().lstrip("%") for o in found.group(2).split(",")] if found else []
+        if names and all(n in types for n in names):
+            typed = ", ".join(f"{types[n]} %{n}" for n in names)
+            line = found.group(1) + typed + found.group(3)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def test_operand_types_printed_inline_with_tiled_layouts_read_the_same():
+    """An operand list with types printed inline holds parentheses of its own (`T(8,128)`):
+    read up to the first `)`, a convolution lost its kernel (no flops) and an asynchronous
+    collective's done was never found (every later instruction counted as overlapping it)."""
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
+    mesh = jax.sharding.Mesh(np.array([device]), ("d",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    shapes = [(8, 32, 32, 16), (3, 3, 16, 64)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=whole) for s in shapes]
+    text = jax.jit(_conv).lower(*args).compile().as_text()
+    inline = _with_operand_types(text)
+    assert "T(8,128)" in inline.split("convolution(", 1)[1].split(" %", 1)[0]
+    assert sum(hlo_flops(inline).values()) == sum(hlo_flops(text).values()) > 0
+
+    layout = "{1,0:T(8,128)}"
+    block, gathered = f"f32[128,128]{layout}", f"f32[1024,128]{layout}"
+    asynchronous = f"""HloModule m
+
+ENTRY %main (p0: f32[128,128]) -> f32[1024,128] {{
+  %p0 = {block} parameter(0)
+  %ags = ({block}, {gathered}) all-gather-start({block} %p0), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}
+  %mul = {block} multiply({block} %p0, {block} %p0)
+  %agd = {gathered} all-gather-done(({block}, {gathered}) %ags)
+  ROOT %add = {gathered} add({gathered} %agd, {gathered} %agd)
+}}
+"""
+    (gather,) = collectives(asynchronous)
+    assert gather.asynchronous and gather.overlapped_ops == 1  # the multiply alone

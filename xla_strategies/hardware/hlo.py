@@ -158,6 +158,21 @@ def _count_ids(part: str) -> int:
     return int(high) - int(low) + 1 if high else 1
 
 
+def operand_text(rest: str) -> str:
+    """The text of an instruction's operand list (`rest`: its line after the opening
+    parenthesis), up to the parenthesis that closes it: operand types printed inline hold
+    parentheses of their own (`f32[8,128]{1,0:T(8,128)} %p`), so the first `)` is not it."""
+    depth = 0
+    for at, char in enumerate(rest):
+        if char in "([{":
+            depth += 1
+        elif char in "]}" or (char == ")" and depth > 0):
+            depth -= 1
+        elif char == ")":
+            return rest[:at]
+    return rest
+
+
 def hlo_bytes(types: str) -> int:
     """The bytes of every array in an HLO type (`f32[8,4]`, a tuple of them)."""
     total = 0

@@ -22,6 +22,7 @@ from xla_strategies.hardware.hlo import (
     group_members,
     group_size,
     hlo_bytes,
+    operand_text,
     participants,
     replica_groups,
 )
@@ -205,7 +206,7 @@ def _between(ops: list[Op], start: int, start_name: str) -> list[Op]:
     between = []
     for op in ops[start + 1 :]:
         name, _, opcode, rest = op
-        if opcode.endswith("-done") and start_name in OPERAND.findall(rest.split(")")[0]):
+        if opcode.endswith("-done") and start_name in OPERAND.findall(operand_text(rest)):
             return between
         if opcode not in _BOOKKEEPING | _TRANSFERS and not opcode.endswith(("-start", "-done")):
             between.append(op)

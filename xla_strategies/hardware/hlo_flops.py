@@ -23,6 +23,7 @@ from xla_strategies.hardware.hlo import (
     Op,
     computations,
     executions,
+    operand_text,
 )
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -208,7 +209,7 @@ def _taps(in_size: int, size: int, out: int, window: dict[str, str]) -> int:
 
 def _operand_types(rest: str, types: dict[str, str]) -> list[str]:
     """Each operand's type: printed beside it, or its defining instruction's."""
-    inside = rest.split(")", 1)[0]
+    inside = operand_text(rest)
     found = []
     for part in inside.split(", "):
         if "[" in part:

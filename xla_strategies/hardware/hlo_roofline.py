@@ -32,6 +32,7 @@ from xla_strategies.hardware.hlo import (
     computations,
     executions,
     hlo_bytes,
+    operand_text,
 )
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
 
@@ -206,17 +207,8 @@ def _in_place_updates(fused: list[Op], result: str) -> tuple[set[str], int]:
 
 
 def _operands(rest: str) -> list[str]:
-    """The names of an instruction's operands: up to the closing parenthesis of its operand
-    list (operand types printed inline may hold parentheses of their own: `T(8,128)`)."""
-    depth = 0
-    for at, char in enumerate(rest):
-        if char in "([{":
-            depth += 1
-        elif char in "]}" or (char == ")" and depth > 0):
-            depth -= 1
-        elif char == ")":
-            return OPERAND.findall(rest[:at])
-    return OPERAND.findall(rest)
+    """The names of an instruction's operands."""
+    return OPERAND.findall(operand_text(rest))
 
 
 def _in_hbm(types: str) -> int:
