@@ -188,7 +188,9 @@ def _conv(x, w):
 
 
 # an instruction up to its opcode's parenthesis, its operand names alone, the rest
-_UNTYPED_OPERANDS = re.compile(r"^(\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s[a-z][a-z\-]*\()(%[^)]*)(\).*)$")
+_UNTYPED_OPERANDS = re.compile(
+    r"^(\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s[a-z][a-z\-]*\()(%[^)]*)(\).*)$"
+)
 
 
 def _with_operand_types(hlo_text: str) -> str:
