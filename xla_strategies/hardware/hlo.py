@@ -7,6 +7,7 @@ group it cannot size is never counted as free."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -181,8 +182,11 @@ def hlo_bytes(types: str) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=4)
 def computations(hlo_text: str) -> tuple[dict[str, list[Op]], str | None]:
-    """Each computation's instructions in schedule order, and the entry's name."""
+    """Each computation's instructions in schedule order, and the entry's name. Parsed
+    once per text (a report reads it for flops, collectives, cycles and the roofline):
+    callers read what it returns and never change it."""
     found: dict[str, list[Op]] = {}
     entry = current = None
     for line in hlo_text.splitlines():
