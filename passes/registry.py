@@ -15,6 +15,7 @@ from xla_strategies.passes.transforms.reduce_to_one_device import ReduceToOneDev
 from xla_strategies.passes.transforms.schedule_all_reduces import ScheduleAllReduces
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
+from xla_strategies.passes.transforms.sink_casts_below_lookups import SinkCastsBelowLookups
 
 # Every pass, in the order passes run when present: a pass a strategy or a compile option
 # adds goes before the first pass that comes after it here. Autodiff's reductions get their
@@ -33,6 +34,7 @@ PASSES: tuple[type[Pass], ...] = (
     CombineAllReduces,
     PrefetchAllGathers,
     DecomposeAllReduces,
+    SinkCastsBelowLookups,
 )
 PASS_REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
 PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
@@ -43,9 +45,10 @@ PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
 # reductions out of loops or leave them pipelined there (the topology's cost model
 # decides), merge the parts of tied weights, shard the weight update where the cost model
 # says it pays, bucket what is left, then let layer loops gather their next layer's
-# parameters while the current one computes.
+# parameters while the current one computes; last, look up before casting (after the
+# lookups have been split, so a split table's rows still travel in the cast's type).
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
-    "combine-all-reduces,prefetch-all-gathers{mode=auto}"
+    "combine-all-reduces,prefetch-all-gathers{mode=auto},sink-casts-below-lookups"
 )

@@ -51,7 +51,6 @@ declare_all(
         "abs",
         "sign",
         "select_n",
-        "convert_element_type",
         "pow",
         "eq",
         "ne",
@@ -76,6 +75,7 @@ declare_all(
     ),
     Trait.ELEMENTWISE,
 )
+declare("jax.convert_element_type", Trait.CAST, Trait.ELEMENTWISE)
 declare("jax.all_gather", Trait.GATHERS)
 declare("jax.gather", Trait.LOOKUP)
 declare("jax.scatter-add", Trait.SCATTER_ADD)

@@ -42,6 +42,9 @@ class Trait(enum.Enum):
     # of operand 1, as its `dimension_numbers` (update windows, inserted, scatter dims to
     # operand dims, batching dims) say; a lookup's transpose
     SCATTER_ADD = "scatter-add"
+    # elementwise, unary: each element of its result is its operand's element in the type
+    # its result has (a dtype conversion)
+    CAST = "cast"
 
 
 _TRAITS: dict[str, frozenset[Trait]] = {}
