@@ -204,6 +204,7 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
         "0006.mirrored.after_shard-weight-updates.txt",
         "0007.mirrored.after_combine-all-reduces.txt",
         "0008.mirrored.after_prefetch-all-gathers.txt",
+        "0009.mirrored.after_sink-casts-below-lookups.txt",
         "compiled.hlo.txt",
         "compiled_report.json",
         "ledger.json",
