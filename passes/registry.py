@@ -45,10 +45,10 @@ PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
 # reductions out of loops or leave them pipelined there (the topology's cost model
 # decides), merge the parts of tied weights, shard the weight update where the cost model
 # says it pays, bucket what is left, then let layer loops gather their next layer's
-# parameters while the current one computes; last, look up before casting (after the
-# lookups have been split, so a split table's rows still travel in the cast's type).
+# parameters while the current one computes; last, in a step whose state is held split,
+# look up before casting.
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
-    "combine-all-reduces,prefetch-all-gathers{mode=auto},sink-casts-below-lookups"
+    "combine-all-reduces,prefetch-all-gathers{mode=auto},sink-casts-below-lookups{mode=auto}"
 )

@@ -33,7 +33,7 @@ def _loss(source: str = "bf16", cast: str = "f32", to: str = "float32") -> str:
 
 
 def test_the_lookup_takes_the_uncast_elements_and_casts_only_them():
-    changed, after, ctx = run_pass(SinkCastsBelowLookups(), _loss(), MESH)
+    changed, after, ctx = run_pass(SinkCastsBelowLookups(mode="on"), _loss(), MESH)
     assert changed and ctx.stats["sink-casts-below-lookups"] == {"sunk": 1}
     filecheck(
         after,
@@ -55,7 +55,7 @@ def test_the_lookup_takes_the_uncast_elements_and_casts_only_them():
     ],
 )
 def test_a_cast_to_or_from_integers_stays_where_it_is(source, cast, to):
-    changed, after, _ = run_pass(SinkCastsBelowLookups(), _loss(source, cast, to), MESH)
+    changed, after, _ = run_pass(SinkCastsBelowLookups(mode="on"), _loss(source, cast, to), MESH)
     assert not changed and "jax.gather(%2, %1)" in after
 
 
@@ -69,6 +69,18 @@ def test_a_lookup_that_takes_more_than_the_cast_makes_stays_where_it_is():
         SinkCastsBelowLookups(), text.replace("%3: f32[8]", "%3: f32[8,4096]"), MESH
     )
     assert not changed
+
+
+def test_auto_mode_leaves_a_step_whose_state_is_whole_alone():
+    """Measured: with the state whole on every chip the peak is the update's, and the
+    rewrite left XLA a worse schedule (BERT-large on v5e-256: 6.13 -> 6.21 GiB)."""
+    changed, after, ctx = run_pass(SinkCastsBelowLookups(), _loss(), MESH)
+    assert not changed and "jax.gather(%2, %1)" in after
+    assert ctx.stats["sink-casts-below-lookups"] == {"sunk": 0, "reason": "state whole"}
+    assert any("mode=auto}: off: the step's state is whole" in r for r in ctx.remarks)
+    split = {"shard-parameters": {"split_state": 3}}
+    changed, _, _ = run_pass(SinkCastsBelowLookups(), _loss(), MESH, stats=split)
+    assert changed
 
 
 class CastLogitsLM(nn.Module):
@@ -106,7 +118,7 @@ def test_a_step_whose_loss_gathers_cast_logits_trains_to_the_same_numbers():
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
     params = jax.tree.map(lambda x: x.astype(np.float64), params)
     strategy = xs.MirroredStrategy()
-    state, step = train_on(strategy, _step(model, tx), params, tx, batches)
+    state, step = train_on(strategy, _step(model, tx), params, tx, batches, shard_parameters=True)
     reference, _ = train_on(xs.OneDeviceStrategy(), _step(model, tx), params, tx, batches)
     assert_close_to_scale(state, reference, 1e-5)  # float32 sums in another order
     moved = max(
