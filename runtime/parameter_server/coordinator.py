@@ -6,9 +6,10 @@ worker actor and records the result in the closure's `RemoteValue`. Failures:
 - A worker that dies (its actor's process is killed, say) puts its closure back on the
   queue; another worker, or the same one once Ray has restarted it, runs it again. A
   closure may therefore run more than once (at-least-once), but a PS task applies the
-  gradients of each step of a closure at most once. A worker that fails
-  `MAX_FAILURES_IN_A_ROW` closures without finishing one is given up; with none left,
-  everything fails with `UnavailableError`.
+  gradients of each step of a closure at most once. After each failure the worker's
+  dispatcher waits for Ray to restart it (1 s, doubling); a worker that fails
+  `MAX_FAILURES_IN_A_ROW` closures without finishing one is given up, which stderr says;
+  with none left, everything fails with `UnavailableError`.
 - A lost PS task fails every pending closure with `xs.errors.UnavailableError`, which
   `schedule`, `join` and `fetch` raise from then on.
 - An exception raised by a scheduled function comes back from `join` and from its
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -128,6 +131,11 @@ class PerWorkerValues:
 
 # A worker that fails this many closures in a row without running one is given up on.
 MAX_FAILURES_IN_A_ROW = 5
+# After a failure, how long a worker's dispatcher first waits for Ray to restart the worker
+# before it hands the worker a closure again; doubled after each failure in a row (1 + 2 +
+# 4 + 8 s before the fifth). Retried at once, a worker Ray takes a few seconds to restart
+# (a loaded machine) failed five closures within a second and was given up for good.
+RESTART_WAIT_SECONDS = 1.0
 
 
 class ClusterCoordinator:
@@ -237,8 +245,9 @@ class ClusterCoordinator:
                 self._queue.put(closure)  # at least once: run it again elsewhere
                 given_up = failures_in_a_row >= MAX_FAILURES_IN_A_ROW
                 if given_up or getattr(exc, "actor_init_failed", False):
-                    self._lose_worker(index, exc)
+                    self._lose_worker(index, exc, failures_in_a_row)
                     return
+                time.sleep(RESTART_WAIT_SECONDS * 2 ** (failures_in_a_row - 1))
                 continue
             except ray.exceptions.RayTaskError as exc:
                 self._fail(closure, exc.as_instanceof_cause())
@@ -248,8 +257,15 @@ class ClusterCoordinator:
                 self._settle(closure, value=value)
             failures_in_a_row = 0
 
-    def _lose_worker(self, index: int, exc: BaseException) -> None:
-        """Worker `index` cannot be restarted; with none left, everything fails."""
+    def _lose_worker(self, index: int, exc: BaseException, failures: int) -> None:
+        """Worker `index` cannot be restarted; with none left, everything fails. Said on
+        stderr: the closures go on, on fewer workers."""
+        print(
+            f"xla_strategies: worker:{index} given up after {failures} failed closures in a "
+            f"row ({type(exc).__name__}); the other workers take its closures",
+            file=sys.stderr,
+            flush=True,
+        )
         with self._lock:
             self._alive -= 1
             last = self._alive == 0
