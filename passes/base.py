@@ -41,6 +41,16 @@ class PassContext:
         return total
 
 
+#: The values of an `on|auto` pass's `mode` option.
+MODES = ("on", "auto")
+
+
+def check_mode(pass_name: str, mode: str) -> None:
+    """An `on|auto` pass's `mode` option: one of `MODES`, else an error naming the pass."""
+    if mode not in MODES:
+        raise ValueError(f"{pass_name}: mode must be one of {MODES}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class Pass:
     """Base of all passes. Subclasses are `@dataclass(frozen=True)`; fields are options.

@@ -38,12 +38,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Pass, PassContext, check_mode
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.gather_prologue import clone, drop_dead, gather_prologue
-
-MODES = ("on", "auto")
 
 
 @dataclass(frozen=True)
@@ -63,10 +61,7 @@ class PrefetchAllGathers(Pass):
     mode: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(
-                f"prefetch-all-gathers: mode must be one of {MODES}, got {self.mode!r}"
-            )
+        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         reason = self._off_reason(ctx) if self.mode == "auto" else None

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Pass, PassContext, check_mode
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
@@ -58,7 +58,6 @@ from xla_strategies.passes.transforms.held_state import require_state, warn_if_n
 from xla_strategies.passes.transforms.lookup_blocks import table_dims
 from xla_strategies.passes.transforms.regather_residuals import regather_residuals
 
-MODES = ("on", "auto")
 # In auto mode, shard when the replicated state and its gradients take more than this
 # share of a chip's memory: the rest is for activations and XLA's temporaries.
 STATE_SHARE_OF_HBM = 0.5
@@ -76,8 +75,7 @@ class ShardParameters(Pass):
     mode: str = "on"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"shard-parameters: mode must be one of {MODES}, got {self.mode!r}")
+        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "on":

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Pass, PassContext, check_mode
 from xla_strategies.passes.cost.model import runs_as_all_reduce, weight_update_estimates
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.transforms.block_axes import block_order
@@ -56,8 +56,6 @@ from xla_strategies.passes.transforms.block_sharder import (
     is_gradient_reduction,
 )
 from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
-
-MODES = ("on", "auto")
 
 
 @dataclass(frozen=True)
@@ -73,10 +71,7 @@ class ShardWeightUpdates(Pass):
     mode: str = "on"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(
-                f"shard-weight-updates: mode must be one of {MODES}, got {self.mode!r}"
-            )
+        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "on":

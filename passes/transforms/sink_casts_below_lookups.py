@@ -36,13 +36,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Pass, PassContext, check_mode
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 
 # floating types whose out-of-range lookups fill with NaN, which casts to NaN
 _FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
-MODES = ("on", "auto")
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,7 @@ class SinkCastsBelowLookups(Pass):
     mode: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(
-                f"sink-casts-below-lookups: mode must be one of {MODES}, got {self.mode!r}"
-            )
+        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         split = ctx.stats.get("shard-parameters", {}).get("split_state", 0)
