@@ -309,3 +309,9 @@ def _region_dim(node: Node, positions: list[int], dim: int) -> int | None:
 
 def _type(value: Value) -> str:
     return (f"{value.name} " if value.name else "") + format_type(value)
+
+
+def gathers_parameters(ctx: PassContext) -> bool:
+    """Whether the pipeline left the step's parameters split, gathered where used (what
+    `shard-parameters` recorded in `ctx`)."""
+    return ctx.stats.get(ShardParameters.name, {}).get("split_state", 0) > 0

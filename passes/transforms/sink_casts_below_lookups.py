@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from xla_strategies.passes.base import Pass, PassContext, check_mode
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
+from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
 
 # floating types whose out-of-range lookups fill with NaN, which casts to NaN
 _FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -58,8 +59,7 @@ class SinkCastsBelowLookups(Pass):
         check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
-        split = ctx.stats.get("shard-parameters", {}).get("split_state", 0)
-        if self.mode == "auto" and not split:
+        if self.mode == "auto" and not gathers_parameters(ctx):
             ctx.stats[self.name] = {"sunk": 0, "reason": "state whole"}
             ctx.remarks.append(
                 f"{self.name}{{mode=auto}}: off: the step's state is whole on every chip, "

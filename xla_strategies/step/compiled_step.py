@@ -31,17 +31,14 @@ from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
 from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
 from xla_strategies.step import in_place_state, replica_rng_streams
 from xla_strategies.step.argument_declarations import declared_arguments
 from xla_strategies.step.arguments import Outputs, Signature, argument_paths, flatten_arguments
 from xla_strategies.step.compile_program import LoweredStep
-from xla_strategies.step.compiler_options import (
-    gathers_parameters,
-    option_values,
-    step_compiler_options,
-)
+from xla_strategies.step.compiler_options import option_values, step_compiler_options
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
 from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDumper
 from xla_strategies.step.recompiles import warn_if_recompiling

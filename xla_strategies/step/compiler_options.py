@@ -12,9 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from xla_strategies.passes.base import PassContext
-from xla_strategies.passes.transforms.shard_parameters import ShardParameters
-
 #: The one option whose values are lists: the strategy's passes to leave out are kept
 #: beside the user's, since each works around a compiler abort.
 DISABLED_PASSES = "xla_disable_hlo_passes"
@@ -50,8 +47,3 @@ def step_compiler_options(strategy: Mapping[str, Any], step: Mapping[str, Any]) 
         both = [*strategy[DISABLED_PASSES].split(","), *step[DISABLED_PASSES].split(",")]
         merged[DISABLED_PASSES] = ",".join(dict.fromkeys(p for p in both if p))
     return merged
-
-
-def gathers_parameters(ctx: PassContext) -> bool:
-    """Whether the pipeline left the step's parameters split, gathered where used."""
-    return ctx.stats.get(ShardParameters.name, {}).get("split_state", 0) > 0
