@@ -11,7 +11,11 @@ from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.transforms.insert_reductions import InsertReductions
 from xla_strategies.passes.transforms.prefetch_all_gathers import PrefetchAllGathers
 from xla_strategies.passes.transforms.reassociate_all_reduces import ReassociateAllReduces
+from xla_strategies.passes.transforms.reduce_scatters_before_loops import (
+    ReduceScattersBeforeLoops,
+)
 from xla_strategies.passes.transforms.reduce_to_one_device import ReduceToOneDevice
+from xla_strategies.passes.transforms.scatter_adds_as_selects import ScatterAddsAsSelects
 from xla_strategies.passes.transforms.schedule_all_reduces import ScheduleAllReduces
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
@@ -35,6 +39,8 @@ PASSES: tuple[type[Pass], ...] = (
     PrefetchAllGathers,
     DecomposeAllReduces,
     SinkCastsBelowLookups,
+    ScatterAddsAsSelects,
+    ReduceScattersBeforeLoops,
 )
 PASS_REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
 PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
@@ -50,5 +56,6 @@ PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
-    "combine-all-reduces,prefetch-all-gathers{mode=auto},sink-casts-below-lookups{mode=auto}"
+    "combine-all-reduces,prefetch-all-gathers{mode=auto},sink-casts-below-lookups{mode=auto},"
+    "scatter-adds-as-selects,reduce-scatters-before-loops"
 )

@@ -27,15 +27,18 @@ def test_strategies_change_the_default_by_declaring_passes():
     default = [p.name for p in parse_spec(DEFAULT_PIPELINE)]
     assert _names(xs.MirroredStrategy().pipeline()) == default
     tpu = xs.TPUStrategy("v5e-8", emulate=True)
-    # in the passes' canonical order: before the last, which looks up before casting
-    assert _names(tpu.pipeline()) == [*default[:-1], "decompose-all-reduces", default[-1]]
+    # in the passes' canonical order: before the last three, which rewrite the loss's
+    # lookup and its gradient and order the reduce-scatters before the loops
+    assert _names(tpu.pipeline()) == [*default[:-3], "decompose-all-reduces", *default[-3:]]
     central = xs.CentralStorageStrategy().pipeline()
     assert "shard-weight-updates" not in [p.name for p in central.passes]
-    assert _names(central)[-4:] == [
+    assert _names(central)[-6:] == [
         "reduce-to-one-device",
         "combine-all-reduces",
         "prefetch-all-gathers",
         "sink-casts-below-lookups",
+        "scatter-adds-as-selects",
+        "reduce-scatters-before-loops",
     ]
     combine = next(p for p in central.passes if isinstance(p, CombineAllReduces))
     assert combine.threshold_bytes == 32 << 20

@@ -205,6 +205,8 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
         "0007.mirrored.after_combine-all-reduces.txt",
         "0008.mirrored.after_prefetch-all-gathers.txt",
         "0009.mirrored.after_sink-casts-below-lookups.txt",
+        "0010.mirrored.after_scatter-adds-as-selects.txt",
+        "0011.mirrored.after_reduce-scatters-before-loops.txt",
         "compiled.hlo.txt",
         "compiled_report.json",
         "ledger.json",

@@ -3,6 +3,7 @@ printable form, its collective axes and where in the user's code it came from.""
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,8 @@ def jsonable(value: Any) -> Any:
         )
     if isinstance(value, np.dtype):
         return str(value)
+    if isinstance(value, enum.Enum):  # a gather's or scatter's `mode`: FILL_OR_DROP, CLIP
+        return value.name
     return None
 
 

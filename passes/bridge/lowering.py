@@ -208,6 +208,25 @@ def _slice(node: Node, args: list[Any]) -> list[Any]:
     return [lax.slice(args[0], node.attrs["start"], node.attrs["limit"])]
 
 
+def _one_hot_add(node: Node, args: list[Any]) -> list[Any]:
+    """`operand + updates` where `dimension` equals the index, `operand` elsewhere."""
+    operand, indices, updates = args
+    shape, attrs = operand.shape, node.attrs
+    index = _placed(indices[..., 0], shape, attrs["index_dims"])
+    update = _placed(updates, shape, attrs["update_dims"])
+    hit = lax.broadcasted_iota(index.dtype, shape, attrs["dimension"]) == index
+    return [jnp.where(hit, operand + update, operand)]
+
+
+def _placed(x: Any, shape: tuple[int, ...], dims: list[int]) -> Any:
+    """`x` broadcast to `shape`, its dimension i at `dims[i]` (-1: a unit dimension, dropped)."""
+    kept = [i for i, d in enumerate(dims) if d >= 0]
+    targets = [dims[i] for i in kept]
+    order = sorted(range(len(kept)), key=targets.__getitem__)
+    x = jnp.transpose(jnp.reshape(x, [x.shape[i] for i in kept]), order)
+    return lax.broadcast_in_dim(x, shape, sorted(targets))
+
+
 _RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
     "constant": _constant,
     "pvary": lambda node, args: list(args),
@@ -230,6 +249,8 @@ _RULES: dict[str, Callable[[Node, list[Any]], list[Any]]] = {
     ],
     "concatenate": lambda n, a: [jnp.concatenate(a, axis=n.attrs.get("dimension", 0))],
     "slice": _slice,
+    "one_hot_add": _one_hot_add,
+    "after": lambda n, a: [lax.optimization_barrier(tuple(a))[0]],
     "replica_slice": _replica_slice,
     "reshape": lambda n, a: [jnp.reshape(a[0], n.outputs[0].shape)],
     "transpose": lambda n, a: [jnp.transpose(a[0], n.attrs["permutation"])],

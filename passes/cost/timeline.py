@@ -22,8 +22,8 @@ FLOPS_PER_S = 1e12
 BYTES_PER_S = 1e11
 COLLECTIVE_BYTES_PER_S = 1e10  # without a topology
 _COMPUTE, _COLLECTIVES = 1, 2
-# type casts of the capture (varying across replicas or not) and constants: no work
-_FREE = frozenset({"pvary", "pinvariant", "constant"})
+# type casts of the capture (varying across replicas or not), constants and orderings: no work
+_FREE = frozenset({"pvary", "pinvariant", "constant", "after"})
 
 
 def compute_seconds(node: Node, topology: Any = None) -> float:

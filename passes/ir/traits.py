@@ -117,3 +117,8 @@ declare_all(("concatenate", "slice", "constant", "pvary", "axis_index"))
 declare("pinvariant")
 # this replica's block of a mirrored value along `dimension`: all_gather's inverse, no traffic
 declare("replica_slice")
+# operand 0 plus operand 2 where `dimension` equals operand 1 (a scatter-add of one element
+# per row, as a compare and a select); `index_dims` / `update_dims` place operands 1 and 2
+declare("one_hot_add")
+# operand 0, once the other operands are made: an order XLA's scheduler must keep
+declare("after")

@@ -228,6 +228,24 @@ def _check_transpose(node: Node, mesh: Mapping[str, int]) -> str | None:
     return None if want == got else f"result shape {got} should be {want}"
 
 
+def _check_one_hot_add(node: Node, mesh: Mapping[str, int]) -> str | None:
+    if len(node.inputs) != 3 or len(node.outputs) != 1:
+        return f"expects operand, indices and updates, and one result; has {len(node.inputs)}"
+    operand, result = node.inputs[0], node.outputs[0]
+    if (operand.shape, operand.dtype) != (result.shape, result.dtype):
+        return f"result differs from the operand: {_types([operand])} -> {_types([result])}"
+    return None
+
+
+def _check_after(node: Node, mesh: Mapping[str, int]) -> str | None:
+    if len(node.inputs) < 2 or len(node.outputs) != 1:
+        return "expects a value, what it waits for, and one result"
+    value, result = node.inputs[0], node.outputs[0]
+    if (value.shape, value.dtype) != (result.shape, result.dtype):
+        return f"result differs from its value: {_types([value])} -> {_types([result])}"
+    return None
+
+
 _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
     "all_reduce": _check_all_reduce,
     "reduce_to_one": _check_all_reduce,
@@ -244,6 +262,8 @@ _SHAPE_RULES: dict[str, Callable[[Node, Mapping[str, int]], str | None]] = {
     "scale": _check_elementwise,
     "slice": _check_slice,
     "transpose": _check_transpose,
+    "one_hot_add": _check_one_hot_add,
+    "after": _check_after,
 }
 
 

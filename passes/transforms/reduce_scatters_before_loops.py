@@ -1,0 +1,94 @@
+"""reduce-scatters-before-loops: a loop that comes after a reduce-scatter in the program
+waits for it, so XLA cannot run the reduce-scatter after the loop.
+
+Under parameter sharding the output layer's gradient is reduce-scattered between the
+forward and the backward layer loops: the whole gradient (Llama-2-7B: bf16[4096,32000],
+250 MiB per chip) comes in, a block of it (1 MiB) goes out. Nothing in the backward loop
+reads that block, and XLA's TPU scheduler is free to run the reduce-scatter after the loop,
+which it does where it fused the gradient's computation into the matmul that makes it:
+the whole gradient then stays alive through the backward pass, at its peak. Making the
+loop wait for the block (`after`: an optimization barrier) keeps the program's order.
+
+Only collectives whose result is smaller than their operand are held so: one that waited
+for a loop would hold its operand through it; run early, it frees it. A gather is the
+other way round, and stays free (XLA's moving a gather earlier, or later, measured both
+ways, benchmarks/README.md).
+
+    Before:
+      %8: bf16[16,32000]{x,y} = reduce_scatter(%7) {"axes": ["x", "y"], "dimension": 0}
+      %10: bf16[1,2048,4096]{x,y}, ... = jax.scan(%9, ...)
+    After:
+      %8: bf16[16,32000]{x,y} = reduce_scatter(%7) {"axes": ["x", "y"], "dimension": 0}
+      %11: bf16[1,2048,4096]{x,y} = after(%9, %8)
+      %10: bf16[1,2048,4096]{x,y}, ... = jax.scan(%11, ...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.traits import Trait
+
+_LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
+
+
+@dataclass(frozen=True)
+class ReduceScattersBeforeLoops(Pass):
+    name = "reduce-scatters-before-loops"
+
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
+        held = 0
+        for region in graph.graphs():
+            held += self._hold(region)
+        ctx.stats[self.name] = {"held": held}
+        return held > 0
+
+    def _hold(self, region: Graph) -> int:
+        """Make each loop of `region` wait for the shrinking collectives before it that it
+        does not read already; returns how many."""
+        waiting: list[Value] = []
+        reads = _reads(region)
+        nodes: list[Node] = []
+        held = 0
+        for node in region.nodes:
+            if any(node.has(t) for t in _LOOPS) and node.inputs:
+                unread = [v for v in waiting if v not in reads[node]]
+                if unread:
+                    first = node.inputs[0]
+                    waited = first.like()
+                    nodes.append(Node("after", [first, *unread], [waited], created_by=self.name))
+                    node.inputs[0] = waited
+                    held += len(unread)
+                waiting = []
+            elif _shrinks(node):
+                waiting.append(node.outputs[0])
+            nodes.append(node)
+        region.nodes[:] = nodes
+        return held
+
+
+def _shrinks(node: Node) -> bool:
+    """A collective whose one result is smaller than its one operand (a reduce-scatter)."""
+    return (
+        node.is_collective
+        and len(node.inputs) == 1
+        and len(node.outputs) == 1
+        and node.outputs[0].nbytes < node.inputs[0].nbytes
+    )
+
+
+def _reads(region: Graph) -> dict[Node, set[Value]]:
+    """Every value each node of `region` reads, directly or through the nodes before it."""
+    made_from: dict[Value, set[Value]] = {}
+    reads: dict[Node, set[Value]] = {}
+    for node in region.nodes:
+        seen: set[Value] = set()
+        for value in node.inputs:
+            seen.add(value)
+            seen |= made_from.get(value, set())
+        reads[node] = seen
+        for value in node.outputs:
+            made_from[value] = seen
+    return reads

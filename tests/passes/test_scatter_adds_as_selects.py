@@ -1,0 +1,137 @@
+"""scatter-adds-as-selects: a scatter-add of one element per row becomes a compare and a
+select with the same bits, out-of-range indices and signed zeros included; scatters that
+clip, write windows or may add twice to a row stay; a flax LM trains to the same numbers."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import xla_strategies as xs
+from tests.filecheck import filecheck
+from tests.helpers import assert_close_to_scale, train_on
+from tests.passes.pass_testing import MESH, run_pass
+from xla_strategies.passes import ScatterAddsAsSelects
+
+# autodiff's transpose of `take_along_axis(logits, labels[..., None], axis=-1)`: one
+# cotangent per row of 8 rows of logits over a vocabulary of 512, added into zeros
+LABEL_GRADIENT = """\
+func @step(%0: f32[8,512]{replica}, %1: i32[8,1]{replica}, %2: f32[8]{replica}) {
+  %3: f32[8,512]{replica} = jax.scatter-add(%0, %1, %2) {"dimension_numbers": [[], [1], [1], [0], [0]], "indices_are_sorted": false, "mode": "FILL_OR_DROP", "unique_indices": false, "update_consts": []}
+  return %3
+}
+"""
+
+
+def test_one_element_per_row_becomes_a_one_hot_add():
+    changed, after, ctx = run_pass(ScatterAddsAsSelects(), LABEL_GRADIENT, MESH)
+    assert changed and ctx.stats["scatter-adds-as-selects"] == {"rewritten": 1}
+    filecheck(
+        after,
+        """
+        CHECK: %3: f32[8,512]{replica} = one_hot_add(%0, %1, %2) {"dimension": 1, "index_dims": [0], "update_dims": [0]}
+        CHECK-NEXT: return %3
+        """,
+    )
+
+
+@pytest.mark.parametrize(
+    ("replacements", "why"),
+    [
+        ({'"FILL_OR_DROP"': '"CLIP"'}, "clipped indices land on the last element"),
+        # no batching dimensions: the 8 indices may pick in the same row (an embedding
+        # table's gradient: many tokens, one row each)
+        ({"[[], [1], [1], [0], [0]]": "[[], [1], [1], [], []]"}, "rows may repeat"),
+        # the update a window of the indexed dimension, not an inserted one
+        (
+            {"[[], [1], [1], [0], [0]]": "[[1], [], [1], [0], [0]]", "%2: f32[8]": "%2: f32[8,1]"},
+            "a window",
+        ),
+    ],
+)
+def test_scatters_that_clip_or_may_add_twice_to_a_row_stay(replacements, why):
+    text = LABEL_GRADIENT
+    for old, new in replacements.items():
+        text = text.replace(old, new)
+    changed, after, _ = run_pass(ScatterAddsAsSelects(), text, MESH)
+    assert not changed and "jax.scatter-add" in after, why
+
+
+def _label_scatter(operand, labels, updates):
+    """The scatter-add of `take_along_axis`'s transpose, onto any operand."""
+    numbers = lax.ScatterDimensionNumbers(
+        update_window_dims=(),
+        inserted_window_dims=(1,),
+        scatter_dims_to_operand_dims=(1,),
+        operand_batching_dims=(0,),
+        scatter_indices_batching_dims=(0,),
+    )
+    return lax.scatter_add(
+        operand, labels[:, None], updates, numbers, mode=lax.GatherScatterMode.FILL_OR_DROP
+    )
+
+
+def test_the_select_gives_the_scatters_bits():
+    """Negative zeros stay where nothing is added, labels out of range (negative or past
+    the end) add nothing, and each added element is the scatter's one addition."""
+    rng = np.random.default_rng(0)
+    operand = rng.normal(size=(16, 7)).astype(np.float32)
+    operand[::3, ::2] = -0.0
+    labels = rng.integers(-3, 10, size=16).astype(np.int32)
+    updates = rng.normal(size=16).astype(np.float32)
+    strategy = xs.MirroredStrategy()
+    batch = next(iter(strategy.experimental_distribute_dataset([(operand, labels, updates)])))
+    step = strategy.compile(lambda b: _label_scatter(*b))
+    got = np.asarray(step(batch)).reshape(operand.shape)  # each replica's rows, in order
+    assert step.executable(batch).pass_stats["scatter-adds-as-selects"] == {"rewritten": 1}
+    want = np.asarray(jax.jit(_label_scatter)(operand, labels, updates))
+    assert got.tobytes() == want.tobytes()
+    assert np.signbit(got[0, 0]) and ((labels < 0) | (labels >= 7)).any()
+
+
+class LM(nn.Module):
+    """A small language model as flax's docs write one."""
+
+    vocab: int = 32
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        x = nn.tanh(nn.Dense(self.width)(x))
+        return nn.Dense(self.vocab)(x)
+
+
+def _step(model, tx):
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+@pytest.mark.parametrize("shard_parameters", [False, True])
+def test_a_language_model_trains_to_the_numbers_of_one_device(shard_parameters):
+    model, tx = LM(), optax.adam(1e-2)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 32, size=(16, 9)).astype(np.int32) for _ in range(3)]
+    params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
+    strategy = xs.MirroredStrategy()
+    state, step = train_on(
+        strategy, _step(model, tx), params, tx, batches, shard_parameters=shard_parameters
+    )
+    reference = params, tx.init(params)
+    for tokens in batches:  # the library's own single-device run: plain jax.jit
+        *reference, _ = jax.jit(_step(model, tx))(*reference, tokens)
+    assert_close_to_scale(state, tuple(reference), 1e-5)  # float32 sums in another order
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    assert step.executable(*state, batch).pass_stats["scatter-adds-as-selects"]["rewritten"] >= 1
