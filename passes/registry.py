@@ -57,5 +57,5 @@ DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
     "combine-all-reduces,prefetch-all-gathers{mode=auto},sink-casts-below-lookups{mode=auto},"
-    "scatter-adds-as-selects,reduce-scatters-before-loops"
+    "scatter-adds-as-selects{mode=auto},reduce-scatters-before-loops{mode=auto}"
 )

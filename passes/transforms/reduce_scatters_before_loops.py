@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Pass, PassContext, check_mode
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 
@@ -36,9 +36,25 @@ _LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
 
 @dataclass(frozen=True)
 class ReduceScattersBeforeLoops(Pass):
+    """Options:
+    mode: ``on`` holds every such loop; ``auto`` only on a topology whose hardware file
+        says it pays (`reduce_scatters_before_loops`: TPU v5e and v6e).
+    """
+
     name = "reduce-scatters-before-loops"
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
+        if self.mode == "auto" and not getattr(ctx.topology, "reduce_scatters_before_loops", False):
+            ctx.stats[self.name] = {"held": 0, "reason": "not measured to pay here"}
+            ctx.remarks.append(
+                f"{self.name}{{mode=auto}}: off: the topology's hardware file does not say it "
+                "pays (reduce_scatters_before_loops); mode=on turns it on"
+            )
+            return False
         held = 0
         for region in graph.graphs():
             held += self._hold(region)

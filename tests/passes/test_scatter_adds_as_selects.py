@@ -15,7 +15,8 @@ import xla_strategies as xs
 from tests.filecheck import filecheck
 from tests.helpers import assert_close_to_scale, train_on
 from tests.passes.pass_testing import MESH, run_pass
-from xla_strategies.passes import ScatterAddsAsSelects
+from xla_strategies.hardware.topology import Topology
+from xla_strategies.passes import DEFAULT_PIPELINE, ScatterAddsAsSelects
 
 # autodiff's transpose of `take_along_axis(logits, labels[..., None], axis=-1)`: one
 # cotangent per row of 8 rows of logits over a vocabulary of 512, added into zeros
@@ -27,8 +28,15 @@ func @step(%0: f32[8,512]{replica}, %1: i32[8,1]{replica}, %2: f32[8]{replica}) 
 """
 
 
+# the default pipeline with this pass on everywhere (emulated devices have no topology)
+ON = DEFAULT_PIPELINE.replace(
+    "scatter-adds-as-selects{mode=auto}", "scatter-adds-as-selects{mode=on}"
+)
+SPLIT = {"shard-parameters": {"split_state": 3}}
+
+
 def test_one_element_per_row_becomes_a_one_hot_add():
-    changed, after, ctx = run_pass(ScatterAddsAsSelects(), LABEL_GRADIENT, MESH)
+    changed, after, ctx = run_pass(ScatterAddsAsSelects(mode="on"), LABEL_GRADIENT, MESH)
     assert changed and ctx.stats["scatter-adds-as-selects"] == {"rewritten": 1}
     filecheck(
         after,
@@ -57,8 +65,25 @@ def test_scatters_that_clip_or_may_add_twice_to_a_row_stay(replacements, why):
     text = LABEL_GRADIENT
     for old, new in replacements.items():
         text = text.replace(old, new)
-    changed, after, _ = run_pass(ScatterAddsAsSelects(), text, MESH)
+    changed, after, _ = run_pass(ScatterAddsAsSelects(mode="on"), text, MESH)
     assert not changed and "jax.scatter-add" in after, why
+
+
+@pytest.mark.parametrize(
+    ("topology", "stats", "runs"),
+    [
+        ("v5e-256", SPLIT, True),
+        ("v6e-256", SPLIT, True),
+        ("v5e-256", {}, False),  # the state whole on every chip: not measured to pay
+        ("v5p-512", SPLIT, False),  # measured worse: XLA's allocator placed the peak worse
+        (None, SPLIT, False),
+    ],
+)
+def test_auto_mode_runs_where_the_hardware_file_says_it_pays(topology, stats, runs):
+    where = {"topology": Topology.from_name(topology)} if topology else {}
+    changed, _, ctx = run_pass(ScatterAddsAsSelects(), LABEL_GRADIENT, MESH, stats=stats, **where)
+    assert changed == runs
+    assert runs or any("mode=auto}: off" in r for r in ctx.remarks)
 
 
 def _label_scatter(operand, labels, updates):
@@ -85,7 +110,7 @@ def test_the_select_gives_the_scatters_bits():
     updates = rng.normal(size=16).astype(np.float32)
     strategy = xs.MirroredStrategy()
     batch = next(iter(strategy.experimental_distribute_dataset([(operand, labels, updates)])))
-    step = strategy.compile(lambda b: _label_scatter(*b))
+    step = strategy.compile(lambda b: _label_scatter(*b), pipeline=ON)
     got = np.asarray(step(batch)).reshape(operand.shape)  # each replica's rows, in order
     assert step.executable(batch).pass_stats["scatter-adds-as-selects"] == {"rewritten": 1}
     want = np.asarray(jax.jit(_label_scatter)(operand, labels, updates))
@@ -127,7 +152,13 @@ def test_a_language_model_trains_to_the_numbers_of_one_device(shard_parameters):
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
     strategy = xs.MirroredStrategy()
     state, step = train_on(
-        strategy, _step(model, tx), params, tx, batches, shard_parameters=shard_parameters
+        strategy,
+        _step(model, tx),
+        params,
+        tx,
+        batches,
+        shard_parameters=shard_parameters,
+        pipeline=ON,
     )
     reference = params, tx.init(params)
     for tokens in batches:  # the library's own single-device run: plain jax.jit

@@ -102,6 +102,12 @@ class Topology:
     #: behind the backward pass (TPU: it prefetches the update's operands into on-chip
     #: memory beside the gradient matmuls), so sharding the update saves no step time
     hides_update_traffic: bool = False
+    #: whether `scatter-adds-as-selects{mode=auto}` and `reduce-scatters-before-loops
+    #: {mode=auto}` run: measured to shrink a step under parameter sharding on TPU v5e and
+    #: v6e, and to grow it on v5p (libtpu 0.0.50), where XLA's allocator placed the same
+    #: peak worse
+    scatter_adds_as_selects: bool = False
+    reduce_scatters_before_loops: bool = False
     #: more of them (`[compiler_options_replicated_parameters]`) for steps whose parameters
     #: stay whole on every chip: measured to win there and to lose where the step gathers
     #: its parameters (`shard_parameters`)
@@ -144,6 +150,8 @@ class Topology:
             bucket_layer_collectives=config.get("bucket_layer_collectives", True),
             tuple_all_reduce_buckets=config.get("tuple_all_reduce_buckets", False),
             hides_update_traffic=config.get("hides_update_traffic", False),
+            scatter_adds_as_selects=config.get("scatter_adds_as_selects", False),
+            reduce_scatters_before_loops=config.get("reduce_scatters_before_loops", False),
             replicated_parameter_options=tuple(
                 sorted(config.get("compiler_options_replicated_parameters", {}).items())
             ),
