@@ -207,6 +207,17 @@ def train_on(strategy, step_fn, params, tx, batches, **options):
     return tuple(state), step
 
 
+def trains_as_jit(strategy, step_fn, params, tx, batches, **options):
+    """The compiled step, after checking that training on `strategy` gives the numbers of
+    the library's own single-device run (plain `jax.jit`) up to float32 summation order."""
+    state, step = train_on(strategy, step_fn, params, tx, batches, **options)
+    reference = params, tx.init(params)
+    for tokens in batches:
+        *reference, _ = jax.jit(step_fn)(*reference, tokens)
+    assert_close_to_scale(state, tuple(reference), 1e-5)
+    return state, step
+
+
 def held_split(tree, strategy) -> list[bool]:
     return [strategy.is_held_sharded(x) for x in jax.tree.leaves(tree) if x.ndim]
 

@@ -4,7 +4,6 @@ clip, write windows or may add twice to a row stay; a flax LM trains to the same
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -12,8 +11,8 @@ import pytest
 from jax import lax
 
 import xla_strategies as xs
+from tests import helpers
 from tests.filecheck import filecheck
-from tests.helpers import assert_close_to_scale, train_on
 from tests.passes.pass_testing import MESH, run_pass
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes import DEFAULT_PIPELINE, ScatterAddsAsSelects
@@ -118,51 +117,13 @@ def test_the_select_gives_the_scatters_bits():
     assert np.signbit(got[0, 0]) and ((labels < 0) | (labels >= 7)).any()
 
 
-class LM(nn.Module):
-    """A small language model as flax's docs write one."""
-
-    vocab: int = 32
-    width: int = 16
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.width)(tokens)
-        x = nn.tanh(nn.Dense(self.width)(x))
-        return nn.Dense(self.vocab)(x)
-
-
-def _step(model, tx):
-    def step(params, opt_state, tokens):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
 @pytest.mark.parametrize("shard_parameters", [False, True])
 def test_a_language_model_trains_to_the_numbers_of_one_device(shard_parameters):
-    model, tx = LM(), optax.adam(1e-2)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 32, size=(16, 9)).astype(np.int32) for _ in range(3)]
-    params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
+    params, step_for, batches = helpers.scanned_lm()
+    tx = optax.adam(1e-2)
     strategy = xs.MirroredStrategy()
-    state, step = train_on(
-        strategy,
-        _step(model, tx),
-        params,
-        tx,
-        batches,
-        shard_parameters=shard_parameters,
-        pipeline=ON,
+    state, step = helpers.trains_as_jit(
+        strategy, step_for(tx), params, tx, batches, shard_parameters=shard_parameters, pipeline=ON
     )
-    reference = params, tx.init(params)
-    for tokens in batches:  # the library's own single-device run: plain jax.jit
-        *reference, _ = jax.jit(_step(model, tx))(*reference, tokens)
-    assert_close_to_scale(state, tuple(reference), 1e-5)  # float32 sums in another order
     batch = next(iter(strategy.experimental_distribute_dataset(batches)))
     assert step.executable(*state, batch).pass_stats["scatter-adds-as-selects"]["rewritten"] >= 1
