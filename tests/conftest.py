@@ -56,6 +56,12 @@ SLOW_TESTS = (
     "tests/test_model_axis.py::test_an_annotated_scanned_linen_lm_trains_like_one_device",
     "tests/test_model_axis.py::test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split[2-False]",
     "tests/test_model_axis.py::test_an_annotated_nnx_model_trains_like_nnx_jit_and_stays_split[4-False]",
+    # 7-10 s each, with kin in `make test`: the selects' data-parallel LM (its sharded
+    # case stays), the scanned LM on two slices (one slice stays), the loss going down on
+    # one device (on eight stays)
+    "tests/passes/test_scatter_adds_as_selects.py::test_a_language_model_trains_to_the_numbers_of_one_device[False]",
+    "tests/test_parameter_sharding.py::test_scanned_lm_with_clipped_adamw_matches_one_device[tpu-2xv5e-4]",
+    "tests/test_equivalence.py::test_loss_goes_down[OneDeviceStrategy]",
 )
 
 

@@ -115,8 +115,6 @@ PASSES = (
     "schedule-all-reduces{force=pipeline}",
     "reassociate-all-reduces",
     "shard-weight-updates",
-    # loops after the update's reduce-scatters wait for them, where a program has any
-    "shard-weight-updates,reduce-scatters-before-loops{mode=on}",
     "combine-all-reduces",
 )
 PIPELINES = {
