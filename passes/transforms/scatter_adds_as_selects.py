@@ -17,12 +17,17 @@ scatter gives it, or none; an index out of range (dropped by the scatter) matche
 position. Scatters that clip their indices, write windows, or may add twice to a row
 (an embedding table's gradient: many tokens, one row each) stay.
 
+Where it pays is measured per TPU generation (`scatter_adds_as_selects` in
+`tpu_configs/`): with `reduce-scatters-before-loops`, Llama-2-7B under parameter sharding
+on v5e-256 takes 2.69 GiB per chip either way and 831.70 against 834.21 ms estimated; on
+v5p-512 it made the step larger (3.16 → 3.77 GiB).
+
     Before:
       %20: f32[1,2048,32000] = jax.scatter-add(%19, %12, %18) {"dimension_numbers": [[0],
           [2], [2], [1], [0]], "mode": "FILL_OR_DROP", ...}
     After:
       %20: f32[1,2048,32000] = one_hot_add(%19, %12, %18) {"dimension": 2,
-          "index_dims": [1, -1], "update_dims": [0, 1]}
+          "index_dims": [1, -1], "update_dims": [0, 1, -1]}
 """
 
 from __future__ import annotations
