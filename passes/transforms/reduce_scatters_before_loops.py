@@ -29,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext, check_mode
-from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
+from xla_strategies.passes.transforms.gather_prologue import ancestors
 
 _LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
 
@@ -65,13 +66,13 @@ class ReduceScattersBeforeLoops(Pass):
     def _hold(self, region: Graph) -> int:
         """Make each loop of `region` wait for the shrinking collectives before it that it
         does not read already; returns how many."""
-        waiting: list[Value] = []
-        reads = _reads(region)
+        waiting: list[Node] = []
         nodes: list[Node] = []
         held = 0
         for node in region.nodes:
             if any(node.has(t) for t in _LOOPS) and node.inputs:
-                unread = [v for v in waiting if v not in reads[node]]
+                read = ancestors([node], [*nodes, node]) if waiting else set()
+                unread = [n.outputs[0] for n in waiting if n not in read]
                 if unread:
                     first = node.inputs[0]
                     waited = first.like()
@@ -80,7 +81,7 @@ class ReduceScattersBeforeLoops(Pass):
                     held += len(unread)
                 waiting = []
             elif _shrinks(node):
-                waiting.append(node.outputs[0])
+                waiting.append(node)
             nodes.append(node)
         region.nodes[:] = nodes
         return held
@@ -94,18 +95,3 @@ def _shrinks(node: Node) -> bool:
         and len(node.outputs) == 1
         and node.outputs[0].nbytes < node.inputs[0].nbytes
     )
-
-
-def _reads(region: Graph) -> dict[Node, set[Value]]:
-    """Every value each node of `region` reads, directly or through the nodes before it."""
-    made_from: dict[Value, set[Value]] = {}
-    reads: dict[Node, set[Value]] = {}
-    for node in region.nodes:
-        seen: set[Value] = set()
-        for value in node.inputs:
-            seen.add(value)
-            seen |= made_from.get(value, set())
-        reads[node] = seen
-        for value in node.outputs:
-            made_from[value] = seen
-    return reads
