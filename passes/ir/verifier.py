@@ -231,18 +231,19 @@ def _check_transpose(node: Node, mesh: Mapping[str, int]) -> str | None:
 def _check_one_hot_add(node: Node, mesh: Mapping[str, int]) -> str | None:
     if len(node.inputs) != 3 or len(node.outputs) != 1:
         return f"expects operand, indices and updates, and one result; has {len(node.inputs)}"
-    operand, result = node.inputs[0], node.outputs[0]
-    if (operand.shape, operand.dtype) != (result.shape, result.dtype):
-        return f"result differs from the operand: {_types([operand])} -> {_types([result])}"
-    return None
+    return _result_like_operand_0(node)
 
 
 def _check_after(node: Node, mesh: Mapping[str, int]) -> str | None:
     if len(node.inputs) < 2 or len(node.outputs) != 1:
         return "expects a value, what it waits for, and one result"
-    value, result = node.inputs[0], node.outputs[0]
-    if (value.shape, value.dtype) != (result.shape, result.dtype):
-        return f"result differs from its value: {_types([value])} -> {_types([result])}"
+    return _result_like_operand_0(node)
+
+
+def _result_like_operand_0(node: Node) -> str | None:
+    operand, result = node.inputs[0], node.outputs[0]
+    if (operand.shape, operand.dtype) != (result.shape, result.dtype):
+        return f"result differs from operand 0: {_types([operand])} -> {_types([result])}"
     return None
 
 
