@@ -2,6 +2,7 @@
 library and starting JAX prints none of libtpu's start-up errors, and TPU topology
 compiles still load libtpu."""
 
+import os
 import subprocess
 import sys
 
@@ -12,16 +13,28 @@ pytest.importorskip("libtpu")
 LIBTPU_START_UP = ("TPU_ACCELERATOR_TYPE", "InitGoogle", "TPU_WORKER_HOSTNAMES")
 
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    import os
+TOPOLOGY_COMPILE = (
+    "import xla_strategies, jax, jax.numpy as jnp\n"
+    "from jax.experimental import topologies\n"
+    "topology = topologies.get_topology_desc('v5e:2x2', 'tpu')\n"
+    "print(len(topology.devices), topology.devices[0].platform)\n"
+)
 
-    environment = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+
+def _environment(**env: str) -> dict[str, str]:
+    """This process's environment as a user's shell has it: no test settings, and no
+    libtpu lock sharing that an earlier import here set."""
+    dropped = ("JAX_PLATFORMS", "XLA_FLAGS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **env}
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**environment, **env},
+        env=_environment(**env),
     )
 
 
@@ -41,12 +54,34 @@ def test_asking_for_the_tpu_backend_without_chips_says_why():
 
 
 def test_a_topology_compile_still_loads_libtpu():
-    code = (
-        "import xla_strategies, jax, jax.numpy as jnp\n"
-        "from jax.experimental import topologies\n"
-        "topology = topologies.get_topology_desc('v5e:2x2', 'tpu')\n"
-        "print(len(topology.devices), topology.devices[0].platform)\n"
-    )
-    done = _run(code)
+    done = _run(TOPOLOGY_COMPILE)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["4", "tpu"]
+
+
+def test_a_topology_compile_runs_beside_another_process_holding_libtpu():
+    # libtpu's lock file guards chips; without them a second process (here one of plain
+    # JAX, which takes the lock) must not stop the library's topology compile
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, jax\n"
+            "from jax.experimental import topologies\n"
+            "topologies.get_topology_desc('v5e:2x2', 'tpu')\n"
+            "print('holding', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_environment(),
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+        done = _run(TOPOLOGY_COMPILE)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["4", "tpu"]
+    finally:
+        holder.communicate(input="", timeout=60)

@@ -11,6 +11,11 @@ uses them only to compile for a topology (`[tpu]` and `[gpu]` extras).
   has no CUDA topology to compile for. `register_cuda_without_gpus` skips that check
   (JAX's own `JAX_SKIP_CUDA_CONSTRAINTS_CHECK`) on such machines only; the CUDA backend is
   still never started there, since JAX starts it only where it sees an NVIDIA GPU.
+- libtpu shared between processes without chips. libtpu takes a lock file for the first
+  process that loads it, so that two processes never drive the same chips; any other
+  process's topology compile then fails ("Internal error when accessing libtpu
+  multi-process lockfile"). With no chips there is nothing to guard:
+  `share_libtpu_without_chips` sets libtpu's own `ALLOW_MULTIPLE_LIBTPU_LOAD` there.
 
 Nothing changes on a machine with TPU chips (JAX's own check, the one its Cloud TPU set-up
 uses), with JAX's `JAX_FORCE_TPU_INIT`, or for topology compiles
@@ -64,6 +69,16 @@ def register_cuda_without_gpus() -> bool:
     return True
 
 
+def share_libtpu_without_chips() -> bool:
+    """On a machine without TPU chips, let every process load libtpu for topology
+    compiles. Returns whether it set libtpu's `ALLOW_MULTIPLE_LIBTPU_LOAD` (a user's own
+    setting stays)."""
+    if "ALLOW_MULTIPLE_LIBTPU_LOAD" in os.environ or _has_tpu_chips():
+        return False
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    return True
+
+
 def _has_nvidia_gpu() -> bool:
     try:
         from jax._src import hardware_utils
@@ -74,12 +89,16 @@ def _has_nvidia_gpu() -> bool:
 
 
 def _has_tpu_chips() -> bool:
-    from jax._src import hardware_utils
+    try:
+        from jax._src import hardware_utils
 
-    chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+        chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+    except (ImportError, AttributeError, OSError):
+        return True  # cannot tell: leave libtpu's own checks in place
     return chips > 0
 
 
 # on import: the library's import comes before JAX starts its backends
 skip_without_chips()
 register_cuda_without_gpus()
+share_libtpu_without_chips()

@@ -10,9 +10,7 @@ the topology: steps lower and compile for the real slice on any machine, and not
 
 from __future__ import annotations
 
-import glob
 import importlib.util
-import os
 from typing import Any
 
 import jax
@@ -174,10 +172,6 @@ def _compile_only_devices(topology: Topology | None) -> list[Any]:
         )
     from jax.experimental import topologies
 
-    if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
-        # no TPU chips here to guard: let other processes compile too (libtpu otherwise
-        # holds a lock file for the process that loaded it first)
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     description = topologies.get_topology_desc(
         topology_name=topology.libtpu_name,
         platform="tpu",
