@@ -74,6 +74,15 @@ SLOW_TESTS = (
     "tests/fuzz/test_differential.py::test_every_pipeline_gives_one_device_numbers[reassociate-all-reduces]",
     "tests/fuzz/test_differential.py::test_every_pipeline_gives_one_device_numbers[hoist-all-reduces]",
     "tests/torch_models/test_train.py::test_cnn_with_batchnorm_and_sgd_momentum_matches_eager_torch[mirrored-syncbn]",
+    # 8-16 s each, with kin in `make test`, once CI's `make test` took 419 s: each pass
+    # alone on the MLP (the fuzzed pipelines stay), the torch CNN under Mirrored (on TPU
+    # stays), two fuzzed strategies (the fuzzed passes and Central Storage's own cases
+    # stay), a table smaller than its lookups (looked up in place stays)
+    "tests/passes/test_pass_numerics.py::test_each_pass_preserves_the_numbers[mlp]",
+    "tests/torch_models/test_train.py::test_cnn_with_batchnorm_and_sgd_momentum_matches_eager_torch[mirrored]",
+    "tests/fuzz/test_differential.py::test_every_pipeline_gives_one_device_numbers[central-storage]",
+    "tests/fuzz/test_differential.py::test_every_pipeline_gives_one_device_numbers[tpu-decomposed]",
+    "tests/test_lookups_in_place.py::test_a_table_smaller_than_its_lookups_is_gathered_and_reduce_scattered_as_before",
 )
 
 
