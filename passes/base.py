@@ -68,6 +68,14 @@ class Pass:
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         raise NotImplementedError
 
+    def stays_off(self, ctx: PassContext, stats: dict[str, Any], why: str) -> bool:
+        """What an `on|auto` pass does where `mode=auto` keeps it off: records its `stats`
+        and a remark saying `why` and how to turn it on, and returns False (nothing
+        changed), for `run` to return."""
+        ctx.stats[self.name] = stats
+        ctx.remarks.append(f"{self.name}{{mode=auto}}: off: {why}; mode=on turns it on")
+        return False
+
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field]:
         """The dataclass fields that are options."""

@@ -51,12 +51,11 @@ class ReduceScattersBeforeLoops(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "auto" and not getattr(ctx.topology, "reduce_scatters_before_loops", False):
-            ctx.stats[self.name] = {"held": 0, "reason": "not measured to pay here"}
-            ctx.remarks.append(
-                f"{self.name}{{mode=auto}}: off: the topology's hardware file does not say it "
-                "pays (reduce_scatters_before_loops); mode=on turns it on"
+            return self.stays_off(
+                ctx,
+                {"held": 0, "reason": "not measured to pay here"},
+                "the topology's hardware file does not say it pays (reduce_scatters_before_loops)",
             )
-            return False
         held = 0
         for region in graph.graphs():
             held += self._hold(region)

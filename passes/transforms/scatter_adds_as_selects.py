@@ -60,12 +60,12 @@ class ScatterAddsAsSelects(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "auto" and not _pays(ctx):
-            ctx.stats[self.name] = {"rewritten": 0, "reason": "not measured to pay here"}
-            ctx.remarks.append(
-                f"{self.name}{{mode=auto}}: off: runs under parameter sharding on a topology "
-                "whose hardware file says it pays (scatter_adds_as_selects); mode=on turns it on"
+            return self.stays_off(
+                ctx,
+                {"rewritten": 0, "reason": "not measured to pay here"},
+                "runs under parameter sharding on a topology whose hardware file says it pays "
+                "(scatter_adds_as_selects)",
             )
-            return False
         rewritten = 0
         for region in graph.graphs():
             for position, node in enumerate(region.nodes):

@@ -60,12 +60,12 @@ class SinkCastsBelowLookups(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "auto" and not gathers_parameters(ctx):
-            ctx.stats[self.name] = {"sunk": 0, "reason": "state whole"}
-            ctx.remarks.append(
-                f"{self.name}{{mode=auto}}: off: the step's state is whole on every chip, "
-                "where its peak is the update's, not the loss's; mode=on turns it on"
+            return self.stays_off(
+                ctx,
+                {"sunk": 0, "reason": "state whole"},
+                "the step's state is whole on every chip, where its peak is the update's, not "
+                "the loss's",
             )
-            return False
         sunk = 0
         for region in graph.graphs():
             producers = region.producers()
