@@ -214,9 +214,18 @@ class Strategy(MeshLayout):
         """Concatenate per-replica values along `axis` (of each replica's value)."""
 
         def leaf(a: Any, where: str) -> Any:
-            parts = self._per_replica_parts(a)
-            check_axis(axis, parts[0].ndim, where)
-            return jnp.concatenate(parts, axis=axis)
+            stacked = self._stacked(a)
+            if stacked is None:  # mirrored: every replica's part is the value itself
+                value = jnp.asarray(a)
+                check_axis(axis, value.ndim, where)
+                return jnp.concatenate([value] * self.num_replicas_in_sync, axis=axis)
+            check_axis(axis, stacked.ndim - 1, where)
+            at = axis % (stacked.ndim - 1)
+            # the parts side by side along `axis` is a layout change of the stack, so XLA
+            # moves the bits; indexing the stack replica by replica compiles to a masked
+            # sum over the devices (-0.0 comes back +0.0)
+            moved = jnp.moveaxis(stacked, 0, at)
+            return moved.reshape(*moved.shape[:at], -1, *moved.shape[at + 2 :])
 
         return map_arrays(leaf, value, "gather(value)")
 
