@@ -45,12 +45,6 @@ class PassContext:
 MODES = ("on", "auto")
 
 
-def check_mode(pass_name: str, mode: str) -> None:
-    """An `on|auto` pass's `mode` option: one of `MODES`, else an error naming the pass."""
-    if mode not in MODES:
-        raise ValueError(f"{pass_name}: mode must be one of {MODES}, got {mode!r}")
-
-
 @dataclass(frozen=True)
 class Pass:
     """Base of all passes. Subclasses are `@dataclass(frozen=True)`; fields are options.
@@ -67,14 +61,6 @@ class Pass:
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         raise NotImplementedError
-
-    def stays_off(self, ctx: PassContext, stats: dict[str, Any], why: str) -> bool:
-        """What an `on|auto` pass does where `mode=auto` keeps it off: records its `stats`
-        and a remark saying `why` and how to turn it on, and returns False (nothing
-        changed), for `run` to return."""
-        ctx.stats[self.name] = stats
-        ctx.remarks.append(f"{self.name}{{mode=auto}}: off: {why}; mode=on turns it on")
-        return False
 
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field]:
@@ -101,6 +87,26 @@ class Pass:
             if getattr(self, f.name) != f.default
         ]
         return f"{self.name}{{{' '.join(options)}}}" if options else self.name
+
+
+@dataclass(frozen=True)
+class ModePass(Pass):
+    """A pass with one option, `mode`: one of `MODES` (``on``: always; ``auto``: where the
+    pass decides it pays). A subclass with another default declares `mode` again."""
+
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"{self.name}: mode must be one of {MODES}, got {self.mode!r}")
+
+    def stays_off(self, ctx: PassContext, stats: dict[str, Any], why: str) -> bool:
+        """What the pass does where `mode=auto` keeps it off: records its `stats` and a
+        remark saying `why` and how to turn it on, and returns False (nothing changed),
+        for `run` to return."""
+        ctx.stats[self.name] = stats
+        ctx.remarks.append(f"{self.name}{{mode=auto}}: off: {why}; mode=on turns it on")
+        return False
 
 
 def _format_option(value: Any) -> str:

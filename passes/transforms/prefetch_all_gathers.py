@@ -38,14 +38,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_strategies.passes.base import Pass, PassContext, check_mode
+from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.gather_prologue import clone, drop_dead, gather_prologue
 
 
 @dataclass(frozen=True)
-class PrefetchAllGathers(Pass):
+class PrefetchAllGathers(ModePass):
     """Options:
     mode: ``on`` prefetches in every layer loop whose body gathers its xs; ``auto`` does
         so with a topology whose compiler runs a loop's all-gathers beside compute, and
@@ -58,10 +58,6 @@ class PrefetchAllGathers(Pass):
     """
 
     name = "prefetch-all-gathers"
-    mode: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         reason = self._off_reason(ctx) if self.mode == "auto" else None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_strategies.passes.base import Pass, PassContext, check_mode
+from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.gather_prologue import ancestors
@@ -37,17 +37,13 @@ _LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
 
 
 @dataclass(frozen=True)
-class ReduceScattersBeforeLoops(Pass):
+class ReduceScattersBeforeLoops(ModePass):
     """Options:
     mode: ``on`` holds every such loop; ``auto`` only on a topology whose hardware file
         says it pays (`reduce_scatters_before_loops`: TPU v5e and v6e).
     """
 
     name = "reduce-scatters-before-loops"
-    mode: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "auto" and not getattr(ctx.topology, "reduce_scatters_before_loops", False):

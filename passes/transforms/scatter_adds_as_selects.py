@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xla_strategies.passes.base import Pass, PassContext, check_mode
+from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
@@ -45,7 +45,7 @@ _DROPPING_MODES = frozenset({"FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
 
 
 @dataclass(frozen=True)
-class ScatterAddsAsSelects(Pass):
+class ScatterAddsAsSelects(ModePass):
     """Options:
     mode: ``on`` rewrites every such scatter-add; ``auto`` only in a step whose state
         `shard-parameters` holds split, on a topology whose hardware file says it pays
@@ -53,10 +53,6 @@ class ScatterAddsAsSelects(Pass):
     """
 
     name = "scatter-adds-as-selects"
-    mode: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "auto" and not _pays(ctx):

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from xla_strategies.passes.base import Pass, PassContext, check_mode
+from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
@@ -64,7 +64,7 @@ STATE_SHARE_OF_HBM = 0.5
 
 
 @dataclass(frozen=True)
-class ShardParameters(Pass):
+class ShardParameters(ModePass):
     """Options:
     mode: ``on`` holds the state split whenever the replicas are more than one; ``auto``
         lets the topology decide: on where the replicated state and its gradients take
@@ -73,9 +73,6 @@ class ShardParameters(Pass):
 
     name = "shard-parameters"
     mode: str = "on"
-
-    def __post_init__(self) -> None:
-        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "on":

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from xla_strategies.passes.base import Pass, PassContext, check_mode
+from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.cost.model import runs_as_all_reduce, weight_update_estimates
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.transforms.block_axes import block_order
@@ -59,7 +59,7 @@ from xla_strategies.passes.transforms.held_state import require_state, warn_if_n
 
 
 @dataclass(frozen=True)
-class ShardWeightUpdates(Pass):
+class ShardWeightUpdates(ModePass):
     """Options:
     mode: ``on`` shards whenever it can; ``auto`` lets the cost model decide for the
         strategy's topology (off without one: on emulated CPU devices the collectives are
@@ -69,9 +69,6 @@ class ShardWeightUpdates(Pass):
 
     name = "shard-weight-updates"
     mode: str = "on"
-
-    def __post_init__(self) -> None:
-        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "on":

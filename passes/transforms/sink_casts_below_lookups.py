@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_strategies.passes.base import Pass, PassContext, check_mode
+from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
@@ -46,17 +46,13 @@ _FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 @dataclass(frozen=True)
-class SinkCastsBelowLookups(Pass):
+class SinkCastsBelowLookups(ModePass):
     """Options:
     mode: ``on`` sinks every such cast; ``auto`` only in a step whose state
         `shard-parameters` holds split (see the module's docstring).
     """
 
     name = "sink-casts-below-lookups"
-    mode: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_mode(self.name, self.mode)
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
         if self.mode == "auto" and not gathers_parameters(ctx):
