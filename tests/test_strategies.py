@@ -244,6 +244,9 @@ def test_gather_hands_back_each_replicas_bits(mirrored, axis):
     gathered = np.asarray(mirrored.gather(stacked, axis=axis))
     expected = np.concatenate(list(parts), axis=axis)
     assert gathered.tobytes() == expected.tobytes()
+    # a mirrored value: every replica's part is the value itself
+    whole = np.asarray(mirrored.gather(mirrored.replicate(parts[1]), axis=axis))
+    assert whole.tobytes() == np.concatenate([parts[1]] * 8, axis=axis).tobytes()
 
 
 def test_an_undeclared_argument_is_never_donated_whatever_the_outputs(mirrored):

@@ -217,8 +217,7 @@ class Strategy(MeshLayout):
             stacked = self._stacked(a)
             if stacked is None:  # mirrored: every replica's part is the value itself
                 value = jnp.asarray(a)
-                check_axis(axis, value.ndim, where)
-                return jnp.concatenate([value] * self.num_replicas_in_sync, axis=axis)
+                stacked = jnp.broadcast_to(value, (self.num_replicas_in_sync, *value.shape))
             check_axis(axis, stacked.ndim - 1, where)
             at = axis % (stacked.ndim - 1)
             # the parts side by side along `axis` is a layout change of the stack, so XLA
