@@ -20,6 +20,7 @@ from xla_strategies.passes.transforms.schedule_all_reduces import ScheduleAllRed
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.passes.transforms.sink_casts_below_lookups import SinkCastsBelowLookups
+from xla_strategies.passes.transforms.split_stacked_all_reduces import SplitStackedAllReduces
 
 # Every pass, in the order passes run when present: a pass a strategy or a compile option
 # adds goes before the first pass that comes after it here. Autodiff's reductions get their
@@ -38,6 +39,7 @@ PASSES: tuple[type[Pass], ...] = (
     CombineAllReduces,
     PrefetchAllGathers,
     DecomposeAllReduces,
+    SplitStackedAllReduces,
     SinkCastsBelowLookups,
     ScatterAddsAsSelects,
     ReduceScattersBeforeLoops,
@@ -51,11 +53,12 @@ PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
 # reductions out of loops or leave them pipelined there (the topology's cost model
 # decides), merge the parts of tied weights, shard the weight update where the cost model
 # says it pays, bucket what is left, then let layer loops gather their next layer's
-# parameters while the current one computes; last, in a step whose state is held split,
-# look up before casting.
+# parameters while the current one computes, and across TPU slices reduce small stacked
+# statistics row by row; last, in a step whose state is held split, look up before casting.
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
-    "combine-all-reduces,prefetch-all-gathers{mode=auto},sink-casts-below-lookups{mode=auto},"
-    "scatter-adds-as-selects{mode=auto},reduce-scatters-before-loops{mode=auto}"
+    "combine-all-reduces,prefetch-all-gathers{mode=auto},split-stacked-all-reduces{mode=auto},"
+    "sink-casts-below-lookups{mode=auto},scatter-adds-as-selects{mode=auto},"
+    "reduce-scatters-before-loops{mode=auto}"
 )

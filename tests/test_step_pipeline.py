@@ -27,15 +27,17 @@ def test_strategies_change_the_default_by_declaring_passes():
     default = [p.name for p in parse_spec(DEFAULT_PIPELINE)]
     assert _names(xs.MirroredStrategy().pipeline()) == default
     tpu = xs.TPUStrategy("v5e-8", emulate=True)
-    # in the passes' canonical order: before the last three, which rewrite the loss's
-    # lookup and its gradient and order the reduce-scatters before the loops
-    assert _names(tpu.pipeline()) == [*default[:-3], "decompose-all-reduces", *default[-3:]]
+    # in the passes' canonical order: before the last four, which split stacked
+    # statistics across slices, rewrite the loss's lookup and its gradient and order the
+    # reduce-scatters before the loops
+    assert _names(tpu.pipeline()) == [*default[:-4], "decompose-all-reduces", *default[-4:]]
     central = xs.CentralStorageStrategy().pipeline()
     assert "shard-weight-updates" not in [p.name for p in central.passes]
-    assert _names(central)[-6:] == [
+    assert _names(central)[-7:] == [
         "reduce-to-one-device",
         "combine-all-reduces",
         "prefetch-all-gathers",
+        "split-stacked-all-reduces",
         "sink-casts-below-lookups",
         "scatter-adds-as-selects",
         "reduce-scatters-before-loops",

@@ -1,0 +1,149 @@
+"""split-stacked-all-reduces: across TPU slices, a small all-reduce of stacked rows
+reduces each row as an operand of its own (one tuple all-reduce).
+
+flax's `BatchNorm` stacks its two statistics (the mean and the mean of squares, [C] each)
+as one [2, C] value for one `pmean`. Across slices, XLA's TPU compiler splits an
+all-reduce of a value whose first dimension is over 1 into three collectives: an
+all-reduce inside each slice, each chip's 1/n share (padded to a tile of [rows, 128])
+all-reduced among the slices, and a second all-reduce inside each slice that puts the
+shares together (an all-gather written as an all-reduce of zeros). The same rows as
+operands of their own, [C] each, compile to two: the all-reduce inside the slice and one
+among the slices of the whole rows. Measured (libtpu 0.0.50.1, 2xv5p-512, 2xv5e-256 and
+2xv6e-256 alike, read by the HLO text reader): f32[2, 256] 106.6 us stacked, 63.5 us as
+rows; f32[16, 256] 107.8 against 65.9; f32[2, 65536] 110.6 against 169.0 (there the rows'
+bytes among the slices cost more than the second all-reduce inside the slice saves).
+
+So the pass prices both forms with the cost model and splits where the rows cost less:
+small statistics, whose every collective costs its latency. Only all-reduces over TPU
+slices (ICI inside each, DCN between) are touched, and only [rows, C] values of at most
+`MAX_ROWS` rows: stacked vectors (a row of a higher rank, a [3, 3, 8] slice of a
+convolution's kernel, is split by XLA the same way again, measured). A bucket (a flat
+buffer, or a tuple) is left as it is. `mode=auto` (the default) and `mode=on` differ only
+in the pricing: `on` splits every such all-reduce.
+
+    Before (2xv5p-512):
+      %1: f32[2,256] = all_reduce(%0) {"axes": ["dcn", "x", "y", "z"], "reduce_op": "mean"}
+    After:
+      %1: f32[1,256]{dcn,x,y,z} = slice(%0) {"limit": [1, 256], "start": [0, 0]}
+      %2: f32[256]{dcn,x,y,z} = reshape(%1)
+      %3: f32[1,256]{dcn,x,y,z} = slice(%0) {"limit": [2, 256], "start": [1, 0]}
+      %4: f32[256]{dcn,x,y,z} = reshape(%3)
+      %5: f32[256], %6: f32[256] = all_reduce(%2, %4) {"axes": ["dcn", "x", "y", "z"], ...}
+      %7: f32[1,256] = reshape(%5)
+      %8: f32[1,256] = reshape(%6)
+      %9: f32[2,256] = concatenate(%7, %8) {"dimension": 0}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from xla_strategies.passes.base import ModePass, PassContext
+from xla_strategies.passes.cost import model as cost_model
+from xla_strategies.passes.ir.graph import Graph, Node, Value, itemsize
+
+# The most rows split so (measured up to 16: one operand per row beyond that is a long
+# tuple for a value that is no longer a few stacked statistics).
+MAX_ROWS = 16
+# Lanes of a TPU tile: XLA pads each chip's share of a stacked value to [rows, LANES].
+LANES = 128
+# Up to this many bytes, XLA's combiner makes the rows' all-reduces among the slices one;
+# beyond it each row goes on its own (measured: f32[2, 32768] one, f32[2, 65536] two).
+COMBINED_ROWS_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class SplitStackedAllReduces(ModePass):
+    """Options:
+    mode: ``auto`` splits where the cost model prices the rows cheaper than the stacked
+        value; ``on`` splits every all-reduce of stacked rows across TPU slices.
+    """
+
+    name = "split-stacked-all-reduces"
+
+    def run(self, graph: Graph, ctx: PassContext) -> bool:
+        if not _has_slices(ctx):
+            ctx.stats[self.name] = {"split": 0, "reason": "no TPU slices to reduce across"}
+            if self.mode == "on":
+                ctx.remarks.append(
+                    f"{self.name}{{mode=on}}: nothing to split: the topology "
+                    f"({ctx.topology or 'none'}) has no TPU slices joined by DCN"
+                )
+            return False
+        split = 0
+        for region in graph.graphs():
+            for node in list(region.nodes):
+                links = _across_slices(node, ctx)
+                if links is not None and (self.mode == "on" or _rows_pay(node, *links)):
+                    _split(region, node, self.name)
+                    split += 1
+        ctx.stats[self.name] = {"split": split}
+        return split > 0
+
+
+def _has_slices(ctx: PassContext) -> bool:
+    if ctx.topology is None:
+        return False
+    fast, slow = cost_model.split_levels(ctx.topology.axis_links())
+    return _tpu_slices(fast, slow)
+
+
+def _tpu_slices(fast: Sequence, slow: Sequence) -> bool:
+    """Whether `fast` are ICI links inside TPU slices and `slow` DCN links among them."""
+    return (
+        bool(fast and slow)
+        and all(link.level == "ici" for link in fast)
+        and all(link.level == "dcn" for link in slow)
+    )
+
+
+def _across_slices(node: Node, ctx: PassContext) -> tuple[list, list] | None:
+    """The (inside a slice, among slices) links of an all-reduce of a few stacked rows
+    across TPU slices; None for any other node."""
+    if node.op != "all_reduce" or len(node.inputs) != 1 or "bucket" in node.attrs:
+        return None
+    shape = node.inputs[0].shape
+    if len(shape) != 2 or not 1 < shape[0] <= MAX_ROWS:
+        return None
+    fast, slow = cost_model.split_levels(ctx.topology.axis_links(tuple(node.attrs["axes"])))
+    return (fast, slow) if _tpu_slices(fast, slow) else None
+
+
+def _rows_pay(node: Node, fast: Sequence, slow: Sequence) -> bool:
+    """Whether the rows apart (an all-reduce in the slice, then the rows among the slices)
+    cost less than XLA's form of the stacked value (an all-reduce in the slice,
+    each chip's padded share among the slices, an all-reduce in the slice again)."""
+    value = node.inputs[0]
+    nbytes = value.nbytes
+    chips = math.prod(link.size for link in fast)
+    share = max(nbytes / chips, value.shape[0] * LANES * itemsize(value.dtype))
+    inside = cost_model.flat_time("all_reduce", nbytes, fast)
+    stacked = 2 * inside + cost_model.flat_time("all_reduce", share, slow)
+    apart = 1 if nbytes <= COMBINED_ROWS_BYTES else value.shape[0]
+    rows = inside + apart * cost_model.flat_time("all_reduce", nbytes / apart, slow)
+    return rows < stacked
+
+
+def _split(graph: Graph, node: Node, created_by: str) -> None:
+    """Replace `node` by one all-reduce of its operand's rows and their concatenation."""
+    value, result = node.inputs[0], node.outputs[0]
+    count, *row_shape = value.shape
+    new: list[Node] = []
+
+    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
+        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
+        return out
+
+    rows = []
+    for i in range(count):
+        start, limit = [i] + [0] * len(row_shape), [i + 1, *row_shape]
+        piece = emit("slice", [value], value.like(shape=(1, *row_shape)), start=start, limit=limit)
+        rows.append(emit("reshape", [piece], value.like(shape=tuple(row_shape))))
+    reduced = [result.like(shape=tuple(row_shape)) for _ in rows]
+    new.append(Node(node.op, rows, reduced, dict(node.attrs), created_by=created_by))
+    stacked = [emit("reshape", [r], r.like(shape=(1, *row_shape))) for r in reduced]
+    new.append(Node("concatenate", stacked, [result], {"dimension": 0}, created_by=created_by))
+    at = graph.nodes.index(node)
+    graph.nodes[at : at + 1] = new
