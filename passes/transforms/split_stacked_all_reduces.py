@@ -14,7 +14,8 @@ rows; f32[16, 256] 107.8 against 65.9; f32[2, 65536] 110.6 against 169.0 (there 
 bytes among the slices cost more than the second all-reduce inside the slice saves).
 
 So the pass prices both forms with the cost model and splits where the rows cost less:
-small statistics, whose every collective costs its latency. Only all-reduces over TPU
+small statistics, whose every collective costs its latency. Each decision, with both
+estimates, is in the pass's stats. Only all-reduces over TPU
 slices (ICI inside each, DCN between) are touched, and only [rows, C] values of at most
 `MAX_ROWS` rows: stacked vectors (a row of a higher rank, a [3, 3, 8] slice of a
 convolution's kernel, is split by XLA the same way again, measured). A bucket (a flat
@@ -72,14 +73,25 @@ class SplitStackedAllReduces(ModePass):
                     f"({ctx.topology or 'none'}) has no TPU slices joined by DCN"
                 )
             return False
-        split = 0
+        decisions = []
         for region in graph.graphs():
             for node in list(region.nodes):
                 links = _across_slices(node, ctx)
-                if links is not None and (self.mode == "on" or _rows_pay(node, *links)):
+                if links is None:
+                    continue
+                estimates = _estimates(node, *links)
+                rows = self.mode == "on" or estimates["rows"] < estimates["stacked"]
+                decisions.append(
+                    {
+                        "shape": list(node.inputs[0].shape),
+                        "estimates_s": estimates,
+                        "form": "rows" if rows else "stacked",
+                    }
+                )
+                if rows:
                     _split(region, node, self.name)
-                    split += 1
-        ctx.stats[self.name] = {"split": split}
+        split = sum(d["form"] == "rows" for d in decisions)
+        ctx.stats[self.name] = {"split": split, "decisions": decisions}
         return split > 0
 
 
@@ -111,19 +123,20 @@ def _across_slices(node: Node, ctx: PassContext) -> tuple[list, list] | None:
     return (fast, slow) if _tpu_slices(fast, slow) else None
 
 
-def _rows_pay(node: Node, fast: Sequence, slow: Sequence) -> bool:
-    """Whether the rows apart (an all-reduce in the slice, then the rows among the slices)
-    cost less than XLA's form of the stacked value (an all-reduce in the slice,
-    each chip's padded share among the slices, an all-reduce in the slice again)."""
+def _estimates(node: Node, fast: Sequence, slow: Sequence) -> dict[str, float]:
+    """Seconds for XLA's form of the stacked value (an all-reduce in the slice, each chip's
+    padded share among the slices, an all-reduce in the slice again) and for the rows
+    apart (an all-reduce in the slice, then the rows among the slices)."""
     value = node.inputs[0]
     nbytes = value.nbytes
     chips = math.prod(link.size for link in fast)
     share = max(nbytes / chips, value.shape[0] * LANES * itemsize(value.dtype))
     inside = cost_model.flat_time("all_reduce", nbytes, fast)
-    stacked = 2 * inside + cost_model.flat_time("all_reduce", share, slow)
     apart = 1 if nbytes <= COMBINED_ROWS_BYTES else value.shape[0]
-    rows = inside + apart * cost_model.flat_time("all_reduce", nbytes / apart, slow)
-    return rows < stacked
+    return {
+        "stacked": 2 * inside + cost_model.flat_time("all_reduce", share, slow),
+        "rows": inside + apart * cost_model.flat_time("all_reduce", nbytes / apart, slow),
+    }
 
 
 def _split(graph: Graph, node: Node, created_by: str) -> None:

@@ -41,7 +41,11 @@ def _run(pass_: SplitStackedAllReduces, text: str, topology: Topology | None = S
 
 def test_stacked_statistics_across_slices_are_reduced_row_by_row():
     changed, after, ctx = _run(SplitStackedAllReduces(), _stats("2,256"))
-    assert changed and ctx.stats["split-stacked-all-reduces"] == {"split": 1}
+    stats = ctx.stats["split-stacked-all-reduces"]
+    assert changed and stats["split"] == 1
+    [decision] = stats["decisions"]
+    assert decision["form"] == "rows" and decision["shape"] == [2, 256]
+    assert decision["estimates_s"]["rows"] < decision["estimates_s"]["stacked"]
     filecheck(
         after,
         """
@@ -74,8 +78,10 @@ def test_stacked_statistics_across_slices_are_reduced_row_by_row():
     ids=["large", "rank-1", "one-row", "many-rows", "kernel", "inside-each-slice", "one-slice"],
 )
 def test_what_the_compiler_runs_well_already_is_left_alone(text, topology):
-    changed, after, _ = _run(SplitStackedAllReduces(), text, topology)
+    changed, after, ctx = _run(SplitStackedAllReduces(), text, topology)
     assert not changed and "concatenate" not in after
+    decisions = ctx.stats["split-stacked-all-reduces"].get("decisions", [])
+    assert all(d["form"] == "stacked" for d in decisions)
 
 
 def test_a_bucket_is_left_as_it_is():
