@@ -210,6 +210,32 @@ def test_merge_call_runs_merge_fn_on_every_replicas_values(mirrored):
     np.testing.assert_allclose(own, per_replica, rtol=1e-6)  # back to each replica: stacked
 
 
+@pytest.mark.parametrize(
+    "make",
+    [xs.MirroredStrategy, lambda: xs.TPUStrategy("v5e-8", emulate=True)],
+    ids=["mirrored", "tpu-2d"],
+)
+def test_merge_call_hands_merge_fn_each_replicas_bits(make):
+    """On one mesh axis and on two, the values merge_fn sees, gathers and hands back are each replica's bits (signed
+    zeros, infinities, NaN): gathering them moves data, it adds nothing (a sum of masked
+    parts would make -0.0 +0.0)."""
+    parts = np.arange(R * 3, dtype=np.float32).reshape(R, 3)
+    parts[::2, 0] = -0.0
+    parts[1] = [np.inf, -np.inf, np.nan]
+
+    def merge_fn(strategy, per_replica):
+        return strategy.gather(per_replica, axis=0), per_replica
+
+    def step(x):
+        return xs.get_replica_context().merge_call(merge_fn, args=(x[0],))
+
+    strategy = make()
+    batch = next(iter(strategy.experimental_distribute_dataset([parts])))
+    gathered, own = strategy.run(step, args=(batch,))
+    assert np.asarray(gathered).tobytes() == parts.reshape(-1).tobytes()
+    assert np.asarray(strategy.gather(own, axis=0)).tobytes() == parts.reshape(-1).tobytes()
+
+
 def test_merge_call_outside_a_step_sees_one_replica():
     out = xs.get_replica_context().merge_call(lambda s, v: (s, v * 2), args=(3,))
     assert isinstance(out[0], xs.OneDeviceStrategy) and out[1] == 6

@@ -52,8 +52,9 @@ def merge_call(
     def gather(leaf: Any) -> Any:
         if not isinstance(leaf, jax.Array) or not varying_axes(jax.typeof(leaf)):
             return leaf  # mirrored: the same on every replica already
-        rows = jnp.zeros((context.num_replicas_in_sync, *leaf.shape), leaf.dtype)
-        whole = lax.psum(rows.at[replica].set(leaf), context.axis_names)
+        # stacked in replica order, each replica's bits (a psum of masked rows would add
+        # +0.0 to every -0.0)
+        whole = lax.all_gather(leaf, context.axis_names, to="invarying")
         stacked[id(whole)] = whole
         return whole
 
