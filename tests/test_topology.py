@@ -68,6 +68,15 @@ def test_every_number_names_its_source():
             assert {"wraparound", "slices", "slice_names", "topology"} & set(sources), hardware
 
 
+def test_a_multislice_table_wins_on_several_slices_only():
+    """v5p's file leaves the label-gradient selects and the loops' wait off (worse on one
+    slice) and its `[multislice]` table turns them on (better on two)."""
+    one, two = xs.Topology.from_name("v5p-512"), xs.Topology.from_name("2xv5p-512")
+    assert not one.reduce_scatters_before_loops and not one.scatter_adds_as_selects
+    assert two.reduce_scatters_before_loops and two.scatter_adds_as_selects
+    assert two.hbm_bytes == one.hbm_bytes  # the rest is the file's
+
+
 @pytest.mark.parametrize("name", BENCHMARKED)
 def test_estimates_never_beat_the_bound(name):
     topology = xs.Topology.from_name(name)

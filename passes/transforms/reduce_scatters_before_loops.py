@@ -40,7 +40,7 @@ _LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
 class ReduceScattersBeforeLoops(ModePass):
     """Options:
     mode: ``on`` holds every such loop; ``auto`` only on a topology whose hardware file
-        says it pays (`reduce_scatters_before_loops`: TPU v5e and v6e).
+        says it pays (`reduce_scatters_before_loops`: TPU v5e, v6e, v5p across slices).
     """
 
     name = "reduce-scatters-before-loops"

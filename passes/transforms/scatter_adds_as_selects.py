@@ -49,7 +49,7 @@ class ScatterAddsAsSelects(ModePass):
     """Options:
     mode: ``on`` rewrites every such scatter-add; ``auto`` only in a step whose state
         `shard-parameters` holds split, on a topology whose hardware file says it pays
-        (`scatter_adds_as_selects`: TPU v5e and v6e).
+        (`scatter_adds_as_selects`: TPU v5e, v6e, v5p across slices).
     """
 
     name = "scatter-adds-as-selects"
@@ -81,7 +81,8 @@ class ScatterAddsAsSelects(ModePass):
 
 
 def _pays(ctx: PassContext) -> bool:
-    """Measured to shrink the step: under parameter sharding, on TPU v5e and v6e."""
+    """Measured to shrink the step: under parameter sharding, on TPU v5e, v6e and v5p across
+    slices."""
     return gathers_parameters(ctx) and getattr(ctx.topology, "scatter_adds_as_selects", False)
 
 

@@ -124,6 +124,8 @@ class Topology:
             )
         count = int(found["count"] or 1)
         config = hardware_config(found["hardware"])
+        if count > 1:  # settings measured apart for several slices win over the file's
+            config = {**config, **config.get("multislice", {})}
         if config["kind"] == "tpu":
             axes = _tpu_axes(config, found["slice"], count, name)
         else:
