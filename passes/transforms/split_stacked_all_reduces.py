@@ -5,22 +5,23 @@ flax's `BatchNorm` stacks its two statistics (the mean and the mean of squares, 
 as one [2, C] value for one `pmean`. Across slices, XLA's TPU compiler splits an
 all-reduce of a value whose first dimension is over 1 into three collectives: an
 all-reduce inside each slice, each chip's 1/n share (padded to a tile of [rows, 128])
-all-reduced among the slices, and a second all-reduce inside each slice that puts the
-shares together (an all-gather written as an all-reduce of zeros). The same rows as
-operands of their own, [C] each, compile to two: the all-reduce inside the slice and one
-among the slices of the whole rows. Measured (libtpu 0.0.50.1, 2xv5p-512, 2xv5e-256 and
-2xv6e-256 alike, read by the HLO text reader): f32[2, 256] 106.6 us stacked, 63.5 us as
-rows; f32[16, 256] 107.8 against 65.9; f32[2, 65536] 110.6 against 169.0 (there the rows'
-bytes among the slices cost more than the second all-reduce inside the slice saves).
+all-reduced among the slices, and a second collective inside each slice that puts the
+shares together (an all-reduce of zeros on a 256-chip slice, an all-gather on a small
+one). The same rows as operands of their own, [C] each, compile to two: the all-reduce
+inside the slice and one among the slices of the whole rows. Measured (libtpu 0.0.50.1,
+2xv5p-512, 2xv5e-256 and 2xv6e-256 alike, read by the HLO text reader): f32[2, 256]
+106.6 us stacked, 63.5 us as rows; f32[16, 256] 107.8 against 65.9; f32[2, 65536] 110.6
+against 169.0 (there the rows' bytes among the slices cost more than the second
+collective inside the slice saves).
 
 So the pass prices both forms with the cost model and splits where the rows cost less:
 small statistics, whose every collective costs its latency. Each decision, with both
-estimates, is in the pass's stats. Only all-reduces over TPU
-slices (ICI inside each, DCN between) are touched, and only [rows, C] values of at most
-`MAX_ROWS` rows: stacked vectors (a row of a higher rank, a [3, 3, 8] slice of a
-convolution's kernel, is split by XLA the same way again, measured). A bucket (a flat
-buffer, or a tuple) is left as it is. `mode=auto` (the default) and `mode=on` differ only
-in the pricing: `on` splits every such all-reduce.
+estimates, is in the pass's stats. Only all-reduces over TPU slices (ICI inside each, DCN
+between) are touched, and only [rows, C] values of at most `MAX_ROWS` rows: stacked
+vectors (a row of a higher rank, a [3, 3, 8] slice of a convolution's kernel, is split
+by XLA the same way again, measured). A bucket (a flat buffer, or a tuple) is left as it
+is. `mode=auto` (the default) and `mode=on` differ only in the pricing: `on` splits every
+such all-reduce, and says so where the topology has no slices.
 
     Before (2xv5p-512):
       %1: f32[2,256] = all_reduce(%0) {"axes": ["dcn", "x", "y", "z"], "reduce_op": "mean"}
