@@ -118,12 +118,12 @@ def main() -> None:
         strategy = xs.TPUStrategy(args.topology, compile_only=True)
         workload = WORKLOADS[args.model]()
         passes = [n for n in strategy.pipeline(None).enabled_names() if n not in NOT_ABLATED]
-        rows = []
+        rows = old[f"{workload.name} on {args.topology}"] = []
         for disabled in tqdm([None, *passes], desc="compile", unit="program"):
             rows.append(compile_without(strategy, workload, disabled))
             tqdm.write(json.dumps(rows[-1]))
-        old[f"{workload.name} on {args.topology}"] = rows
-        RESULTS.write_text(json.dumps(old, indent=1) + "\n")
+            # after every program: a run cut short keeps what it compiled
+            RESULTS.write_text(json.dumps(old, indent=1) + "\n")
     print("\n\n".join(table(name, rows) for name, rows in old.items()))
 
 
