@@ -97,7 +97,7 @@ def flat_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
     if p == 1:
         return 0.0
     fast, slow = split_levels(axes)
-    if fast and slow and all(a.level == "ici" for a in fast):
+    if across_tpu_slices(fast, slow):
         return slices_time(op, nbytes, fast, slow)
     factor = 2 if op == "all_reduce" else 1
     latency = factor * math.ceil(math.log2(p)) * max(a.latency for a in axes)
@@ -277,6 +277,12 @@ def split_levels(axes: Sequence[AxisLink]) -> tuple[list[AxisLink], list[AxisLin
     fast = [a for a in axes if a.level not in SLOW_LEVELS and a.size > 1]
     slow = [a for a in axes if a.level in SLOW_LEVELS and a.size > 1]
     return fast, slow
+
+
+def across_tpu_slices(fast: Sequence[AxisLink], slow: Sequence[AxisLink]) -> bool:
+    """Whether `split_levels`' (fast, slow) axes are TPU slices (ICI inside each) joined by
+    a slow level (DCN): where XLA's own hierarchy runs a collective (`slices_time`)."""
+    return bool(fast and slow) and all(a.level == "ici" for a in fast)
 
 
 def bucket_bytes(axes: Sequence[AxisLink], overhead: float = 0.02, cap: int = 1 << 30) -> int:

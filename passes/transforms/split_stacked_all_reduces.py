@@ -99,17 +99,7 @@ class SplitStackedAllReduces(ModePass):
 def _has_slices(ctx: PassContext) -> bool:
     if ctx.topology is None:
         return False
-    fast, slow = cost_model.split_levels(ctx.topology.axis_links())
-    return _tpu_slices(fast, slow)
-
-
-def _tpu_slices(fast: Sequence, slow: Sequence) -> bool:
-    """Whether `fast` are ICI links inside TPU slices and `slow` DCN links among them."""
-    return (
-        bool(fast and slow)
-        and all(link.level == "ici" for link in fast)
-        and all(link.level == "dcn" for link in slow)
-    )
+    return cost_model.across_tpu_slices(*cost_model.split_levels(ctx.topology.axis_links()))
 
 
 def _across_slices(node: Node, ctx: PassContext) -> tuple[list, list] | None:
@@ -121,7 +111,7 @@ def _across_slices(node: Node, ctx: PassContext) -> tuple[list, list] | None:
     if len(shape) != 2 or not 1 < shape[0] <= MAX_ROWS:
         return None
     fast, slow = cost_model.split_levels(ctx.topology.axis_links(tuple(node.attrs["axes"])))
-    return (fast, slow) if _tpu_slices(fast, slow) else None
+    return (fast, slow) if cost_model.across_tpu_slices(fast, slow) else None
 
 
 def _estimates(node: Node, fast: Sequence, slow: Sequence) -> dict[str, float]:
