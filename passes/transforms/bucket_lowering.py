@@ -30,12 +30,18 @@ def _label(node: Node) -> str:
 
 
 def combine(
-    graph: Graph, bucket: Bucket, index: int, created_by: str, own_operand_bytes: int = 0
+    graph: Graph,
+    bucket: Bucket,
+    index: int,
+    created_by: str,
+    own_operand_bytes: int = 0,
+    tile: int = 1,
 ) -> None:
     """Replace the bucket's members by one all_reduce at the last member's position. Its
     first operand is a flat buffer of the members (reshape, concatenate; slice and reshape
-    back after); members of at least `own_operand_bytes` (when not 0) are operands of their
-    own instead, so the reduction is one tuple all-reduce that copies only small tensors."""
+    back after), zeros after them up to a multiple of `tile` elements; members of at least
+    `own_operand_bytes` (when not 0) are operands of their own instead, so the reduction is
+    one tuple all-reduce that copies only small tensors."""
     members, first = bucket.members, bucket.members[0]
     dtype, axes = first.inputs[0].dtype, set(first.attrs["axes"])
     varying = first.inputs[0].varying_axes
@@ -58,8 +64,10 @@ def combine(
         for m in packed
     ]
     if packed:
-        total = sum(f.size for f in flats)
-        buffer = emit("concatenate", flats, Value((total,), dtype, varying), dimension=0)
+        pad = (-sum(f.size for f in flats)) % tile
+        zeros = [emit("constant", [], Value((pad,), dtype, frozenset()), value=0)] if pad else []
+        total = sum(f.size for f in flats) + pad
+        buffer = emit("concatenate", [*flats, *zeros], Value((total,), dtype, varying), dimension=0)
         operands = [buffer, *operands]
         results = [Value((total,), dtype, frozenset(varying - axes)), *results]
     attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}

@@ -143,7 +143,8 @@ class CombineAllReduces(Pass):
                     combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes, tile)
                 else:
                     own_bytes = _own_bytes(ctx, bucket.members[0], spans)
-                    combine(region, bucket, len(sizes), self.name, own_bytes)
+                    flat_tile = getattr(ctx.topology, "flat_buffer_tile", 1)
+                    combine(region, bucket, len(sizes), self.name, own_bytes, flat_tile)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}
         if left_apart:

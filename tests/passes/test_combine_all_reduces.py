@@ -174,6 +174,68 @@ def test_inside_a_tpu_slice_every_member_is_an_operand_of_its_own(hardware, oper
     assert ("concatenate(" in after) == (operands == 1)
 
 
+def test_across_tpu_slices_a_flat_bucket_is_padded_to_whole_tiles():
+    """XLA's TPU compiler reduces a flat buffer as (8, 128) tiles; zeros after the members
+    make it whole tiles, and no member's slice reads them."""
+    import xla_strategies as xs
+
+    topology = xs.Topology.from_name("2xv5e-8")
+    axes = json.dumps(list(topology.mesh_axes))
+    text = THREE.replace('"axes": ["replica"]', f'"axes": {axes}').replace(
+        "{replica}", "{" + ",".join(topology.mesh_axes) + "}"
+    )
+    _, after, _ = run_pass(CombineAllReduces(), text, topology.mesh_axes, topology=topology)
+    filecheck(
+        after,
+        """
+        CHECK: %[[FLAT:[0-9]+]]: f32[12]{{.*}} = reshape(%0)
+        CHECK-NEXT: %[[ZEROS:[0-9]+]]: f32[1005] = constant() {"value": 0}
+        CHECK-NEXT: %[[BUF:[0-9]+]]: f32[1024]{{.*}} = concatenate(%[[FLAT]], %1, %2, %[[ZEROS]])
+        CHECK-NEXT: %[[SUM:[0-9]+]]: f32[1024] = all_reduce(%[[BUF]])
+        CHECK: slice(%[[SUM]]) {"limit": [12], "start": [0]}
+        CHECK: slice(%[[SUM]]) {"limit": [17], "start": [12]}
+        CHECK: slice(%[[SUM]]) {"limit": [19], "start": [17]}
+        CHECK-NOT: slice(%[[SUM]])
+        """,
+    )
+
+
+@pytest.mark.parametrize("topology", ["2xv5e-4", "2xv5p-8", "2xv6e-4"])
+def test_xla_reduces_a_padded_flat_bucket_without_copying_it_first(topology):
+    """Compiled for two slices of each TPU generation: a 22-element flat gradient bucket
+    unpadded makes XLA copy and zero-pad it (`ZeroCrop`); padded to whole tiles, it does
+    not. The step's numbers are the emulated tests' concern (the BatchNorm test across
+    emulated slices pads its buckets too)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import xla_strategies as xs
+
+    def step(params, batch):
+        def loss(p):
+            return jnp.mean((batch @ p["w"]) ** 2) + jnp.sum(p["b"] ** 2) * jnp.mean(batch)
+
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    def compiled_text(topology: xs.Topology) -> str:
+        strategy = xs.TPUStrategy(topology, compile_only=True)
+        params = {
+            "w": jax.ShapeDtypeStruct((3, 5), jnp.float32),
+            "b": jax.ShapeDtypeStruct((7,), jnp.float32),
+        }
+        batch = strategy.experimental_distribute_values_from_function(lambda ctx: jnp.zeros((2, 3)))
+        lowered = strategy.compile(step).lower(strategy.replicate(params), batch)
+        return lowered.compile().as_text()
+
+    padded = xs.Topology.from_name(topology)
+    assert padded.flat_buffer_tile == 1024
+    assert "ZeroCrop" not in compiled_text(padded)
+    assert "ZeroCrop" in compiled_text(dataclasses.replace(padded, flat_buffer_tile=1))
+
+
 def test_tuple_buckets_keep_the_numbers():
     import jax
     import numpy as np

@@ -98,6 +98,10 @@ class Topology:
     #: member an operand of its own) rather than a flat buffer: on TPU, whose tiled layouts
     #: make the flat buffer a copy of every member in and out
     tuple_all_reduce_buckets: bool = False
+    #: the element count a flat collective buffer is padded to a multiple of (zeros, never
+    #: read): XLA's TPU compiler reduces a flat buffer as whole (8, 128) tiles, and one of
+    #: a part tile it first copies whole and zero-pads (its `ZeroCrop`); 1: no padding
+    flat_buffer_tile: int = 1
     #: whether the compiler hides a replicated optimizer update's device-memory traffic
     #: behind the backward pass (TPU: it prefetches the update's operands into on-chip
     #: memory beside the gradient matmuls), so sharding the update saves no step time
@@ -151,6 +155,7 @@ class Topology:
             loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
             bucket_layer_collectives=config.get("bucket_layer_collectives", True),
             tuple_all_reduce_buckets=config.get("tuple_all_reduce_buckets", False),
+            flat_buffer_tile=config.get("flat_buffer_tile", 1),
             hides_update_traffic=config.get("hides_update_traffic", False),
             scatter_adds_as_selects=config.get("scatter_adds_as_selects", False),
             reduce_scatters_before_loops=config.get("reduce_scatters_before_loops", False),
