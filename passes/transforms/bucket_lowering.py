@@ -1,7 +1,14 @@
 """How `combine-all-reduces` lowers one bucket: its members become one collective over a
 flat buffer (reshape, concatenate; slice and reshape back after), placed where the last
 member was. Block collectives (reduce-scatters, all-gathers) view each member as
-[replicas, block size] first."""
+[replicas, block size] first.
+
+With a device tile (rows, lanes) (TPU: (8, 128)), a member whose last two dimensions are
+whole tiles enters the flat buffer in the order its tiled layout keeps it in memory, tile
+after tile ([..., R, L] as [..., R / rows, L / lanes, rows, lanes]), not in row-major
+order: a sum does not care about the order, and XLA's TPU compiler then copies nothing
+(the buffer's 1-D layout is whole tiles in a row) where a row-major buffer is a relayout
+of every member after the reduction."""
 
 from __future__ import annotations
 
@@ -35,13 +42,14 @@ def combine(
     index: int,
     created_by: str,
     own_operand_bytes: int = 0,
-    tile: int = 1,
+    tile: tuple[int, int] | None = None,
 ) -> None:
     """Replace the bucket's members by one all_reduce at the last member's position. Its
     first operand is a flat buffer of the members (reshape, concatenate; slice and reshape
-    back after), zeros after them up to a multiple of `tile` elements; members of at least
-    `own_operand_bytes` (when not 0) are operands of their own instead, so the reduction is
-    one tuple all-reduce that copies only small tensors."""
+    back after); with a `tile`, members in tile order where they are whole tiles, and zeros
+    after them up to whole tiles. Members of at least `own_operand_bytes` (when not 0) are
+    operands of their own instead, so the reduction is one tuple all-reduce that copies only
+    small tensors."""
     members, first = bucket.members, bucket.members[0]
     dtype, axes = first.inputs[0].dtype, set(first.attrs["axes"])
     varying = first.inputs[0].varying_axes
@@ -57,14 +65,9 @@ def combine(
     if len(packed) == 1:  # nothing to pack it with: an operand of its own
         operands, results = [packed[0].inputs[0], *operands], [packed[0].outputs[0], *results]
         packed = []
-    flats = [
-        m.inputs[0]
-        if len(m.inputs[0].shape) == 1
-        else emit("reshape", [m.inputs[0]], Value((m.inputs[0].size,), dtype, varying))
-        for m in packed
-    ]
+    flats = [_flat(emit, m.inputs[0], tile) for m in packed]
     if packed:
-        pad = (-sum(f.size for f in flats)) % tile
+        pad = (-sum(f.size for f in flats)) % math.prod(tile or (1,))
         zeros = [emit("constant", [], Value((pad,), dtype, frozenset()), value=0)] if pad else []
         total = sum(f.size for f in flats) + pad
         buffer = emit("concatenate", [*flats, *zeros], Value((total,), dtype, varying), dimension=0)
@@ -76,14 +79,55 @@ def combine(
     offset = 0
     for member, flat in zip(packed, flats, strict=True):
         result = member.outputs[0]
-        piece = (
-            result if len(result.shape) == 1 else Value((flat.size,), dtype, result.varying_axes)
-        )
+        piece = result if len(result.shape) == 1 else result.like(shape=(flat.size,))
         emit("slice", [results[0]], piece, start=[offset], limit=[offset + flat.size])
         if piece is not result:
-            emit("reshape", [piece], result)
+            _unflat(emit, new, piece, result, tile, created_by)
         offset += flat.size
     _replace_members(graph, bucket, new)
+
+
+def _tiles(shape: tuple[int, ...], tile: tuple[int, int] | None) -> tuple[int, ...] | None:
+    """`shape` as [leading, row tiles, rows, lane tiles, lanes], where its last two
+    dimensions are whole tiles in more than one column of tiles (one column of tiles is in
+    row-major order already); None elsewhere."""
+    if tile is None or len(shape) < 2:
+        return None
+    (rows, lanes), (height, width) = tile, shape[-2:]
+    if height % rows or width % lanes or width == lanes:
+        return None
+    return (math.prod(shape[:-2]), height // rows, rows, width // lanes, lanes)
+
+
+# swaps a tiled view's rows and lane tiles: [l, R, r, L, l'] <-> [l, R, L, r, l']; its own
+# inverse
+_TILE_ORDER = [0, 1, 3, 2, 4]
+
+
+def _flat(emit, value: Value, tile: tuple[int, int] | None) -> Value:
+    """`value` as one dimension: in tile order where it is whole tiles, else row-major."""
+    if len(value.shape) == 1:
+        return value
+    flat = value.like(shape=(value.size,))
+    tiled = _tiles(value.shape, tile)
+    if tiled is None:
+        return emit("reshape", [value], flat)
+    view = emit("reshape", [value], value.like(shape=tiled))
+    ordered = tuple(tiled[i] for i in _TILE_ORDER)
+    moved = emit("transpose", [view], value.like(shape=ordered), permutation=_TILE_ORDER)
+    return emit("reshape", [moved], flat)
+
+
+def _unflat(emit, new: list[Node], piece: Value, result: Value, tile, created_by: str) -> None:
+    """`_flat`'s inverse: the reduced `piece` as the member's `result`."""
+    tiled = _tiles(result.shape, tile)
+    if tiled is None:
+        new.append(Node("reshape", [piece], [result], created_by=created_by))
+        return
+    ordered = tuple(tiled[i] for i in _TILE_ORDER)
+    view = emit("reshape", [piece], result.like(shape=ordered))
+    moved = emit("transpose", [view], result.like(shape=tiled), permutation=_TILE_ORDER)
+    new.append(Node("reshape", [moved], [result], created_by=created_by))
 
 
 def combine_blocks(

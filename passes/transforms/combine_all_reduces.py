@@ -65,7 +65,8 @@ DEFAULT_THRESHOLD_BYTES = 64 * 1024
 # them. Inside a TPU slice every member is its own operand
 # (`Topology.tuple_all_reduce_buckets`: its tiled layouts make the flat buffer a copy in
 # and out). Elsewhere buckets stay flat: across TPU slices flat measured better (Llama-2-7B
-# FSDP on 2xv5p-512: 4.07 against 4.09 GiB, 445.2 against 455.9 ms), and
+# FSDP on 2xv5p-512: 4.07 against 4.09 GiB, 445.2 against 455.9 ms), in the device's tile
+# order and padded to whole tiles (`Topology.flat_buffer_tile`, bucket_lowering), and
 # decompose-all-reduces splits a flat buffer across GPU nodes.
 OWN_OPERAND_BYTES = DEFAULT_THRESHOLD_BYTES
 # With a topology, the first bucket of each kind holds at most 1/16 of the threshold.
@@ -143,7 +144,7 @@ class CombineAllReduces(Pass):
                     combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes, tile)
                 else:
                     own_bytes = _own_bytes(ctx, bucket.members[0], spans)
-                    flat_tile = getattr(ctx.topology, "flat_buffer_tile", 1)
+                    flat_tile = getattr(ctx.topology, "flat_buffer_tile", None)
                     combine(region, bucket, len(sizes), self.name, own_bytes, flat_tile)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}

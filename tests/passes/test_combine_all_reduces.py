@@ -174,17 +174,21 @@ def test_inside_a_tpu_slice_every_member_is_an_operand_of_its_own(hardware, oper
     assert ("concatenate(" in after) == (operands == 1)
 
 
-def test_across_tpu_slices_a_flat_bucket_is_padded_to_whole_tiles():
-    """XLA's TPU compiler reduces a flat buffer as (8, 128) tiles; zeros after the members
-    make it whole tiles, and no member's slice reads them."""
+def _across_two_slices(text: str) -> tuple[bool, str, PassContext]:
     import xla_strategies as xs
 
     topology = xs.Topology.from_name("2xv5e-8")
     axes = json.dumps(list(topology.mesh_axes))
-    text = THREE.replace('"axes": ["replica"]', f'"axes": {axes}').replace(
+    text = text.replace('"axes": ["replica"]', f'"axes": {axes}').replace(
         "{replica}", "{" + ",".join(topology.mesh_axes) + "}"
     )
-    _, after, _ = run_pass(CombineAllReduces(), text, topology.mesh_axes, topology=topology)
+    return run_pass(CombineAllReduces(), text, topology.mesh_axes, topology=topology)
+
+
+def test_across_tpu_slices_a_flat_bucket_is_padded_to_whole_tiles():
+    """XLA's TPU compiler reduces a flat buffer as (8, 128) tiles; zeros after the members
+    make it whole tiles, and no member's slice reads them."""
+    _, after, _ = _across_two_slices(THREE)
     filecheck(
         after,
         """
@@ -200,12 +204,67 @@ def test_across_tpu_slices_a_flat_bucket_is_padded_to_whole_tiles():
     )
 
 
+TILED = """\
+func @step(%0: f32[16,256]{replica}, %1: f32[5]{replica}) {
+  %2: f32[16,256] = all_reduce(%0) {"axes": ["replica"], "reduce_op": "sum"}
+  %3: f32[5] = all_reduce(%1) {"axes": ["replica"], "reduce_op": "sum"}
+  return %2, %3
+}
+"""
+
+
+def test_across_tpu_slices_a_member_of_whole_tiles_is_flattened_in_tile_order():
+    """[16, 256] is 2 x 2 tiles of (8, 128): its flat view is tile after tile, as XLA's
+    TPU layout keeps it in memory, and the reduced piece goes back the same way."""
+    _, after, _ = _across_two_slices(TILED)
+    filecheck(
+        after,
+        """
+        CHECK: %[[TILES:[0-9]+]]: f32[1,2,8,2,128]{{.*}} = reshape(%0)
+        CHECK-NEXT: %[[ORDER:[0-9]+]]: f32[1,2,2,8,128]{{.*}} = transpose(%[[TILES]]) {"permutation": [0, 1, 3, 2, 4]}
+        CHECK-NEXT: %[[FLAT:[0-9]+]]: f32[4096]{{.*}} = reshape(%[[ORDER]])
+        CHECK: concatenate(%[[FLAT]], %1, %{{[0-9]+}})
+        CHECK: %[[SUM:[0-9]+]]: f32[5120] = all_reduce(
+        CHECK: %[[PIECE:[0-9]+]]: f32[4096] = slice(%[[SUM]]) {"limit": [4096], "start": [0]}
+        CHECK-NEXT: %[[BACK:[0-9]+]]: f32[1,2,2,8,128] = reshape(%[[PIECE]])
+        CHECK-NEXT: %[[UNDO:[0-9]+]]: f32[1,2,8,2,128] = transpose(%[[BACK]]) {"permutation": [0, 1, 3, 2, 4]}
+        CHECK-NEXT: %[[W:[0-9]+]]: f32[16,256] = reshape(%[[UNDO]])
+        CHECK: return %[[W]]
+        """,
+    )
+
+
+def test_tile_order_keeps_the_numbers_across_emulated_slices():
+    """Two slices of four chips on eight CPU devices: each reduced member is the sum of the
+    replicas' values (numpy's), tile order or not."""
+    import numpy as np
+
+    import xla_strategies as xs
+
+    strategy = xs.TPUStrategy("2xv5e-4", emulate=True)
+    rng = np.random.default_rng(0)
+    shapes = [(16, 256), (2, 8, 384), (8, 128), (5,)]
+    values = [rng.integers(-8, 8, size=(8, *s)).astype(np.float32) for s in shapes]
+    per_replica = next(iter(strategy.experimental_distribute_dataset([values])))
+
+    def step(values):
+        return xs.get_replica_context().all_reduce("sum", [v[0] for v in values])
+
+    step = strategy.compile(step, pipeline="insert-reductions,combine-all-reduces")
+    graph = step.graph(per_replica, after="combine-all-reduces")
+    assert sum(n.op == "transpose" for n in graph.walk()) == 4  # two members, in and out
+    for reduced, value in zip(step(per_replica), values, strict=True):
+        np.testing.assert_array_equal(np.asarray(reduced), value.sum(axis=0))
+
+
 @pytest.mark.parametrize("topology", ["2xv5e-4", "2xv5p-8", "2xv6e-4"])
-def test_xla_reduces_a_padded_flat_bucket_without_copying_it_first(topology):
-    """Compiled for two slices of each TPU generation: a 22-element flat gradient bucket
-    unpadded makes XLA copy and zero-pad it (`ZeroCrop`); padded to whole tiles, it does
-    not. The step's numbers are the emulated tests' concern (the BatchNorm test across
-    emulated slices pads its buckets too)."""
+def test_xla_copies_neither_a_padded_bucket_nor_a_member_in_tile_order(topology):
+    """Compiled for two slices of each TPU generation, a gradient bucket of a [64, 512]
+    weight and a [7] bias: in row-major order and of a part tile, XLA copies the bucket
+    whole to zero-pad it (`ZeroCrop`) and relays the weight's reduced gradient out into
+    its tiled layout (a `reshape` instruction); padded and in tile order, neither (the
+    weight's gradient is a `bitcast` of the reduced buffer). The numbers are the emulated
+    tests' concern."""
     import dataclasses
 
     import jax
@@ -223,17 +282,28 @@ def test_xla_reduces_a_padded_flat_bucket_without_copying_it_first(topology):
     def compiled_text(topology: xs.Topology) -> str:
         strategy = xs.TPUStrategy(topology, compile_only=True)
         params = {
-            "w": jax.ShapeDtypeStruct((3, 5), jnp.float32),
+            "w": jax.ShapeDtypeStruct((64, 512), jnp.float32),
             "b": jax.ShapeDtypeStruct((7,), jnp.float32),
         }
-        batch = strategy.experimental_distribute_values_from_function(lambda ctx: jnp.zeros((2, 3)))
+        batch = strategy.experimental_distribute_values_from_function(
+            lambda ctx: jnp.zeros((2, 64))
+        )
         lowered = strategy.compile(step).lower(strategy.replicate(params), batch)
         return lowered.compile().as_text()
 
-    padded = xs.Topology.from_name(topology)
-    assert padded.flat_buffer_tile == 1024
-    assert "ZeroCrop" not in compiled_text(padded)
-    assert "ZeroCrop" in compiled_text(dataclasses.replace(padded, flat_buffer_tile=1))
+    def relayouts(text: str) -> int:
+        return sum(
+            line.lstrip().split(" = ", 1)[1].startswith("f32[64,512]") and " reshape(" in line
+            for line in text.splitlines()
+            if " = " in line
+        )
+
+    tiled = xs.Topology.from_name(topology)
+    assert tiled.flat_buffer_tile == (8, 128)
+    ours = compiled_text(tiled)
+    assert "ZeroCrop" not in ours and relayouts(ours) == 0
+    row_major = compiled_text(dataclasses.replace(tiled, flat_buffer_tile=None))
+    assert "ZeroCrop" in row_major and relayouts(row_major) == 1
 
 
 def test_tuple_buckets_keep_the_numbers():

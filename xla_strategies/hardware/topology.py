@@ -98,10 +98,11 @@ class Topology:
     #: member an operand of its own) rather than a flat buffer: on TPU, whose tiled layouts
     #: make the flat buffer a copy of every member in and out
     tuple_all_reduce_buckets: bool = False
-    #: the element count a flat collective buffer is padded to a multiple of (zeros, never
-    #: read): XLA's TPU compiler reduces a flat buffer as whole (8, 128) tiles, and one of
-    #: a part tile it first copies whole and zero-pads (its `ZeroCrop`); 1: no padding
-    flat_buffer_tile: int = 1
+    #: (rows, lanes) of the tile a flat collective buffer is laid out in (TPU: (8, 128)):
+    #: `combine-all-reduces` pads the buffer to whole tiles (zeros, never read; XLA's TPU
+    #: compiler copies a buffer of a part tile whole and zero-pads it, its `ZeroCrop`) and
+    #: puts members that are whole tiles in in tile order; None where neither matters
+    flat_buffer_tile: tuple[int, int] | None = None
     #: whether the compiler hides a replicated optimizer update's device-memory traffic
     #: behind the backward pass (TPU: it prefetches the update's operands into on-chip
     #: memory beside the gradient matmuls), so sharding the update saves no step time
@@ -155,7 +156,9 @@ class Topology:
             loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
             bucket_layer_collectives=config.get("bucket_layer_collectives", True),
             tuple_all_reduce_buckets=config.get("tuple_all_reduce_buckets", False),
-            flat_buffer_tile=config.get("flat_buffer_tile", 1),
+            flat_buffer_tile=tuple(flat_tile)
+            if (flat_tile := config.get("flat_buffer_tile"))
+            else None,
             hides_update_traffic=config.get("hides_update_traffic", False),
             scatter_adds_as_selects=config.get("scatter_adds_as_selects", False),
             reduce_scatters_before_loops=config.get("reduce_scatters_before_loops", False),
