@@ -163,6 +163,27 @@ class Node:
         return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"
 
 
+class NewNodes:
+    """The nodes a rewrite makes, in order, each marked with the pass that made it. Called
+    as `emit(op, inputs, out, **attrs)`, it adds a node of one result and returns that
+    result; `add` adds a node of any number of results."""
+
+    def __init__(self, created_by: str) -> None:
+        self.created_by = created_by
+        self.nodes: list[Node] = []
+
+    def __call__(self, op: str, inputs: list[Value], out: Value, **attrs: Any) -> Value:
+        self.add(op, inputs, [out], attrs)
+        return out
+
+    def add(
+        self, op: str, inputs: list[Value], outputs: list[Value], attrs: dict | None = None
+    ) -> Node:
+        node = Node(op, list(inputs), list(outputs), dict(attrs or {}), created_by=self.created_by)
+        self.nodes.append(node)
+        return node
+
+
 @dataclass(frozen=True)
 class Split:
     """How a mirrored value is held across the replicas: dimension `dim` cut into one block

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.graph import Graph, NewNodes, Node, Value
 
 
 @dataclass
@@ -55,12 +55,7 @@ def combine(
     varying = first.inputs[0].varying_axes
     own = [m for m in members if own_operand_bytes and m.inputs[0].nbytes >= own_operand_bytes]
     packed = [m for m in members if m not in own]
-    new: list[Node] = []
-
-    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
-        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
-        return out
-
+    emit = NewNodes(created_by)
     operands, results = [m.inputs[0] for m in own], [m.outputs[0] for m in own]
     if len(packed) == 1:  # nothing to pack it with: an operand of its own
         operands, results = [packed[0].inputs[0], *operands], [packed[0].outputs[0], *results]
@@ -75,16 +70,16 @@ def combine(
         results = [Value((total,), dtype, frozenset(varying - axes)), *results]
     attrs = {k: first.attrs[k] for k in _KEPT_ATTRS if k in first.attrs}
     attrs.update(bucket=index, members=[_label(m) for m in members])
-    new.append(Node(first.op, operands, results, attrs, created_by=created_by))
+    emit.add(first.op, operands, results, attrs)
     offset = 0
     for member, flat in zip(packed, flats, strict=True):
         result = member.outputs[0]
         piece = result if len(result.shape) == 1 else result.like(shape=(flat.size,))
         emit("slice", [results[0]], piece, start=[offset], limit=[offset + flat.size])
         if piece is not result:
-            _unflat(emit, new, piece, result, tile, created_by)
+            _unflat(emit, piece, result, tile)
         offset += flat.size
-    _replace_members(graph, bucket, new)
+    _replace_members(graph, bucket, emit.nodes)
 
 
 def _tiles(shape: tuple[int, ...], tile: tuple[int, int] | None) -> tuple[int, ...] | None:
@@ -104,7 +99,7 @@ def _tiles(shape: tuple[int, ...], tile: tuple[int, int] | None) -> tuple[int, .
 _TILE_ORDER = [0, 1, 3, 2, 4]
 
 
-def _flat(emit, value: Value, tile: tuple[int, int] | None) -> Value:
+def _flat(emit: NewNodes, value: Value, tile: tuple[int, int] | None) -> Value:
     """`value` as one dimension: in tile order where it is whole tiles, else row-major."""
     if len(value.shape) == 1:
         return value
@@ -118,16 +113,16 @@ def _flat(emit, value: Value, tile: tuple[int, int] | None) -> Value:
     return emit("reshape", [moved], flat)
 
 
-def _unflat(emit, new: list[Node], piece: Value, result: Value, tile, created_by: str) -> None:
+def _unflat(emit: NewNodes, piece: Value, result: Value, tile: tuple[int, int] | None) -> None:
     """`_flat`'s inverse: the reduced `piece` as the member's `result`."""
     tiled = _tiles(result.shape, tile)
     if tiled is None:
-        new.append(Node("reshape", [piece], [result], created_by=created_by))
+        emit.add("reshape", [piece], [result])
         return
     ordered = tuple(tiled[i] for i in _TILE_ORDER)
     view = emit("reshape", [piece], result.like(shape=ordered))
     moved = emit("transpose", [view], result.like(shape=tiled), permutation=_TILE_ORDER)
-    new.append(Node("reshape", [moved], [result], created_by=created_by))
+    emit.add("reshape", [moved], [result])
 
 
 def combine_blocks(
@@ -147,12 +142,7 @@ def combine_blocks(
     replicas = math.prod(mesh_axes[a] for a in first.attrs["axes"])
     scatter = first.op == "reduce_scatter"
     source, result = first.inputs[0], first.outputs[0]
-    new: list[Node] = []
-
-    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
-        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
-        return out
-
+    emit = NewNodes(created_by)
     rows_in, rows_out = (replicas, 1) if scatter else (1, replicas)
     views = [
         _rows(emit, m.inputs[0], m.attrs["dimension"], replicas)
@@ -182,14 +172,14 @@ def combine_blocks(
         piece = member.outputs[0].like(shape=(rows_out, width))
         emit("slice", [combined], piece, start=[0, offset], limit=[rows_out, offset + width])
         if scatter:
-            new.append(Node("reshape", [piece], [member.outputs[0]], created_by=created_by))
+            emit.add("reshape", [piece], [member.outputs[0]])
         else:
-            _unrows(emit, new, piece, member, created_by)
+            _unrows(emit, piece, member)
         offset += width
-    _replace_members(graph, bucket, new)
+    _replace_members(graph, bucket, emit.nodes)
 
 
-def _rows(emit, value: Value, dim: int, replicas: int) -> Value:
+def _rows(emit: NewNodes, value: Value, dim: int, replicas: int) -> Value:
     """`value` as [replicas, block size], row r its block r along `dim`."""
     shape = value.shape
     split = (*shape[:dim], replicas, shape[dim] // replicas, *shape[dim + 1 :])
@@ -204,17 +194,17 @@ def _rows(emit, value: Value, dim: int, replicas: int) -> Value:
     return emit("reshape", [front], flat)
 
 
-def _unrows(emit, new: list[Node], rows: Value, member: Node, created_by: str) -> None:
+def _unrows(emit: NewNodes, rows: Value, member: Node) -> None:
     """The gathered [replicas, block size] rows of `member` as its whole result."""
     dim, result, block = member.attrs["dimension"], member.outputs[0], member.inputs[0].shape
     if all(size == 1 for size in block[:dim]):
-        new.append(Node("reshape", [rows], [result], created_by=created_by))
+        emit.add("reshape", [rows], [result])
         return
     stacked = emit("reshape", [rows], result.like(shape=(rows.shape[0], *block)))
     order = [*range(1, dim + 1), 0, *range(dim + 1, len(block) + 1)]
     split = tuple(stacked.shape[i] for i in order)
     moved = emit("transpose", [stacked], result.like(shape=split), permutation=order)
-    new.append(Node("reshape", [moved], [result], created_by=created_by))
+    emit.add("reshape", [moved], [result])
 
 
 def _block_size(node: Node) -> int:

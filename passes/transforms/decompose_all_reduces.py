@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost import model as cost_model
-from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.graph import Graph, NewNodes, Node, Value
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def _chain_block_collective(
     kept = {k: v for k, v in node.attrs.items() if k not in ("axes", "dimension")}
     current, varying = node.inputs[0], set(node.inputs[0].varying_axes)
     shape = list(current.shape)
-    new: list[Node] = []
+    nodes = NewNodes(created_by)
     for step, axis in enumerate(axes if scatter else reversed(axes)):
         shape[dim] = shape[dim] // sizes[axis] if scatter else shape[dim] * sizes[axis]
         if not scatter:
@@ -162,10 +162,10 @@ def _chain_block_collective(
         last = step == len(axes) - 1
         out = node.outputs[0] if last else Value(tuple(shape), current.dtype, frozenset(varying))
         attrs = {**kept, "axes": [axis], "dimension": dim}
-        new.append(Node(node.op, [current], [out], attrs, created_by=created_by))
+        nodes.add(node.op, [current], [out], attrs)
         current = out
     position = graph.nodes.index(node)
-    graph.nodes[position : position + 1] = new
+    graph.nodes[position : position + 1] = nodes.nodes
 
 
 def _rewrite(
@@ -176,12 +176,10 @@ def _rewrite(
     total = math.prod(sizes.values())
     n, dtype, varying = source.size, source.dtype, source.varying_axes
     part = -(-n // (total * len(orders))) * total  # each part divides by every axis
-    new: list[Node] = []
+    nodes = NewNodes(created_by)
 
     def emit(op: str, inputs: list[Value], shape: tuple[int, ...], vary, **attrs) -> Value:
-        out = Value(shape, dtype, frozenset(vary))
-        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
-        return out
+        return nodes(op, inputs, Value(shape, dtype, frozenset(vary)), **attrs)
 
     flat = emit("reshape", [source], (n,), varying)
     if part * len(orders) != n:
@@ -209,9 +207,9 @@ def _rewrite(
     )
     if node.attrs["reduce_op"] == "mean":
         trimmed = emit("scale", [trimmed], (n,), result.varying_axes, factor=1.0 / total)
-    new.append(Node("reshape", [trimmed], [result], created_by=created_by))
+    nodes.add("reshape", [trimmed], [result])
     position = graph.nodes.index(node)
-    graph.nodes[position : position + 1] = new
+    graph.nodes[position : position + 1] = nodes.nodes
 
 
 def _chain(emit, piece: Value, order: list[str], sizes: dict[str, int], varying) -> Value:

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import ModePass, PassContext
-from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.graph import Graph, NewNodes, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.gather_prologue import clone, drop_dead, gather_prologue
 
@@ -144,21 +144,16 @@ def _prefetch(
     first_xs, length, reverse = consts + carries, attrs["length"], attrs.get("reverse", False)
     used = [i for i, v in enumerate(body.inputs) if i >= first_xs and _reads(prologue, v)]
     at = graph.nodes.index(loop)
-    new: list[Node] = []
-
-    def emit(op: str, inputs: list[Value], out: Value, **node_attrs) -> Value:
-        new.append(Node(op, inputs, [out], node_attrs, created_by=created_by))
-        return out
-
+    emit = NewNodes(created_by)
     # the first iteration's gathers, before the loop
     first = length - 1 if reverse else 0
     initial = {body.inputs[i]: _layer(emit, loop.inputs[i], first) for i in used}
     for node in prologue:
-        new.append(clone(node, initial, created_by))
+        emit.nodes.append(clone(node, initial, created_by))
     starts = [initial[g.outputs[0]] for g in gathers]
     # the next layer's blocks, for the body to gather from
     rotated = [_rotate(emit, loop.inputs[i], reverse) for i in used]
-    graph.nodes[at:at] = new
+    graph.nodes[at:at] = emit.nodes
     # the body: this layer's gathers come in as carries; the next layer's go out as carries
     carried = [g.outputs[0] for g in gathers]
     nexts = {body.inputs[i]: body.inputs[i].like() for i in used}

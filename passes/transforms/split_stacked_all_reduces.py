@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.cost import model as cost_model
-from xla_strategies.passes.ir.graph import Graph, Node, Value, itemsize
+from xla_strategies.passes.ir.graph import Graph, NewNodes, Node, itemsize
 
 # The most rows split so (measured up to 16: one operand per row beyond that is a long
 # tuple for a value that is no longer a few stacked statistics).
@@ -134,20 +134,15 @@ def _split(graph: Graph, node: Node, created_by: str) -> None:
     """Replace `node` by one all-reduce of its operand's rows and their concatenation."""
     value, result = node.inputs[0], node.outputs[0]
     count, *row_shape = value.shape
-    new: list[Node] = []
-
-    def emit(op: str, inputs: list[Value], out: Value, **attrs) -> Value:
-        new.append(Node(op, inputs, [out], attrs, created_by=created_by))
-        return out
-
+    emit = NewNodes(created_by)
     rows = []
     for i in range(count):
         start, limit = [i] + [0] * len(row_shape), [i + 1, *row_shape]
         piece = emit("slice", [value], value.like(shape=(1, *row_shape)), start=start, limit=limit)
         rows.append(emit("reshape", [piece], value.like(shape=tuple(row_shape))))
     reduced = [result.like(shape=tuple(row_shape)) for _ in rows]
-    new.append(Node(node.op, rows, reduced, dict(node.attrs), created_by=created_by))
+    emit.add(node.op, rows, reduced, node.attrs)
     stacked = [emit("reshape", [r], r.like(shape=(1, *row_shape))) for r in reduced]
-    new.append(Node("concatenate", stacked, [result], {"dimension": 0}, created_by=created_by))
+    emit.add("concatenate", stacked, [result], {"dimension": 0})
     at = graph.nodes.index(node)
-    graph.nodes[at : at + 1] = new
+    graph.nodes[at : at + 1] = emit.nodes
