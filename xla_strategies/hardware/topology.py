@@ -101,7 +101,7 @@ class Topology:
     #: (rows, lanes) of the tile a flat collective buffer is laid out in (TPU: (8, 128)):
     #: `combine-all-reduces` pads the buffer to whole tiles (zeros, never read; XLA's TPU
     #: compiler copies a buffer of a part tile whole and zero-pads it, its `ZeroCrop`) and
-    #: puts members that are whole tiles in in tile order; None where neither matters
+    #: lays each member of whole tiles into it tile after tile; None where neither matters
     flat_buffer_tile: tuple[int, int] | None = None
     #: whether the compiler hides a replicated optimizer update's device-memory traffic
     #: behind the backward pass (TPU: it prefetches the update's operands into on-chip
