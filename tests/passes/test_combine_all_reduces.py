@@ -257,10 +257,11 @@ def test_tile_order_keeps_the_numbers_across_emulated_slices():
         np.testing.assert_array_equal(np.asarray(reduced), value.sum(axis=0))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("topology", ["2xv5e-4", "2xv5p-8", "2xv6e-4"])
-def test_xla_copies_neither_a_padded_bucket_nor_a_member_in_tile_order(topology):
+def test_xla_copies_neither_a_padded_bucket_nor_a_member_in_tile_order(topology, dtype):
     """Compiled for two slices of each TPU generation, a gradient bucket of a [64, 512]
-    weight and a [7] bias: in row-major order and of a part tile, XLA copies the bucket
+    weight and a [7] bias (f32, and bf16, whose tiles pack pairs of rows): in row-major order and of a part tile, XLA copies the bucket
     whole to zero-pad it (`ZeroCrop`) and relays the weight's reduced gradient out into
     its tiled layout (a `reshape` instruction); padded and in tile order, neither (the
     weight's gradient is a `bitcast` of the reduced buffer). The numbers are the emulated
@@ -282,22 +283,23 @@ def test_xla_copies_neither_a_padded_bucket_nor_a_member_in_tile_order(topology)
     def compiled_text(topology: xs.Topology) -> str:
         strategy = xs.TPUStrategy(topology, compile_only=True)
         params = {
-            "w": jax.ShapeDtypeStruct((64, 512), jnp.float32),
-            "b": jax.ShapeDtypeStruct((7,), jnp.float32),
+            "w": jax.ShapeDtypeStruct((64, 512), dtype),
+            "b": jax.ShapeDtypeStruct((7,), dtype),
         }
         batch = strategy.experimental_distribute_values_from_function(
-            lambda ctx: jnp.zeros((2, 64))
+            lambda ctx: jnp.zeros((2, 64), dtype)
         )
         lowered = strategy.compile(step).lower(strategy.replicate(params), batch)
         return lowered.compile().as_text()
 
     def relayouts(text: str) -> int:
         return sum(
-            line.lstrip().split(" = ", 1)[1].startswith("f32[64,512]") and " reshape(" in line
+            line.lstrip().split(" = ", 1)[1].startswith(f"{short}[64,512]") and " reshape(" in line
             for line in text.splitlines()
             if " = " in line
         )
 
+    short = {"float32": "f32", "bfloat16": "bf16"}[dtype]
     tiled = xs.Topology.from_name(topology)
     assert tiled.flat_buffer_tile == (8, 128)
     ours = compiled_text(tiled)
