@@ -62,9 +62,10 @@ def combine(
         packed = []
     flats = [_flat(emit, m.inputs[0], tile) for m in packed]
     if packed:
-        pad = (-sum(f.size for f in flats)) % math.prod(tile or (1,))
+        size = sum(f.size for f in flats)
+        pad = (-size) % math.prod(tile or (1,))
         zeros = [emit("constant", [], Value((pad,), dtype, frozenset()), value=0)] if pad else []
-        total = sum(f.size for f in flats) + pad
+        total = size + pad
         buffer = emit("concatenate", [*flats, *zeros], Value((total,), dtype, varying), dimension=0)
         operands = [buffer, *operands]
         results = [Value((total,), dtype, frozenset(varying - axes)), *results]

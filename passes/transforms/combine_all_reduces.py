@@ -126,6 +126,8 @@ class CombineAllReduces(Pass):
             COMBINABLE if not spans else tuple(k for k in COMBINABLE if k not in BLOCK_COLLECTIVES)
         )
         apart = not spans and _leaves_layer_collectives(ctx)
+        block_tile = getattr(ctx.topology, "collective_block_tile", None)
+        flat_tile = getattr(ctx.topology, "flat_buffer_tile", None)
         unbucketed = _layer_loop_regions(graph) if apart else set()
         left_apart = 0
         for region in graph.graphs():
@@ -140,11 +142,10 @@ class CombineAllReduces(Pass):
             while bucket := self._next_bucket(region, threshold, first, packs, kinds_here):
                 op = bucket.members[0].op
                 if op in BLOCK_COLLECTIVES:
-                    tile = getattr(ctx.topology, "collective_block_tile", None)
-                    combine_blocks(region, bucket, len(sizes), self.name, ctx.mesh_axes, tile)
+                    mesh = ctx.mesh_axes
+                    combine_blocks(region, bucket, len(sizes), self.name, mesh, block_tile)
                 else:
                     own_bytes = _own_bytes(ctx, bucket.members[0], spans)
-                    flat_tile = getattr(ctx.topology, "flat_buffer_tile", None)
                     combine(region, bucket, len(sizes), self.name, own_bytes, flat_tile)
                 sizes.append(bucket.nbytes)
         ctx.stats[self.name] = {"buckets": len(sizes), "bucket_bytes": sizes}

@@ -152,43 +152,36 @@ def test_unknown_hardware_copies_every_member_into_the_bucket():
     ]
 
 
+def _on_topology(hardware: str, text: str, **options) -> tuple[bool, str, PassContext]:
+    """The pass on `text` with its replica axis made `hardware`'s mesh axes, and that
+    topology in its context."""
+    import xla_strategies as xs
+
+    topology = xs.Topology.from_name(hardware)
+    axes = list(topology.mesh_axes)
+    text = text.replace('"axes": ["replica"]', f'"axes": {json.dumps(axes)}')
+    text = text.replace("{replica}", "{" + ",".join(axes) + "}")
+    return run_pass(CombineAllReduces(**options), text, topology.mesh_axes, topology=topology)
+
+
 @pytest.mark.parametrize(("hardware", "operands"), [("v5e-8", 3), ("2xv5e-8", 1), ("dgx-h100", 1)])
 def test_inside_a_tpu_slice_every_member_is_an_operand_of_its_own(hardware, operands):
     """XLA's TPU layouts are tiled: a flat buffer copies every member in and out (BERT-large
     data parallel on v5p-512: 41.75 against 39.09 ms estimated with tuples, the same 27
     all-reduces). Across TPU slices flat measured better; across GPUs the buffer stays
     flat, for decompose-all-reduces to split."""
-    import xla_strategies as xs
-
-    topology = xs.Topology.from_name(hardware)
-    axes = list(topology.mesh_axes)
-    text = LARGE_AND_SMALL.replace('"axes": ["replica"]', f'"axes": {json.dumps(axes)}')
-    text = text.replace("{replica}", "{" + ",".join(axes) + "}")
     options = {"threshold_bytes": 1 << 20, "first_bucket_bytes": 1 << 20}
-    changed, after, _ = run_pass(
-        CombineAllReduces(**options), text, topology.mesh_axes, topology=topology
-    )
+    changed, after, _ = _on_topology(hardware, LARGE_AND_SMALL, **options)
     assert changed
     (reduction,) = [line for line in after.splitlines() if "all_reduce(" in line]
     assert reduction.split("all_reduce(")[1].split(")")[0].count("%") == operands
     assert ("concatenate(" in after) == (operands == 1)
 
 
-def _across_two_slices(text: str) -> tuple[bool, str, PassContext]:
-    import xla_strategies as xs
-
-    topology = xs.Topology.from_name("2xv5e-8")
-    axes = json.dumps(list(topology.mesh_axes))
-    text = text.replace('"axes": ["replica"]', f'"axes": {axes}').replace(
-        "{replica}", "{" + ",".join(topology.mesh_axes) + "}"
-    )
-    return run_pass(CombineAllReduces(), text, topology.mesh_axes, topology=topology)
-
-
 def test_across_tpu_slices_a_flat_bucket_is_padded_to_whole_tiles():
     """XLA's TPU compiler reduces a flat buffer as (8, 128) tiles; zeros after the members
     make it whole tiles, and no member's slice reads them."""
-    _, after, _ = _across_two_slices(THREE)
+    _, after, _ = _on_topology("2xv5e-8", THREE)
     filecheck(
         after,
         """
@@ -216,7 +209,7 @@ func @step(%0: f32[16,256]{replica}, %1: f32[5]{replica}) {
 def test_across_tpu_slices_a_member_of_whole_tiles_is_flattened_in_tile_order():
     """[16, 256] is 2 x 2 tiles of (8, 128): its flat view is tile after tile, as XLA's
     TPU layout keeps it in memory, and the reduced piece goes back the same way."""
-    _, after, _ = _across_two_slices(TILED)
+    _, after, _ = _on_topology("2xv5e-8", TILED)
     filecheck(
         after,
         """
@@ -261,11 +254,11 @@ def test_tile_order_keeps_the_numbers_across_emulated_slices():
 @pytest.mark.parametrize("topology", ["2xv5e-4", "2xv5p-8", "2xv6e-4"])
 def test_xla_copies_neither_a_padded_bucket_nor_a_member_in_tile_order(topology, dtype):
     """Compiled for two slices of each TPU generation, a gradient bucket of a [64, 512]
-    weight and a [7] bias (f32, and bf16, whose tiles pack pairs of rows): in row-major order and of a part tile, XLA copies the bucket
-    whole to zero-pad it (`ZeroCrop`) and relays the weight's reduced gradient out into
-    its tiled layout (a `reshape` instruction); padded and in tile order, neither (the
-    weight's gradient is a `bitcast` of the reduced buffer). The numbers are the emulated
-    tests' concern."""
+    weight and a [7] bias (f32, and bf16, whose tiles pack pairs of rows): in row-major
+    order and of a part tile, XLA copies the bucket whole to zero-pad it (`ZeroCrop`) and
+    relays the weight's reduced gradient out into its tiled layout (a `reshape`
+    instruction); padded and in tile order, neither (the weight's gradient is a `bitcast`
+    of the reduced buffer). The numbers are the emulated tests' concern."""
     import dataclasses
 
     import jax

@@ -141,7 +141,6 @@ class Topology:
             axes = _node_axes(config, count)
         memory = config.get("memory_bandwidth_bytes_per_s")
         flops = config.get("peak_bf16_flops_per_s")
-        tile = config.get("collective_block_tile")
         return cls(
             name,
             found["hardware"],
@@ -149,16 +148,14 @@ class Topology:
             memory,
             flops,
             config.get("hbm_bytes"),
-            tuple(tile) if tile else None,
+            _tile(config, "collective_block_tile"),
             bool(config.get("reduce_scatter_over_axes_is_all_reduce", False)),
             config.get("peak_tf32_flops_per_s"),
             compiler_options=tuple(sorted(config.get("compiler_options", {}).items())),
             loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
             bucket_layer_collectives=config.get("bucket_layer_collectives", True),
             tuple_all_reduce_buckets=config.get("tuple_all_reduce_buckets", False),
-            flat_buffer_tile=tuple(flat_tile)
-            if (flat_tile := config.get("flat_buffer_tile"))
-            else None,
+            flat_buffer_tile=_tile(config, "flat_buffer_tile"),
             hides_update_traffic=config.get("hides_update_traffic", False),
             scatter_adds_as_selects=config.get("scatter_adds_as_selects", False),
             reduce_scatters_before_loops=config.get("reduce_scatters_before_loops", False),
@@ -278,6 +275,12 @@ class Topology:
     def __str__(self) -> str:
         shape = "x".join(f"{a.name}{a.size}" for a in self.axes)
         return f"{self.name} ({shape})"
+
+
+def _tile(config: dict[str, Any], key: str) -> tuple[int, int] | None:
+    """A (rows, lanes) tile the hardware file gives under `key`; None where it gives none."""
+    tile = config.get(key)
+    return tuple(tile) if tile else None
 
 
 def _tpu_axes(
