@@ -243,11 +243,19 @@ def measure_cells(jobs: list[tuple[str, str, str]], tuned: bool = True) -> list[
         if not tuned:
             row["program"] += ", untuned"
         row = {"model": workload.name, "topology": topology, **row, "tuned": tuned}
+        row["model_ms"] = model_ms(workload, topology)
         if "hlo_text" in row:
             row["hlo"] = _save_hlo(row.pop("hlo_text"), row)
         rows.append(row)
         tqdm.write(row_text(rows[-1]))
     return rows
+
+
+def model_ms(workload: Any, topology: str) -> float:
+    """One chip's share of the model's flops per step (`train_flops_per_item`) at the chip's
+    bf16 peak, in ms: MFU is this over the estimated step."""
+    peak = xs.Topology.from_name(topology).peak_flops
+    return 1e3 * workload.train_flops_per_item * workload.batch_per_chip / peak
 
 
 def _save_hlo(text: str, row: dict[str, Any]) -> str:
@@ -267,11 +275,13 @@ def reread(results: Path) -> None:
     collectives, bytes, estimated step and compute columns (memory and compile time are
     the executable's, kept). Cells without a saved text are named and left as they were."""
     data = json.loads(results.read_text())
+    workloads = {w.name: w for w in (make() for make in WORKLOADS.values())}
     missing = []
     for row in tqdm(data["rows"], desc="re-read", unit="program"):
         path = HLO_DIR / row.get("hlo", "-")
         if "error" in row:
             continue
+        row["model_ms"] = model_ms(workloads[row["model"]], row["topology"])
         if not path.exists():
             missing.append(f"{row['model']} {row['topology']} ({row['variant']})")
             continue

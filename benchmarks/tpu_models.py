@@ -37,6 +37,21 @@ class TransformerConfig:
     #: passed to flax's attention as its `attention_fn`
     splash: bool = False
 
+    @property
+    def train_flops_per_sequence(self) -> float:
+        """The model's flops to train on one sequence, as MaxText counts them
+        (`calculate_tflops_training_per_device`): the matmuls of every weight, the output
+        layer's and attention's two (half of them under a causal mask), 2 flops per
+        multiply-add, and the backward pass twice the forward. No recomputation (remat)
+        and no elementwise work: the flops of the model, not of one program of it."""
+        s, w = self.seq_len, self.width
+        kv = (self.kv_heads or self.heads) * (w // self.heads)
+        mlp = (3 if self.swiglu else 2) * w * self.mlp  # SwiGLU: two matrices in, one out
+        per_layer = w * (w + 2 * kv) + w * w + mlp  # queries, keys, values; out; MLP
+        weights = 2 * s * (self.layers * per_layer + w * self.vocab)
+        attention = 4 * s * s * w * self.layers * (0.5 if self.causal else 1.0)
+        return 3.0 * (weights + attention)
+
 
 #: MaxText's default splash block sizes (`sa_block_*` in its base.yml)
 SPLASH_BLOCK = 512
@@ -232,6 +247,34 @@ class ResNet50(nn.Module):
         return nn.Dense(self.classes, dtype=COMPUTE)(jnp.mean(x, axis=(1, 2)))
 
 
+def resnet50_train_flops_per_image(size: int = 224, classes: int = 1000) -> float:
+    """ResNet-50's (`ResNet50` above) flops to train on one `size` x `size` image: the
+    multiply-adds of its convolutions (a window's taps on padding do none) and of its
+    classifier, 2 flops each, and the backward pass twice the forward."""
+
+    def conv(side: int, into: int, out: int, window: int, stride: int = 1) -> tuple[int, int]:
+        """The flops and output side of a square convolution padded as flax pads "SAME"."""
+        out_side = -(-side // stride)
+        low = max((out_side - 1) * stride + window - side, 0) // 2
+        taps = sum(0 <= o * stride - low + t < side for o in range(out_side) for t in range(window))
+        return 2 * taps * taps * into * out, out_side
+
+    flops, side = conv(size, 3, 64, 7, 2)  # the stem: 3 a side reads the taps SAME reads
+    side, into = -(-side // 2), 64  # max pooling, stride 2
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        filters = 64 * 2**stage
+        for block in range(blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            reduce, _ = conv(side, into, filters, 1)
+            spatial, out = conv(side, filters, filters, 3, stride)
+            expand, _ = conv(out, filters, 4 * filters, 1)
+            flops += reduce + spatial + expand
+            if into != 4 * filters or stride > 1:  # the residual's projection
+                flops += conv(side, into, 4 * filters, 1, stride)[0]
+            side, into = out, 4 * filters
+    return 3.0 * (flops + 2 * into * classes)
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model's abstract initial state, one chip's batch, and its train step."""
@@ -242,6 +285,8 @@ class Workload:
     batch_per_chip: int
     # (tx, axis name of the replicas or None under plain jit) -> step(params, opt, batch)
     step: Callable[[Any, str | None], Callable[..., Any]]
+    #: the model's flops to train on one item (a sequence, an image): MFU's numerator
+    train_flops_per_item: float
 
 
 def _lm(name: str, cfg: TransformerConfig) -> Workload:
@@ -267,7 +312,7 @@ def _lm(name: str, cfg: TransformerConfig) -> Workload:
 
         return train_step
 
-    return Workload(name, init, batch, cfg.batch_per_chip, step)
+    return Workload(name, init, batch, cfg.batch_per_chip, step, cfg.train_flops_per_sequence)
 
 
 def _resnet50() -> Workload:
@@ -302,7 +347,7 @@ def _resnet50() -> Workload:
 
         return train_step
 
-    return Workload("ResNet-50", init, batch, 32, step)
+    return Workload("ResNet-50", init, batch, 32, step, resnet50_train_flops_per_image())
 
 
 WORKLOADS = {

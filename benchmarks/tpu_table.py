@@ -37,22 +37,24 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ours_ms = r.get("our_compute_ms", math.nan)
         matmul = r.get("matmul_ms", r["compute_ms"])  # rows read before the roofline
         waited = r.get("synchronous_bytes")  # rows before 2026-11-26 have none
-        # a step with kernels whose flops the HLO does not show: its compute, step and MFU
-        # leave them out
+        # a step with kernels whose flops the HLO does not show: its compute and step leave
+        # them out, so its MFU (the model's flops over that step) reads too high
         without_kernels = " †" if r.get("opaque_kernels") else ""
+        model = r.get("model_ms")  # rows recorded before 2026-11-27 have none
+        mfu = "-" if model is None else f"{model / r['step_ms']:.1%}{without_kernels}"
         lines.append(
             f"| {r['model']} | {r['topology']} | {r['program']} | {r['memory_gib']:.2f} "
             f"| {'yes' if r['fits'] else 'no'} | {r['collectives']} "
             f"| {r['collective_bytes'] / 2**20:,.0f} "
             f"| {'-' if waited is None else f'{waited / 2**20:,.0f}'} "
             f"| {r['step_ms']:.2f}{without_kernels} "
-            f"| {r['exposed_share']:.1%} | {matmul / r['step_ms']:.1%}{without_kernels} "
+            f"| {r['exposed_share']:.1%} | {mfu} "
             f"| {r['compute_ms']:.2f} | {matmul:.2f} "
             f"| {'-' if math.isnan(ours_ms) else f'{ours_ms:.2f}'} | {r['compile_s']:.0f} |"
         )
     if any(r.get("opaque_kernels") for r in rows):
         lines.append(
             "\n† leaves out the compute of kernels (Pallas) whose flops the HLO does not "
-            "show: an estimate too short, and its MFU"
+            "show: a step too short, so an MFU too high"
         )
     return "\n".join(lines)
