@@ -144,8 +144,8 @@ def step_estimate(
     """Seconds per step: compute by the HLO's roofline (`compute`, `hlo_roofline`: each
     instruction's matmul flops at peak or its device-memory bytes at the memory's
     bandwidth, whichever is longer), or where the topology knows no memory bandwidth the
-    matmul flops at each element type's peak alone (`matmul_s`, always given: MFU's
-    numerator); communication from the topology's cost model per collective XLA kept;
+    matmul flops at each element type's peak alone (`matmul_s`, always given; it counts
+    what remat computes again, so it is not the model's flops of MFU); communication from the topology's cost model per collective XLA kept;
     exposed communication from XLA's schedule (an asynchronous collective hides behind the
     share of the compute, by XLA's cycle estimates, scheduled between its start and done).
     None where the topology does not know a rate."""
