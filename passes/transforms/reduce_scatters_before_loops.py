@@ -14,8 +14,8 @@ Only collectives whose result is smaller than their operand are held so: run ear
 free their operand. A gather is the other way round and stays free: the output layer's
 gather held after the forward loop the same way measured worse (v5e-256, 3.24 against
 2.97 GiB per chip); on v6e-256, where libtpu gathers it before the forward loop, it left
-the loop's live values 262 MB smaller but not XLA's peak, which is in the backward pass
-(3.163 against 3.153 GiB, 2026-11-27).
+the loop's live values 262 MB smaller but not XLA's peak, which is elsewhere in the step
+(3.153 GiB held, 3.163 free; 2026-11-27).
 
     Before:
       %8: bf16[16,32000]{x,y} = reduce_scatter(%7) {"axes": ["x", "y"], "dimension": 0}
