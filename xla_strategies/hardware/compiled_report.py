@@ -145,10 +145,11 @@ def step_estimate(
     instruction's matmul flops at peak or its device-memory bytes at the memory's
     bandwidth, whichever is longer), or where the topology knows no memory bandwidth the
     matmul flops at each element type's peak alone (`matmul_s`, always given; it counts
-    what remat computes again, so it is not the model's flops of MFU); communication from the topology's cost model per collective XLA kept;
-    exposed communication from XLA's schedule (an asynchronous collective hides behind the
-    share of the compute, by XLA's cycle estimates, scheduled between its start and done).
-    None where the topology does not know a rate."""
+    what remat computes again, so it is not the model's flops of MFU); communication from
+    the topology's cost model per collective XLA kept; exposed communication from XLA's
+    schedule (an asynchronous collective hides behind the share of the compute, by XLA's
+    cycle estimates, scheduled between its start and done). None where the topology does
+    not know a rate."""
     matmul = matmul_seconds(report.flops_by_dtype or {}, topology)
     compute = matmul if compute is None else compute
     if topology is None:
