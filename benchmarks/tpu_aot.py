@@ -275,13 +275,13 @@ def reread(results: Path) -> None:
     collectives, bytes, estimated step and compute columns (memory and compile time are
     the executable's, kept). Cells without a saved text are named and left as they were."""
     data = json.loads(results.read_text())
-    workloads = {w.name: w for w in (make() for make in WORKLOADS.values())}
+    names = _workload_keys()
     missing = []
     for row in tqdm(data["rows"], desc="re-read", unit="program"):
         path = HLO_DIR / row.get("hlo", "-")
         if "error" in row:
             continue
-        row["model_ms"] = model_ms(workloads[row["model"]], row["topology"])
+        row["model_ms"] = model_ms(WORKLOADS[names[row["model"]]](), row["topology"])
         if not path.exists():
             missing.append(f"{row['model']} {row['topology']} ({row['variant']})")
             continue
@@ -294,11 +294,16 @@ def reread(results: Path) -> None:
         print(f"not re-read, no saved HLO text (compile them again): {', '.join(missing)}")
 
 
+def _workload_keys(models: list[str] | None = None) -> dict[str, str]:
+    """`WORKLOADS`' keys (of `models`) by the model names recorded rows carry."""
+    return {WORKLOADS[m]().name: m for m in models or WORKLOADS}
+
+
 def compute_check(results: Path, models: list[str] | None = None) -> None:
     """Refill the cost model's compute estimate (`our compute ms`) of every recorded cell of
     ours in `results` (of `models`), without compiling with XLA again."""
     data = json.loads(results.read_text())
-    names = {WORKLOADS[m]().name: m for m in models or WORKLOADS}
+    names = _workload_keys(models)
     strategies: dict[str, Any] = {}
     for row in data["rows"]:
         if row["model"] not in names or row["variant"] == "c" or "error" in row:

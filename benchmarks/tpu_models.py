@@ -4,7 +4,7 @@ and ResNet-50 as flax's own ImageNet example builds it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -204,6 +204,15 @@ class Transformer(nn.Module):
         return embed.attend(x)  # GPT-2 and BERT tie the output to the embedding
 
 
+def _bottlenecks() -> Iterator[tuple[int, int]]:
+    """ResNet-50's bottleneck blocks in order, as (filters, stride): flax's ImageNet
+    example's four stages of 3, 4, 6 and 3 blocks, each stage after the first starting
+    with stride 2."""
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        for block in range(blocks):
+            yield 64 * 2**stage, 2 if stage > 0 and block == 0 else 1
+
+
 class Bottleneck(nn.Module):
     """flax's ImageNet example's BottleneckResNetBlock."""
 
@@ -240,10 +249,8 @@ class ResNet50(nn.Module):
         norm = nn.BatchNorm(use_running_average=not train, dtype=COMPUTE, axis_name=self.axis_name)
         x = nn.relu(norm(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-        for i, blocks in enumerate((3, 4, 6, 3)):
-            for j in range(blocks):
-                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-                x = Bottleneck(64 * 2**i, strides, self.axis_name)(x, train)
+        for filters, stride in _bottlenecks():
+            x = Bottleneck(filters, (stride, stride), self.axis_name)(x, train)
         return nn.Dense(self.classes, dtype=COMPUTE)(jnp.mean(x, axis=(1, 2)))
 
 
@@ -261,17 +268,14 @@ def resnet50_train_flops_per_image(size: int = 224, classes: int = 1000) -> floa
 
     flops, side = conv(size, 3, 64, 7, 2)  # the stem: 3 a side reads the taps SAME reads
     side, into = -(-side // 2), 64  # max pooling, stride 2
-    for stage, blocks in enumerate((3, 4, 6, 3)):
-        filters = 64 * 2**stage
-        for block in range(blocks):
-            stride = 2 if stage > 0 and block == 0 else 1
-            reduce, _ = conv(side, into, filters, 1)
-            spatial, out = conv(side, filters, filters, 3, stride)
-            expand, _ = conv(out, filters, 4 * filters, 1)
-            flops += reduce + spatial + expand
-            if into != 4 * filters or stride > 1:  # the residual's projection
-                flops += conv(side, into, 4 * filters, 1, stride)[0]
-            side, into = out, 4 * filters
+    for filters, stride in _bottlenecks():
+        reduce, _ = conv(side, into, filters, 1)
+        spatial, out = conv(side, filters, filters, 3, stride)
+        expand, _ = conv(out, filters, 4 * filters, 1)
+        flops += reduce + spatial + expand
+        if into != 4 * filters or stride > 1:  # the residual's projection
+            flops += conv(side, into, 4 * filters, 1, stride)[0]
+        side, into = out, 4 * filters
     return 3.0 * (flops + 2 * into * classes)
 
 
