@@ -28,7 +28,8 @@ _FREE = frozenset({"pvary", "pinvariant", "constant", "after"})
 
 def compute_seconds(node: Node, topology: Any = None) -> float:
     """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes,
-    at the topology's peak flops and memory bandwidth where it knows them."""
+    at the topology's peak flops and memory bandwidth where it knows them. A replica that
+    spans several devices (the topology's model axis) splits its work among them."""
     out = sum(v.size for v in node.outputs)
     flops = out
     if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
@@ -44,7 +45,8 @@ def compute_seconds(node: Node, topology: Any = None) -> float:
     moved = 0 if fused else sum(v.nbytes for v in node.inputs + node.outputs)
     peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S
     bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
-    return max(flops / peak, moved / bandwidth)
+    devices = getattr(topology, "model_axis_size", 1)
+    return max(flops / peak, moved / bandwidth) / devices
 
 
 class _Timeline:

@@ -89,3 +89,6 @@ func @mm(%0: f32[1024,1024], %1: f32[1024,1024]) {
     assert compute_seconds(matmul) == max(flops / FLOPS_PER_S, moved / BYTES_PER_S)
     assert compute_seconds(matmul, v5e) == max(flops / v5e.peak_flops, moved / v5e.memory_bandwidth)
     assert compute_seconds(matmul, v5e) < compute_seconds(matmul) / 10
+    # a replica spanning four chips (the model axis) splits the matmul among them
+    four_chip_replicas = v5e.split_model_axis(4)
+    assert compute_seconds(matmul, four_chip_replicas) == compute_seconds(matmul, v5e) / 4
