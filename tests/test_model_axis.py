@@ -106,6 +106,10 @@ def test_shard_parameters_splits_over_the_replicas_on_top_of_the_model_split():
     report = compiled_report(compile_last(), strategy)
     inside = {c.kind for c in report.collectives if c.inside_replica}
     assert inside <= {"all-reduce"}, inside  # Megatron's partial sums only
+    # and over the replicas, gathers and scatters of each device's part, not all-reduces of
+    # zero-padded blocks (twice the bytes)
+    across = {c.kind for c in report.collectives if not c.inside_replica}
+    assert across == {"all-gather", "reduce-scatter"}, across
 
 
 # flax linen: a scanned, rematerialised LM with Megatron's annotations (nn.with_partitioning)

@@ -9,18 +9,28 @@ compilers): a [1024, 1024] value split over a model axis of 2 went through an al
 of the whole value on every device before each of them. For state held split over both
 (FSDP x tensor parallel) that gathers every weight whole on every device of a replica.
 
-So in such a program the two are written as all-reduces, which XLA keeps split: an
-all-gather is a sum of the blocks, each placed at its offset in zeros, and a reduce-scatter
-is the sum's block. Each moves twice the bytes of the collective it stands for over the
-replica axes, and never the whole value over the model axis.
+So in such a program the two are written where XLA's partitioner does not reach them:
+- Where the IR knows the dimension the model axis splits the value on (`model_dim`: a
+  parameter or its gradient), inside a region manual over the model axis too, its blocks
+  split there on the way in and out. XLA then compiles the collective the IR asked for, on
+  each device's part. On Llama-2-70B on v5p-512 with tensor parallelism over 4 chips, the
+  replica-axis gathers run as gathers of those parts, not as all-reduces of twice the bytes
+  (`benchmarks/README.md`).
+- Elsewhere, as all-reduces, which XLA keeps split: an all-gather is a sum of the blocks,
+  each placed at its offset in zeros, and a reduce-scatter is the sum's block. Each moves
+  twice the bytes of the collective it stands for over the replica axes, and never the
+  whole value over the model axis.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax import lax
+from jax.sharding import PartitionSpec
 
 
 def is_partial_manual() -> bool:
@@ -44,3 +54,46 @@ def reduce_scatter_by_sum(x: Any, axes: tuple[str, ...], dim: int, parts: int) -
     """`lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)`, as a sum's block."""
     size = x.shape[dim] // parts
     return lax.dynamic_slice_in_dim(lax.psum(x, axes), lax.axis_index(axes) * size, size, dim)
+
+
+def all_gather_split_over_model(
+    block: Any, axes: tuple[str, ...], dim: int, model_dim: int | None
+) -> Any | None:
+    """`lax.all_gather(block, axes, axis=dim, tiled=True)` of a block the model axis splits
+    on `model_dim`, each device gathering its own part; None where that cannot be."""
+    manual = _manual_over_model(block, dim, model_dim)
+    if manual is None:
+        return None
+    return manual(lambda part: lax.all_gather(part, axes, axis=dim, tiled=True))(block)
+
+
+def reduce_scatter_split_over_model(
+    x: Any, axes: tuple[str, ...], dim: int, model_dim: int | None
+) -> Any | None:
+    """`lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)` of a value the model
+    axis splits on `model_dim`, each device scattering its own part; None where that
+    cannot be."""
+    manual = _manual_over_model(x, dim, model_dim)
+    if manual is None:
+        return None
+    return manual(lambda part: lax.psum_scatter(part, axes, scatter_dimension=dim, tiled=True))(x)
+
+
+def _manual_over_model(
+    x: Any, dim: int, model_dim: int | None
+) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]] | None:
+    """A wrapper that runs a function of `x` manual over the mesh's remaining (model) axes
+    too, `x` and the result split over them on `model_dim`; None where `model_dim` is
+    unknown, is the collective's own dimension, or does not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    model = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if model_dim is None or model_dim == dim or x.shape[model_dim] % math.prod(mesh.shape[a] for a in model):
+        return None
+    spec = PartitionSpec(*[model if i == model_dim else None for i in range(x.ndim)])
+
+    def manual(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(model), check_vma=False
+        )
+
+    return manual

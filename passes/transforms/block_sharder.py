@@ -159,6 +159,9 @@ class BlockSharder:
         # reduction's own axis order was
         attrs = {**node.attrs, "axes": self.axes, "dimension": dim}
         attrs.pop("reduce_op")
+        if model_dim is not None:  # the lowering keeps the blocks split there
+            attrs["model_dim"] = model_dim
+            self.model_dims.setdefault(full.shape, model_dim)  # for the update's gather
         if self.across:  # the sum over the other axes (slices), on the blocks
             partial = block.like(varying_axes=block.varying_axes | frozenset(self.across))
             self.emit("reduce_scatter", node.inputs, partial, attrs)
@@ -347,6 +350,8 @@ class BlockSharder:
         """Define `value` again, whole, from its block (`output`: the step output it is)."""
         block, dim = self.blocks[value]
         attrs = {"axes": self.axes, "dimension": dim} | ({"output": output} if output else {})
+        if (model_dim := self.model_dims.get(value.shape)) is not None:
+            attrs["model_dim"] = model_dim
         self.emit("all_gather", [block], value, attrs)
         self.gathered.add(value)
 
