@@ -287,7 +287,8 @@ def reread(results: Path) -> None:
             continue
         text = gzip.decompress(path.read_bytes()).decode()
         per_replica = TENSOR_PARALLEL if row["variant"] == "t" else 1
-        row.update(_read(hlo_report(text, xs.Topology.from_name(row["topology"]), per_replica)))
+        topology = xs.Topology.from_name(row["topology"]).split_model_axis(per_replica)
+        row.update(_read(hlo_report(text, topology, per_replica)))
     results.write_text(json.dumps(data, indent=1) + "\n")
     print(markdown(data["rows"]))
     if missing:
