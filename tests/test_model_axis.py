@@ -416,3 +416,27 @@ def test_bf16_gradients_on_cpu_devices_compile_and_match_one_device():
             rtol=0.05,
             atol=0.05,
         )
+
+
+def test_a_collective_over_every_chip_is_priced_over_the_replicas_and_the_model_axis():
+    """MaxText's tensor-parallel programs reduce some values over every chip, several
+    replicas' model axes at once: priced over all the topology's axes, not refused."""
+    pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+    from xla_strategies.hardware.compiled_report import hlo_report
+
+    strategy = xs.TPUStrategy("v5e-16", compile_only=True, logical_devices_per_replica=4)
+    mesh, topology = strategy.mesh, strategy.topology
+    every_chip = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v, mesh.axis_names), mesh=mesh, in_specs=P(), out_specs=P()
+        )
+    )
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P()))
+    report = hlo_report(every_chip.lower(x).compile().as_text(), topology, 4)
+    (reduction,) = report.collectives
+    assert reduction.group_size == 16 and not reduction.inside_replica
+    replica_axes = [a for a in topology.mesh_axes if a != "model"]
+    axes = (*reversed(replica_axes), "model")  # the replicas' fastest first, the model's last
+    assert report.estimate["communication_s"] == topology.collective_time(
+        "all_reduce", reduction.nbytes, axes, algorithm="flat"
+    )

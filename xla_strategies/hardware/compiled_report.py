@@ -183,8 +183,9 @@ _COST_OP = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter"}
 
 def _collective_seconds(c: Collective, topology: Any) -> float:
     """The cost model's time for `c` over the fastest axes that hold its group: the model
-    axis for a collective inside a replica, the replica axes for the others, and the
-    slices' DCN for a collective across them."""
+    axis for a collective inside a replica, the replica axes for the others (and then the
+    model axis, for a group of every device of several replicas: MaxText's tensor-parallel
+    programs have them), and the slices' DCN for a collective across them."""
     op = _COST_OP.get(c.kind, "all_gather")  # all-to-all, permute: one pass of the bytes
     whole = c.nbytes * (c.group_size if c.kind == "reduce-scatter" else 1)
     if c.across_slices:
@@ -192,7 +193,9 @@ def _collective_seconds(c: Collective, topology: Any) -> float:
     if c.group_size <= 1:
         return 0.0
     axes, size = [], 1
-    links = [a for a in topology.axes if (a.name == MODEL_AXIS) == c.inside_replica]
+    model = [a for a in topology.axes if a.name == MODEL_AXIS]
+    replicas = [a for a in topology.axes if a.name != MODEL_AXIS]
+    links = model if c.inside_replica else model + replicas  # the model axis taken last
     for link in reversed(links):  # fastest (ICI minor) first
         if size >= c.group_size:
             break
