@@ -61,10 +61,9 @@ def all_gather_split_over_model(
 ) -> Any | None:
     """`lax.all_gather(block, axes, axis=dim, tiled=True)` of a block the model axis splits
     on `model_dim`, each device gathering its own part; None where that cannot be."""
-    manual = _manual_over_model(block, dim, model_dim)
-    if manual is None:
-        return None
-    return manual(lambda part: lax.all_gather(part, axes, axis=dim, tiled=True))(block)
+    return _on_model_parts(
+        lambda part: lax.all_gather(part, axes, axis=dim, tiled=True), block, dim, model_dim
+    )
 
 
 def reduce_scatter_split_over_model(
@@ -73,27 +72,26 @@ def reduce_scatter_split_over_model(
     """`lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)` of a value the model
     axis splits on `model_dim`, each device scattering its own part; None where that
     cannot be."""
-    manual = _manual_over_model(x, dim, model_dim)
-    if manual is None:
-        return None
-    return manual(lambda part: lax.psum_scatter(part, axes, scatter_dimension=dim, tiled=True))(x)
+    return _on_model_parts(
+        lambda part: lax.psum_scatter(part, axes, scatter_dimension=dim, tiled=True),
+        x,
+        dim,
+        model_dim,
+    )
 
 
-def _manual_over_model(
-    x: Any, dim: int, model_dim: int | None
-) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]] | None:
-    """A wrapper that runs a function of `x` manual over the mesh's remaining (model) axes
-    too, `x` and the result split over them on `model_dim`; None where `model_dim` is
-    unknown, is the collective's own dimension, or does not divide."""
+def _on_model_parts(
+    collective: Callable[[Any], Any], x: Any, dim: int, model_dim: int | None
+) -> Any | None:
+    """`collective(x)` run manual over the mesh's remaining (model) axes too, on each
+    device's part of `x` split over them on `model_dim`, and its result split there; None
+    where `model_dim` is unknown, is the collective's own dimension, or does not divide."""
     mesh = jax.sharding.get_abstract_mesh()
     model = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-    if model_dim is None or model_dim == dim or x.shape[model_dim] % math.prod(mesh.shape[a] for a in model):
+    parts = math.prod(mesh.shape[a] for a in model)
+    if model_dim is None or model_dim == dim or x.shape[model_dim] % parts:
         return None
     spec = PartitionSpec(*[model if i == model_dim else None for i in range(x.ndim)])
-
-    def manual(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        return jax.shard_map(
-            fn, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(model), check_vma=False
-        )
-
-    return manual
+    return jax.shard_map(
+        collective, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(model), check_vma=False
+    )(x)
