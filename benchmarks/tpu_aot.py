@@ -229,17 +229,8 @@ def measure_cells(jobs: list[tuple[str, str, str]], tuned: bool = True) -> list[
     rows = []
     strategies: dict[tuple[str, int], Any] = {}
     for model, topology, variant in tqdm(jobs, desc="compile", unit="program"):
-        tensor_parallel = variant == "t"
-        if tensor_parallel and model not in TENSOR_PARALLEL_MODELS:
-            raise ValueError(
-                f"variant t (tensor parallel) needs a model annotated for it: one of "
-                f"{sorted(TENSOR_PARALLEL_MODELS)}, not {model!r}"
-            )
-        key = (topology, TENSOR_PARALLEL if tensor_parallel else 1)
-        if key not in strategies:
-            strategies[key] = compile_only_strategy(*key, tuned=tuned)
-        workload = WORKLOADS[model](tp=True) if tensor_parallel else WORKLOADS[model]()
-        row = cell(strategies[key], workload, variant)
+        strategy, workload = _strategy_and_workload(strategies, model, topology, variant, tuned)
+        row = cell(strategy, workload, variant)
         if not tuned:
             row["program"] += ", untuned"
         row = {"model": workload.name, "topology": topology, **row, "tuned": tuned}
@@ -249,6 +240,25 @@ def measure_cells(jobs: list[tuple[str, str, str]], tuned: bool = True) -> list[
         rows.append(row)
         tqdm.write(row_text(rows[-1]))
     return rows
+
+
+def _strategy_and_workload(
+    strategies: dict[tuple[str, int], Any], model: str, topology: str, variant: str, tuned: bool
+) -> tuple[Any, Any]:
+    """The compile-only strategy (made once per topology and replica size, in `strategies`)
+    and the workload a cell compiles: for (t), 4 chips per replica and the model annotated
+    for tensor parallelism."""
+    tensor_parallel = variant == "t"
+    if tensor_parallel and model not in TENSOR_PARALLEL_MODELS:
+        raise ValueError(
+            f"variant t (tensor parallel) needs a model annotated for it: one of "
+            f"{sorted(TENSOR_PARALLEL_MODELS)}, not {model!r}"
+        )
+    key = (topology, TENSOR_PARALLEL if tensor_parallel else 1)
+    if key not in strategies:
+        strategies[key] = compile_only_strategy(*key, tuned=tuned)
+    workload = WORKLOADS[model](tp=True) if tensor_parallel else WORKLOADS[model]()
+    return strategies[key], workload
 
 
 def model_ms(workload: Any, topology: str) -> float:
@@ -305,17 +315,17 @@ def compute_check(results: Path, models: list[str] | None = None) -> None:
     ours in `results` (of `models`), without compiling with XLA again."""
     data = json.loads(results.read_text())
     names = _workload_keys(models)
-    strategies: dict[str, Any] = {}
+    strategies: dict[tuple[str, int], Any] = {}
     for row in data["rows"]:
         if row["model"] not in names or row["variant"] == "c" or "error" in row:
             continue
-        topology = row["topology"]
-        strategy = strategies.setdefault(topology, compile_only_strategy(topology))
-        workload = WORKLOADS[names[row["model"]]]()
-        row["our_compute_ms"] = our_compute_ms(
-            strategy, *_our_step(strategy, workload, row["variant"])
+        topology, variant = row["topology"], row["variant"]
+        # XLA's options do not change our graph: any row's strategy will do
+        strategy, workload = _strategy_and_workload(
+            strategies, names[row["model"]], topology, variant, tuned=True
         )
-        print(f"{row['model']} {topology} ({row['variant']}): {row['our_compute_ms']:.2f} ms")
+        row["our_compute_ms"] = our_compute_ms(strategy, *_our_step(strategy, workload, variant))
+        print(f"{row['model']} {topology} ({variant}): {row['our_compute_ms']:.2f} ms")
     results.write_text(json.dumps(data, indent=1) + "\n")
     print(markdown(data["rows"]))
 
