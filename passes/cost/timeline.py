@@ -26,10 +26,12 @@ _COMPUTE, _COLLECTIVES = 1, 2
 _FREE = frozenset({"pvary", "pinvariant", "constant", "after"})
 
 
-def compute_seconds(node: Node, topology: Any = None) -> float:
+def compute_seconds(node: Node, topology: Any = None, reads: int | None = None) -> float:
     """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes,
     at the topology's peak flops and memory bandwidth where it knows them. A replica that
-    spans several devices (the topology's model axis) splits its work among them."""
+    spans several devices (the topology's model axis) splits its work among them.
+    `reads`: the bytes the node reads as XLA fuses it (`reduction_reads`), where not its
+    operands'."""
     out = sum(v.size for v in node.outputs)
     flops = out
     if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
@@ -37,16 +39,55 @@ def compute_seconds(node: Node, topology: Any = None) -> float:
         flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
     if node.op in _FREE:
         return 0.0
-    # XLA fuses elementwise ops, broadcasts and reshapes into the ops that read or write
-    # their values: their memory traffic is those ops', counted there
-    fused = (
-        node.has(Trait.ELEMENTWISE) or node.has(Trait.BROADCAST_IN_DIM) or node.has(Trait.RESHAPE)
-    )
-    moved = 0 if fused else sum(v.nbytes for v in node.inputs + node.outputs)
+    moved = 0
+    if not _fuses_into_neighbours(node):
+        reads = sum(v.nbytes for v in node.inputs) if reads is None else reads
+        moved = reads + sum(v.nbytes for v in node.outputs)
     peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S
     bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
     devices = getattr(topology, "model_axis_size", 1)
     return max(flops / peak, moved / bandwidth) / devices
+
+
+def _fuses_into_neighbours(node: Node) -> bool:
+    """XLA fuses elementwise ops, broadcasts and reshapes into the ops that read or write
+    their values: their memory traffic is those ops', counted there."""
+    return (
+        node.has(Trait.ELEMENTWISE) or node.has(Trait.BROADCAST_IN_DIM) or node.has(Trait.RESHAPE)
+    )
+
+
+def reduction_reads(graph: Graph) -> dict[Node, int]:
+    """The bytes each reduction of `graph` (not of nested regions) reads, as XLA fuses it.
+    The elementwise ops that make its operand fuse into it, so it reads what they read (a
+    bf16 activation, not its f32 cast). Reductions that read the same value are one
+    multi-output fusion, which reads it once (BatchNorm's mean and mean of squares)."""
+    producers = graph.producers()
+    read: set[Value] = set()
+    found = {}
+    for node in graph.nodes:
+        if node.has(Trait.DIMENSION_REDUCTION):
+            sources = _fused_sources(node.inputs, producers)
+            found[node] = sum(v.nbytes for v in sources - read)
+            read |= sources
+    return found
+
+
+def _fused_sources(values: list[Value], producers: dict[Value, Node]) -> set[Value]:
+    """The values that the fused ops making `values` read (`values` themselves where no
+    fused op makes them)."""
+    stack, seen, sources = list(values), set(), set()
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        producer = producers.get(value)
+        if producer is not None and not producer.regions and _fuses_into_neighbours(producer):
+            stack.extend(producer.inputs)
+        else:
+            sources.add(value)
+    return sources
 
 
 class _Timeline:
@@ -64,6 +105,7 @@ class _Timeline:
 
     def run(self, graph: Graph, clock: float) -> float:
         """Lay out `graph`'s nodes from `clock`; return when its compute ends."""
+        reads = reduction_reads(graph)
         for node in graph.nodes:
             start = max([clock] + [self.ready.get(v, 0.0) for v in node.inputs])
             if node.is_collective:
@@ -72,7 +114,7 @@ class _Timeline:
             if node.regions:
                 end = self.loop(node, start)
             else:
-                end = start + compute_seconds(node, self.topology)
+                end = start + compute_seconds(node, self.topology, reads.get(node))
                 if node.op not in ("constant", "pvary"):
                     self.event(node.op, _COMPUTE, start, end)
                     self.busy += end - start

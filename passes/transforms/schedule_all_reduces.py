@@ -34,7 +34,7 @@ from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.model import pipelined_exposure
-from xla_strategies.passes.cost.timeline import compute_seconds
+from xla_strategies.passes.cost.timeline import compute_seconds, reduction_reads
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.ir.walk import payload_bytes, regions_per_step, walk_per_step
@@ -128,7 +128,8 @@ def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     follows its condition), each with when its operand is ready in the iteration, at the
     topology's compute rates."""
     body = loop.regions[-1]
-    costs = [_node_compute(node, topology) for node in body.nodes]
+    reads = {n: b for region in body.graphs() for n, b in reduction_reads(region).items()}
+    costs = [_node_compute(node, topology, reads) for node in body.nodes]
     total = sum(costs)
     found, elapsed = [], 0.0
     for node, cost in zip(body.nodes, costs, strict=True):
@@ -138,14 +139,15 @@ def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     return found
 
 
-def _node_compute(node: Node, topology: Any) -> float:
-    """Estimated compute seconds of one run of `node`, nested regions included."""
+def _node_compute(node: Node, topology: Any, reads: dict[Node, int]) -> float:
+    """Estimated compute seconds of one run of `node`, nested regions included (`reads`:
+    the reductions' fused reads, `reduction_reads`)."""
     if node.is_collective:
         return 0.0
     if not node.regions:
-        return compute_seconds(node, topology)
+        return compute_seconds(node, topology, reads.get(node))
     return sum(
-        trips * compute_seconds(inner, topology)
+        trips * compute_seconds(inner, topology, reads.get(inner))
         for region, times in regions_per_step(node)
         for inner, trips in walk_per_step(region, times)
         if not inner.is_collective and not inner.regions
