@@ -14,7 +14,7 @@ from typing import Any
 
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.ir.walk import regions_per_step
+from xla_strategies.passes.ir.walk import regions_per_step, walk_per_step
 
 # Rough device rates for compute estimates on unknown hardware (no topology, or one whose
 # file gives no rate); a topology's own peak flops and memory bandwidth win.
@@ -88,6 +88,18 @@ def _fused_sources(values: list[Value], producers: dict[Value, Node]) -> set[Val
         else:
             sources.add(value)
     return sources
+
+
+def compute_estimate(graph: Graph, topology: Any = None) -> float:
+    """Estimated compute seconds of one run of `graph`: the timeline's compute track, each
+    region's nodes as often as they run (`walk_per_step`). Collectives aside, so it needs
+    no mesh axes of the topology, only its rates."""
+    reads = {node: n for region in graph.graphs() for node, n in reduction_reads(region).items()}
+    return sum(
+        times * compute_seconds(node, topology, reads.get(node))
+        for node, times in walk_per_step(graph)
+        if not node.is_collective and not node.regions
+    )
 
 
 class _Timeline:

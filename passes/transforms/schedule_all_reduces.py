@@ -34,10 +34,14 @@ from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.model import pipelined_exposure
-from xla_strategies.passes.cost.timeline import compute_seconds, reduction_reads
+from xla_strategies.passes.cost.timeline import (
+    compute_estimate,
+    compute_seconds,
+    reduction_reads,
+)
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.ir.walk import payload_bytes, regions_per_step, walk_per_step
+from xla_strategies.passes.ir.walk import payload_bytes, regions_per_step
 from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
 
 CHOICES = ("hoist", "pipeline")
@@ -128,7 +132,7 @@ def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     follows its condition), each with when its operand is ready in the iteration, at the
     topology's compute rates."""
     body = loop.regions[-1]
-    reads = {n: b for region in body.graphs() for n, b in reduction_reads(region).items()}
+    reads = reduction_reads(body)
     costs = [_node_compute(node, topology, reads) for node in body.nodes]
     total = sum(costs)
     found, elapsed = [], 0.0
@@ -147,10 +151,7 @@ def _node_compute(node: Node, topology: Any, reads: dict[Node, int]) -> float:
     if not node.regions:
         return compute_seconds(node, topology, reads.get(node))
     return sum(
-        trips * compute_seconds(inner, topology, reads.get(inner))
-        for region, times in regions_per_step(node)
-        for inner, trips in walk_per_step(region, times)
-        if not inner.is_collective and not inner.regions
+        times * compute_estimate(region, topology) for region, times in regions_per_step(node)
     )
 
 

@@ -41,6 +41,12 @@ def test_transformer_timeline_nests_loop_bodies_inside_loops():
     assert "jax.scan x3" in names
     collective = next(e for e in trace["traceEvents"] if e.get("tid") == 2 and e["ph"] == "X")
     assert collective["dur"] > 0 and collective["args"]["bytes"] > 0
+    # the compute track alone, without laying out the collectives, is the same compute
+    from xla_strategies.passes.cost.timeline import compute_estimate
+
+    compute = compute_estimate(graph, strategy.topology)
+    assert compute > 0
+    assert compute == pytest.approx(trace["metadata"]["compute_s"], rel=1e-12)
 
 
 def test_exposed_communication_is_the_collective_time_compute_does_not_hide():
