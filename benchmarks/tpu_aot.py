@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import xla_strategies as xs
-from benchmarks.tpu_models import WORKLOADS
+from benchmarks.tpu_models import WORKLOADS, trained_params
 from benchmarks.tpu_table import markdown, row_text
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.passes.cost.timeline import step_estimate
@@ -78,8 +78,7 @@ LEFT_OUT = {
 def abstract_state(workload: Any, tx: optax.GradientTransformation) -> tuple[Any, Any]:
     """The model's parameters (and other state) and the optimizer state, as shapes only."""
     variables = jax.eval_shape(workload.init)
-    params = variables["params"] if "batch_stats" in variables else variables
-    return variables, jax.eval_shape(tx.init, params)
+    return variables, jax.eval_shape(tx.init, trained_params(variables))
 
 
 def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:

@@ -279,6 +279,12 @@ def resnet50_train_flops_per_image(size: int = 224, classes: int = 1000) -> floa
     return 3.0 * (flops + 2 * into * classes)
 
 
+def trained_params(variables: Any) -> Any:
+    """What the optimizer updates: a model's variables, or its `params` where it also has
+    BatchNorm's statistics (ResNet-50)."""
+    return variables["params"] if "batch_stats" in variables else variables
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model's abstract initial state, one chip's batch, and its train step."""
