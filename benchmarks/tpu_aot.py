@@ -53,7 +53,7 @@ import xla_strategies as xs
 from benchmarks.tpu_models import WORKLOADS, trained_params
 from benchmarks.tpu_table import markdown, row_text
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
-from xla_strategies.passes.cost.timeline import step_estimate
+from xla_strategies.passes.cost.timeline import compute_estimate
 from xla_strategies.passes.pipeline import without_pass
 from xla_strategies.step.compile_program import compile_lowered
 
@@ -110,7 +110,7 @@ def our_compute_ms(strategy: Any, step: Any, args: tuple) -> float:
     """The cost model's compute estimate of our optimised graph (no XLA compile needed),
     for the check against XLA's."""
     graph = step.executable(*args).graph
-    return 1e3 * step_estimate(graph, strategy.topology)["compute_s"]
+    return 1e3 * compute_estimate(graph, strategy.topology)
 
 
 def peer(strategy: Any, workload: Any, fsdp: bool) -> Any:
