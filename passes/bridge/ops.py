@@ -72,6 +72,13 @@ declare_all(
         "ceil",
         "round",
         "rem",
+        "one_minus_square",  # tanh's derivative, 1 - x**2, a primitive of its own in JAX 0.12
+        "exp2",
+        "tan",
+        "atan2",
+        "erf_inv",
+        "erfc",
+        "cbrt",
     ),
     Trait.ELEMENTWISE,
 )

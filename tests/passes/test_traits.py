@@ -81,3 +81,32 @@ def test_ops_a_pass_may_retype_declare_their_shape_parameters():
     assert result_shape_param("jax.reshape") == "new_sizes"
     assert result_shape_param("jax.broadcast_in_dim") == "shape"
     assert result_shape_param("jax.add") is None  # elementwise: no shape parameter
+
+
+def test_every_op_of_tanh_gelus_gradient_is_known_to_the_passes():
+    """GPT-2 and BERT's GELU (tanh approximation): its gradient's ops on this JAX release
+    are all declared, the pointwise ones elementwise (JAX 0.12 made tanh's derivative a
+    primitive of its own, `one_minus_square`). An undeclared op is opaque: the cost model
+    charges it memory traffic that XLA fuses away, and no pass rewrites through it."""
+    import jax
+    import jax.numpy as jnp
+
+    import xla_strategies.passes.bridge.ops  # noqa: F401  (declares the JAX ops)
+
+    def primitives(jaxpr) -> set[str]:
+        found = set()
+        for eqn in jaxpr.eqns:
+            found.add(eqn.primitive.name)
+            for param in eqn.params.values():
+                sub = getattr(param, "jaxpr", param)  # a closed jaxpr's, or a jaxpr
+                if hasattr(sub, "eqns"):
+                    found |= primitives(sub)
+        return found
+
+    gradient = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x, approximate=True)))
+    found = primitives(jax.make_jaxpr(gradient)(jnp.ones((4, 8))).jaxpr)
+    structural = {"pjit", "jit", "reduce_sum", "broadcast_in_dim", "reshape"}
+    pointwise = found - structural
+    assert pointwise and all(Trait.ELEMENTWISE in traits_of(f"jax.{p}") for p in pointwise), {
+        p: traits_of(f"jax.{p}") for p in pointwise
+    }
