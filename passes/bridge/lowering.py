@@ -118,24 +118,18 @@ def _all_reduce(node: Node, args: list[Any]) -> list[Any]:
 def _reduce_scatter(node: Node, args: list[Any]) -> list[Any]:
     axes, dim = tuple(node.attrs["axes"]), node.attrs["dimension"]
     if partial_manual.is_partial_manual():  # keeps the operand split over the model axis
-        model_dim = node.attrs.get("model_dim")
-        block = partial_manual.reduce_scatter_split_over_model(args[0], axes, dim, model_dim)
-        if block is not None:
-            return [block]
         parts = args[0].shape[dim] // node.outputs[0].shape[dim]
-        return [partial_manual.reduce_scatter_by_sum(args[0], axes, dim, parts)]
+        model_dim = node.attrs.get("model_dim")
+        return [partial_manual.reduce_scatter(args[0], axes, dim, parts, model_dim)]
     return [lax.psum_scatter(args[0], axes, scatter_dimension=dim, tiled=True)]
 
 
 def _all_gather(node: Node, args: list[Any]) -> list[Any]:
     axes, dim = tuple(node.attrs["axes"]), node.attrs["dimension"]
     if partial_manual.is_partial_manual():
-        model_dim = node.attrs.get("model_dim")
-        whole = partial_manual.all_gather_split_over_model(args[0], axes, dim, model_dim)
-        if whole is not None:
-            return [whole]
         parts = node.outputs[0].shape[dim] // args[0].shape[dim]
-        return [partial_manual.all_gather_by_sum(args[0], axes, dim, parts)]
+        model_dim = node.attrs.get("model_dim")
+        return [partial_manual.all_gather(args[0], axes, dim, parts, model_dim)]
     return [lax.all_gather(args[0], axes, axis=dim, tiled=True)]
 
 

@@ -40,7 +40,33 @@ def is_partial_manual() -> bool:
     return manual is not None and len(manual) < len(mesh.axis_names)
 
 
-def all_gather_by_sum(block: Any, axes: tuple[str, ...], dim: int, parts: int) -> Any:
+def all_gather(
+    block: Any, axes: tuple[str, ...], dim: int, parts: int, model_dim: int | None
+) -> Any:
+    """`lax.all_gather(block, axes, axis=dim, tiled=True)` of one of `parts` blocks: on each
+    device's part where the model axis splits `block` on `model_dim`, else as a sum."""
+    gathered = _on_model_parts(
+        lambda part: lax.all_gather(part, axes, axis=dim, tiled=True), block, dim, model_dim
+    )
+    return _all_gather_by_sum(block, axes, dim, parts) if gathered is None else gathered
+
+
+def reduce_scatter(
+    x: Any, axes: tuple[str, ...], dim: int, parts: int, model_dim: int | None
+) -> Any:
+    """`lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)` into `parts` blocks: on
+    each device's part where the model axis splits `x` on `model_dim`, else as a sum's
+    block."""
+    scattered = _on_model_parts(
+        lambda part: lax.psum_scatter(part, axes, scatter_dimension=dim, tiled=True),
+        x,
+        dim,
+        model_dim,
+    )
+    return _reduce_scatter_by_sum(x, axes, dim, parts) if scattered is None else scattered
+
+
+def _all_gather_by_sum(block: Any, axes: tuple[str, ...], dim: int, parts: int) -> Any:
     """`lax.all_gather(block, axes, axis=dim, tiled=True)`, as a sum over `axes`."""
     shape = list(block.shape)
     shape[dim] *= parts
@@ -50,34 +76,10 @@ def all_gather_by_sum(block: Any, axes: tuple[str, ...], dim: int, parts: int) -
     return lax.psum(placed, axes)
 
 
-def reduce_scatter_by_sum(x: Any, axes: tuple[str, ...], dim: int, parts: int) -> Any:
+def _reduce_scatter_by_sum(x: Any, axes: tuple[str, ...], dim: int, parts: int) -> Any:
     """`lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)`, as a sum's block."""
     size = x.shape[dim] // parts
     return lax.dynamic_slice_in_dim(lax.psum(x, axes), lax.axis_index(axes) * size, size, dim)
-
-
-def all_gather_split_over_model(
-    block: Any, axes: tuple[str, ...], dim: int, model_dim: int | None
-) -> Any | None:
-    """`lax.all_gather(block, axes, axis=dim, tiled=True)` of a block the model axis splits
-    on `model_dim`, each device gathering its own part; None where that cannot be."""
-    return _on_model_parts(
-        lambda part: lax.all_gather(part, axes, axis=dim, tiled=True), block, dim, model_dim
-    )
-
-
-def reduce_scatter_split_over_model(
-    x: Any, axes: tuple[str, ...], dim: int, model_dim: int | None
-) -> Any | None:
-    """`lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)` of a value the model
-    axis splits on `model_dim`, each device scattering its own part; None where that
-    cannot be."""
-    return _on_model_parts(
-        lambda part: lax.psum_scatter(part, axes, scatter_dimension=dim, tiled=True),
-        x,
-        dim,
-        model_dim,
-    )
 
 
 def _on_model_parts(
