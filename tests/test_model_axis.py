@@ -440,3 +440,64 @@ def test_a_collective_over_every_chip_is_priced_over_the_replicas_and_the_model_
     assert report.estimate["communication_s"] == topology.collective_time(
         "all_reduce", reduction.nbytes, axes, algorithm="flat"
     )
+
+
+# flax's guide "Scale up Flax Modules on multiple devices": its DotReluDot, as it writes it
+
+
+class _DotReluDot(nn.Module):
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.xavier_normal()
+        y = nn.Dense(
+            self.depth,
+            kernel_init=nn.with_partitioning(init, (None, "model")),
+            use_bias=False,
+            param_dtype=jnp.float64,
+        )(x)
+        y = jax.nn.relu(y)
+        w2 = self.param(
+            "W2",
+            nn.with_partitioning(init, ("model", None)),
+            (self.depth, x.shape[-1]),
+            jnp.float64,
+        )
+        return jnp.dot(y, w2)
+
+
+def test_flax_guides_dot_relu_dot_gathers_each_devices_part_of_equal_shaped_weights():
+    """Its two weights have one shape, split over the model axis on different dimensions:
+    the replicas still gather each device's part of each, not an all-reduce of zero-padded
+    blocks, and train as flax's own single-device run does."""
+    model, tx = _DotReluDot(64), optax.adam(1e-3)
+    boxed = model.init(jax.random.key(0), jnp.ones((4, 64), jnp.float64))
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(16, 64)), rng.normal(size=(16, 64))) for _ in range(3)]
+
+    def train_step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    want, opt_state = nn.meta.unbox(boxed), tx.init(nn.meta.unbox(boxed))
+    for batch in batches:
+        want, opt_state, _ = jax.jit(train_step)(want, opt_state, batch)
+
+    from xla_strategies.hardware.compiled_report import compiled_report
+
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2)
+    params, opt_state = strategy.replicate(boxed), strategy.replicate(tx.init(boxed))
+    step = strategy.compile(train_step, shard_parameters=True)
+    for batch in strategy.experimental_distribute_dataset(batches):
+        args = (params, opt_state, batch)
+        params, opt_state, _ = step(*args)
+    for g, w in zip(jax.tree.leaves(nn.meta.unbox(params)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)  # adam divides by sqrt(v)
+    held, whole = bytes_on(nn.meta.unbox(params)["params"]["W2"], strategy.devices[0])
+    assert held * 8 == whole  # 1/4 per replica, split again over the replica's 2 devices
+    report = compiled_report(step.lower(*args).compile(), strategy)
+    across = {c.kind for c in report.collectives if not c.inside_replica}
+    assert "all-gather" in across, across

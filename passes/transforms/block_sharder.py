@@ -62,6 +62,9 @@ class BlockSharder:
         self.deferred: set[Value] = set()  # held split by a pass: gathered where read whole
         self.slices: dict[tuple[Value, int], Value] = {}
         self.model_dims: dict[tuple[int, ...], int] = {}
+        # a held value's own model-axis dimension (its deferred gather's), which the shape
+        # cannot tell where two parameters of one shape are split differently
+        self.held_model_dims: dict[Value, int] = {}
         self.nodes: list[Node] = []
         self.producers: dict[Value, Node] = {}
         self.users: dict[Value, list[Node]] = {}
@@ -117,6 +120,8 @@ class BlockSharder:
             elif node.op == "all_gather" and node.attrs.get(DEFERRED):
                 self.blocks[node.outputs[0]] = (node.inputs[0], node.attrs["dimension"])
                 self.deferred.add(node.outputs[0])
+                if "model_dim" in node.attrs:
+                    self.held_model_dims[node.outputs[0]] = node.attrs["model_dim"]
             elif not any(v in self.blocks for v in node.inputs) or not self.shard(node):
                 self.read_whole(node)
                 self.producers.update((out, node) for out in node.outputs)
@@ -216,6 +221,9 @@ class BlockSharder:
                 operands.append(self.slice(value, dim))
             else:
                 return False
+        held = {self.held_model_dims[v] for v in node.inputs if v in self.held_model_dims}
+        if len(held) == 1:  # a held value's cast or sharding constraint: split as it is
+            self.held_model_dims.update(dict.fromkeys(node.outputs, held.pop()))
         return self.follow(node, operands, dim)
 
     def reduction(self, node: Node, block: Value, dim: int) -> bool:
@@ -350,7 +358,8 @@ class BlockSharder:
         """Define `value` again, whole, from its block (`output`: the step output it is)."""
         block, dim = self.blocks[value]
         attrs = {"axes": self.axes, "dimension": dim} | ({"output": output} if output else {})
-        if (model_dim := self.model_dims.get(value.shape)) is not None:
+        model_dim = self.held_model_dims.get(value, self.model_dims.get(value.shape))
+        if model_dim is not None:
             attrs["model_dim"] = model_dim
         self.emit("all_gather", [block], value, attrs)
         self.gathered.add(value)
