@@ -37,6 +37,9 @@ def compute_seconds(node: Node, topology: Any = None, reads: int | None = None) 
     if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
         contracting = node.attrs.get("dimension_numbers", [[[], []]])[0][0]
         flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
+    elif node.has(Trait.CONVOLUTION) and len(node.inputs) == 2:
+        kernel = node.inputs[1]
+        flops = 2 * out * kernel.size // kernel.shape[node.attrs["dimension_numbers"][1][0]]
     if node.op in _FREE:
         return 0.0
     moved = 0

@@ -24,6 +24,10 @@ class Trait(enum.Enum):
     CALL_ONCE = "call-once"  # one region run once on the operands (rematerialisation)
     BRANCHES = "branches"  # operand 0 picks one of the regions, run on the rest
     CONTRACTION = "contraction"  # a matmul: costs 2 x output x contracted size flops
+    # a convolution of operand 0 by the kernel, operand 1: each output element sums the
+    # kernel's input features over its window, 2 x output x (kernel size / kernel's output
+    # features) flops; `dimension_numbers[1][0]` is the kernel's output-feature dimension
+    CONVOLUTION = "convolution"
     SIDE_EFFECT = "side-effect"
     # reduces its operand over the dimensions in its `axes` attribute, combining elements
     # as `dimension_reduction(op)` says (sum, max, min)

@@ -129,3 +129,31 @@ func @stats(%0: bf16[64,1024,256]) {
     statistics = 2 * 256 * 4  # the two f32[256] results
     assert fused == pytest.approx((activation + statistics) / v5e.memory_bandwidth)
     assert unfused == pytest.approx((2 * 2 * activation + statistics) / v5e.memory_bandwidth)
+
+
+def test_a_convolution_costs_its_kernels_flops_forward_and_backward():
+    """A grouped, strided convolution and its kernel's gradient (a convolution whose
+    kernel is the output gradient, `batch_group_count` groups) each cost 2 x batch x
+    output positions x output features x input features per group x window flops: the
+    model's flops for that layer. Undeclared, they cost only their bytes."""
+    import types
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from xla_strategies.passes.cost.timeline import compute_seconds
+
+    layer = nn.Conv(8, (3, 3), strides=2, feature_group_count=2)
+    images = jnp.ones((2, 16, 16, 4))
+    params = layer.init(jax.random.key(0), images)
+    step = xs.OneDeviceStrategy("cpu:0").compile(
+        lambda p, x: jax.grad(lambda p: layer.apply(p, x).sum())(p)
+    )
+    graph = step.executable(params, images).graph
+    nodes = [node for region in graph.graphs() for node in region.nodes]
+    convolutions = [n for n in nodes if n.op == "jax.conv_general_dilated"]
+    flops_only = types.SimpleNamespace(peak_flops=1.0, memory_bandwidth=float("inf"))
+    layer_flops = 2 * 2 * 8 * 8 * 8 * (4 // 2) * 3 * 3  # batch, 8x8 out, 8 out, 2 in, 3x3
+    assert len(convolutions) == 2  # forward, and the kernel's gradient
+    assert [compute_seconds(n, flops_only) for n in convolutions] == [layer_flops] * 2
