@@ -13,6 +13,9 @@ weights, bf16 compute):
 - (c) the peer a JAX user writes: `jax.jit` with `NamedSharding`s, the batch split and the
   parameters replicated; where that does not fit the chip, MaxText-style FSDP shardings
   (every parameter and its optimizer state split over all chips on its largest dimension);
+- (m) asked for by name: (d) with the two passes that hold less at the loss forced on
+  (`scatter-adds-as-selects`, `reduce-scatters-before-loops`), where the topology's
+  hardware file leaves them off (one v5p slice);
 - (t) asked for by name, language models only: FSDP x tensor parallel, the model written
   with Megatron's `nn.with_partitioning` annotations, `TENSOR_PARALLEL` chips per replica
   (`logical_devices_per_replica`), and `shard_parameters=True`. The global batch is the
@@ -54,7 +57,9 @@ from benchmarks.tpu_models import WORKLOADS, trained_params
 from benchmarks.tpu_table import markdown, row_text
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.passes.cost.timeline import compute_estimate
-from xla_strategies.passes.pipeline import without_pass
+from xla_strategies.passes.pipeline import with_pass, without_pass
+from xla_strategies.passes.transforms.reduce_scatters_before_loops import ReduceScattersBeforeLoops
+from xla_strategies.passes.transforms.scatter_adds_as_selects import ScatterAddsAsSelects
 from xla_strategies.step.compile_program import compile_lowered
 
 RESULTS = Path(__file__).parent / "results" / "tpu_aot.json"
@@ -73,6 +78,8 @@ LEFT_OUT = {
     "f": "decompose-all-reduces",
     "g": "decompose-all-reduces",
 }
+#: The passes a variant forces on, in place of their `mode=auto` choice
+FORCED_ON = {"m": (ScatterAddsAsSelects, ReduceScattersBeforeLoops)}
 
 
 def abstract_state(workload: Any, tx: optax.GradientTransformation) -> tuple[Any, Any]:
@@ -86,17 +93,28 @@ def _our_step(strategy: Any, workload: Any, variant: str) -> tuple[Any, tuple]:
     tx = optax.adamw(1e-4)
     variables, opt_state = abstract_state(workload, tx)
     state = strategy.replicate(variables), strategy.replicate(opt_state)
-    left_out = LEFT_OUT.get(variant)
     step = strategy.compile(
         workload.step(tx, "batch"),
         axis_name="batch",
         donate_argnums=(0, 1),
         shard_weight_updates={"b": True, "h": False}.get(variant),
-        shard_parameters=True if variant in ("d", "e", "g", "t") else None,
-        pipeline=without_pass(strategy.pipeline(None), left_out) if left_out else None,
+        shard_parameters=True if variant in ("d", "e", "g", "m", "t") else None,
+        pipeline=_pipeline(strategy, variant),
         name=f"{workload.name} ({variant})",
     )
     return step, (*state, _batch(strategy, workload))
+
+
+def _pipeline(strategy: Any, variant: str) -> Any:
+    """The pipeline `variant` runs in place of the strategy's own; None: the strategy's."""
+    if variant in LEFT_OUT:
+        return without_pass(strategy.pipeline(None), LEFT_OUT[variant])
+    if variant in FORCED_ON:
+        pipeline = strategy.pipeline(None)
+        for pass_class in FORCED_ON[variant]:
+            pipeline = with_pass(pipeline, pass_class(mode="on"))
+        return pipeline
+    return None
 
 
 def ours(strategy: Any, workload: Any, variant: str) -> Any:
@@ -333,7 +351,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "t"))
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "m", "t")
+    )
     parser.add_argument(
         "--untuned",
         action="store_true",

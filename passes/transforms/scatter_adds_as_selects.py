@@ -20,7 +20,8 @@ position. Scatters that clip their indices, write windows, or may add twice to a
 Where it pays is measured per TPU generation (`scatter_adds_as_selects` in
 `tpu_configs/`): with `reduce-scatters-before-loops`, Llama-2-7B under parameter sharding
 on v5e-256 takes 2.69 GiB per chip either way and 831.70 against 834.21 ms estimated; on
-v5p-512 it made the step larger (3.16 → 3.77 GiB).
+v5p-512 it made the step larger (3.16 → 3.77 GiB), and Llama-2-70B's smaller there (both
+passes: 14.21 → 13.88 GiB), so one v5p slice leaves it off and `mode=on` is the user's.
 
     Before:
       %20: f32[1,2048,32000] = jax.scatter-add(%19, %12, %18) {"dimension_numbers": [[0],
