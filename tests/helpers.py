@@ -245,3 +245,32 @@ def one_tpu_chip() -> jax.sharding.NamedSharding:
 
     chip = topologies.get_topology_desc("v5e:2x2", "tpu").devices[:1]
     return NamedSharding(Mesh(np.array(chip), ("chip",)), PartitionSpec())
+
+
+def batch_norm_step(
+    model: nn.Module, tx: optax.GradientTransformation, rngs: Callable[[], dict] = dict
+) -> Callable[..., Any]:
+    """flax's train step for a model with BatchNorm statistics, as flax's docs write it:
+    step(variables, opt_state, (images, labels)), the statistics the loss's aux; `rngs`
+    gives `apply`'s generators (dropout's key), made inside the step."""
+
+    def step(variables, opt_state, batch):
+        images, labels = batch
+
+        def loss_fn(params):
+            logits, updates = model.apply(
+                {"params": params, "batch_stats": variables["batch_stats"]},
+                images,
+                train=True,
+                rngs=rngs(),
+                mutable=["batch_stats"],
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return loss, updates["batch_stats"]
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
+        updates, opt_state = tx.update(grads, opt_state, variables["params"])
+        params = optax.apply_updates(variables["params"], updates)
+        return {"params": params, "batch_stats": stats}, opt_state, loss
+
+    return step

@@ -14,6 +14,7 @@ import pytest
 
 import xla_strategies as xs
 from benchmarks import tpu_models
+from tests import helpers
 from xla_strategies.passes.ir.traits import traits_of
 
 #: foreign ops these models capture that the passes leave opaque, and why that is right
@@ -52,31 +53,11 @@ class _CNN(nn.Module):
         return nn.Dense(3)(x)
 
 
-def _cnn_step(model, tx):
-    def step(variables, opt_state, images, labels, key):
-        def loss_fn(params):
-            logits, updates = model.apply(
-                {"params": params, "batch_stats": variables["batch_stats"]},
-                images,
-                rngs={"dropout": key},
-                mutable=["batch_stats"],
-            )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-            return loss, updates["batch_stats"]
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
-        updates, opt_state = tx.update(grads, opt_state, variables["params"])
-        params = optax.apply_updates(variables["params"], updates)
-        return {"params": params, "batch_stats": stats}, opt_state, loss
-
-    return step
-
-
-def _captured_ops(strategy, step, state, *batch) -> set[str]:
+def _captured_ops(strategy, step, state, batch) -> set[str]:
     replicated = [strategy.replicate(s) for s in state]
     compiled = strategy.compile(step, axis_name="batch")
     (batch,) = strategy.experimental_distribute_dataset([batch])
-    graph = compiled.executable(*replicated, *batch).graph
+    graph = compiled.executable(*replicated, batch).graph
     return {node.op for region in graph.graphs() for node in region.nodes if node.is_foreign}
 
 
@@ -115,12 +96,12 @@ def test_every_op_of_a_cnns_train_step_is_declared():
     variables = model.init(jax.random.key(0), images[:2], train=False)
     strategy = xs.MirroredStrategy()
 
-    def step(variables, opt_state, images, labels):
+    def dropout_key() -> dict:  # each replica its own dropout mask
         replica = xs.get_replica_context().replica_id_in_sync_group
-        key = jax.random.fold_in(jax.random.key(0), replica)  # each replica its own dropout
-        return _cnn_step(model, tx)(variables, opt_state, images, labels, key)
+        return {"dropout": jax.random.fold_in(jax.random.key(0), replica)}
 
-    ops = _captured_ops(strategy, step, (variables, tx.init(variables["params"])), images, labels)
+    step = helpers.batch_norm_step(model, tx, dropout_key)
+    ops = _captured_ops(strategy, step, (variables, tx.init(variables["params"])), (images, labels))
     assert "jax.conv_general_dilated" in ops
     assert _undeclared(ops) == set()
 

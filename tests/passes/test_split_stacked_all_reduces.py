@@ -113,28 +113,6 @@ class BatchNormCNN(nn.Module):
         return nn.Dense(10)(x)
 
 
-def _bn_step(model: nn.Module, tx: optax.GradientTransformation):
-    def step(variables, opt_state, batch):
-        images, labels = batch
-
-        def loss_fn(params):
-            logits, updates = model.apply(
-                {"params": params, "batch_stats": variables["batch_stats"]},
-                images,
-                train=True,
-                mutable=["batch_stats"],
-            )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-            return loss, updates["batch_stats"]
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
-        updates, opt_state = tx.update(grads, opt_state, variables["params"])
-        params = optax.apply_updates(variables["params"], updates)
-        return {"params": params, "batch_stats": stats}, opt_state, loss
-
-    return step
-
-
 def _bn_batches(steps: int = 2, size: int = 16) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
     return [
@@ -152,8 +130,8 @@ def test_batch_norm_across_emulated_slices_trains_to_the_numbers_of_one_device()
     variables = BatchNormCNN().init(jax.random.key(0), batches[0][0], train=False)
     reference = variables, tx.init(variables["params"])
     for batch in batches:
-        *reference, _ = jax.jit(_bn_step(BatchNormCNN(), tx))(*reference, batch)
-    step = strategy.compile(_bn_step(BatchNormCNN("batch"), tx), axis_name="batch")
+        *reference, _ = jax.jit(helpers.batch_norm_step(BatchNormCNN(), tx))(*reference, batch)
+    step = strategy.compile(helpers.batch_norm_step(BatchNormCNN("batch"), tx), axis_name="batch")
     state = strategy.replicate(variables), strategy.replicate(tx.init(variables["params"]))
     for batch in strategy.experimental_distribute_dataset(batches):
         *state, _ = step(*state, batch)
@@ -173,7 +151,7 @@ def test_xla_reduces_the_rows_in_fewer_collectives_inside_the_slice(split):
     if not split:
         pipeline = without_pass(pipeline, "split-stacked-all-reduces")
     step = strategy.compile(
-        _bn_step(BatchNormCNN("batch"), tx), axis_name="batch", pipeline=pipeline
+        helpers.batch_norm_step(BatchNormCNN("batch"), tx), axis_name="batch", pipeline=pipeline
     )
     args = strategy.replicate(variables), strategy.replicate(tx.init(variables["params"]))
     batch = strategy.experimental_distribute_values_from_function(
