@@ -38,8 +38,7 @@ def compute_seconds(node: Node, topology: Any = None, reads: int | None = None) 
         contracting = node.attrs.get("dimension_numbers", [[[], []]])[0][0]
         flops = 2 * out * math.prod(node.inputs[0].shape[d] for d in contracting)
     elif node.has(Trait.CONVOLUTION) and len(node.inputs) == 2:
-        kernel = node.inputs[1]
-        flops = 2 * out * kernel.size // kernel.shape[node.attrs["dimension_numbers"][1][0]]
+        flops = _convolution_flops(node)
     if node.op in _FREE:
         return 0.0
     moved = 0
@@ -50,6 +49,43 @@ def compute_seconds(node: Node, topology: Any = None, reads: int | None = None) 
     bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
     devices = getattr(topology, "model_axis_size", 1)
     return max(flops / peak, moved / bandwidth) / devices
+
+
+def _convolution_flops(node: Node) -> int:
+    """2 flops per multiply-add of a real input element: each output position sums the
+    kernel's input features over the window taps that land on the operand, not on its
+    padding or on the zeros a strided convolution's input gradient dilates it with (as
+    XLA's cost analysis counts them)."""
+    (lhs, kernel), (out,) = node.inputs, node.outputs
+    lhs_spec, kernel_spec, out_spec = node.attrs["dimension_numbers"]
+    taps = 1
+    spatial = zip(lhs_spec[2:], kernel_spec[2:], out_spec[2:], strict=True)
+    for d, (in_dim, window_dim, out_dim) in enumerate(spatial):
+        taps *= _real_taps(
+            lhs.shape[in_dim],
+            kernel.shape[window_dim],
+            out.shape[out_dim],
+            node.attrs["window_strides"][d],
+            node.attrs["padding"][d][0],
+            node.attrs["lhs_dilation"][d],
+            node.attrs["rhs_dilation"][d],
+        )
+    positions = math.prod(out.shape[o] for o in out_spec[2:])
+    return 2 * (out.size // positions) * kernel.shape[kernel_spec[1]] * taps
+
+
+def _real_taps(
+    size: int, window: int, outputs: int, stride: int, low: int, dilation: int, window_dilation: int
+) -> int:
+    """The (output, window tap) pairs of one spatial dimension that read an element of the
+    operand (`size` elements, `dilation` apart, after `low` padding)."""
+    span = (size - 1) * dilation + 1
+    return sum(
+        1
+        for o in range(outputs)
+        for t in range(window)
+        if 0 <= (at := o * stride + t * window_dilation - low) < span and at % dilation == 0
+    )
 
 
 def _fuses_into_neighbours(node: Node) -> bool:

@@ -24,9 +24,10 @@ class Trait(enum.Enum):
     CALL_ONCE = "call-once"  # one region run once on the operands (rematerialisation)
     BRANCHES = "branches"  # operand 0 picks one of the regions, run on the rest
     CONTRACTION = "contraction"  # a matmul: costs 2 x output x contracted size flops
-    # a convolution of operand 0 by the kernel, operand 1: each output element sums the
-    # kernel's input features over its window, 2 x output x (kernel size / kernel's output
-    # features) flops; `dimension_numbers[1][0]` is the kernel's output-feature dimension
+    # a convolution of operand 0 by the kernel, operand 1 (XLA's, with its attributes:
+    # `dimension_numbers` as (operand, kernel, output) specs of (batch or output feature,
+    # feature, spatial...), `window_strides`, `padding`, `lhs_dilation`, `rhs_dilation`):
+    # each output element sums the kernel's input features over its window's taps
     CONVOLUTION = "convolution"
     SIDE_EFFECT = "side-effect"
     # reduces its operand over the dimensions in its `axes` attribute, combining elements

@@ -131,11 +131,14 @@ func @stats(%0: bf16[64,1024,256]) {
     assert unfused == pytest.approx((2 * 2 * activation + statistics) / v5e.memory_bandwidth)
 
 
-def test_a_convolution_costs_its_kernels_flops_forward_and_backward():
-    """A grouped, strided convolution and its kernel's gradient (a convolution whose
-    kernel is the output gradient, `batch_group_count` groups) each cost 2 x batch x
-    output positions x output features x input features per group x window flops: the
-    model's flops for that layer. Undeclared, they cost only their bytes."""
+@pytest.mark.parametrize(
+    "features, window, stride, groups", [(8, 3, 2, 2), (16, 1, 1, 1), (8, 7, 2, 1), (4, 3, 1, 4)]
+)
+def test_a_convolution_costs_the_flops_xla_counts(features, window, stride, groups):
+    """Each convolution of a layer's gradient (forward, operand gradient, kernel gradient):
+    the flops the estimate prices equal XLA's own cost analysis of that convolution
+    compiled alone, padding and a strided convolution's zeros left out. Undeclared, they
+    cost only their bytes."""
     import types
 
     import flax.linen as nn
@@ -144,16 +147,36 @@ def test_a_convolution_costs_its_kernels_flops_forward_and_backward():
 
     from xla_strategies.passes.cost.timeline import compute_seconds
 
-    layer = nn.Conv(8, (3, 3), strides=2, feature_group_count=2)
-    images = jnp.ones((2, 16, 16, 4))
+    layer = nn.Conv(features, (window, window), stride, feature_group_count=groups)
+    images = jnp.ones((2, 16, 16, 8))
     params = layer.init(jax.random.key(0), images)
-    step = xs.OneDeviceStrategy("cpu:0").compile(
-        lambda p, x: jax.grad(lambda p: layer.apply(p, x).sum())(p)
-    )
-    graph = step.executable(params, images).graph
-    nodes = [node for region in graph.graphs() for node in region.nodes]
-    convolutions = [n for n in nodes if n.op == "jax.conv_general_dilated"]
+
+    def gradients(params, images):
+        return jax.grad(lambda p, x: layer.apply(p, x).sum(), argnums=(0, 1))(params, images)
+
+    graph = xs.OneDeviceStrategy("cpu:0").compile(gradients).executable(params, images).graph
     flops_only = types.SimpleNamespace(peak_flops=1.0, memory_bandwidth=float("inf"))
-    layer_flops = 2 * 2 * 8 * 8 * 8 * (4 // 2) * 3 * 3  # batch, 8x8 out, 8 out, 2 in, 3x3
-    assert len(convolutions) == 2  # forward, and the kernel's gradient
-    assert [compute_seconds(n, flops_only) for n in convolutions] == [layer_flops] * 2
+    ours = [
+        compute_seconds(node, flops_only)
+        for region in graph.graphs()
+        for node in region.nodes
+        if node.op == "jax.conv_general_dilated"
+    ]
+
+    def xla_flops(eqn) -> float:
+        operands = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        alone = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params)).lower(*operands)
+        analysis = alone.compile().cost_analysis()
+        return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+    def equations(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for param in eqn.params.values():
+                if hasattr(inner := getattr(param, "jaxpr", param), "eqns"):
+                    yield from equations(inner)
+
+    eqns = list(equations(jax.make_jaxpr(gradients)(params, images).jaxpr))
+    xla = [xla_flops(e) for e in eqns if e.primitive.name == "conv_general_dilated"]
+    assert len(ours) == len(xla) == 3
+    assert sorted(ours) == sorted(xla)
