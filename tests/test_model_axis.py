@@ -467,10 +467,12 @@ class _DotReluDot(nn.Module):
         return jnp.dot(y, w2)
 
 
-def test_flax_guides_dot_relu_dot_gathers_each_devices_part_of_equal_shaped_weights():
+def test_flax_guides_dot_relu_dot_moves_each_devices_part_of_equal_shaped_weights():
     """Its two weights have one shape, split over the model axis on different dimensions:
-    the replicas still gather each device's part of each, not an all-reduce of zero-padded
-    blocks, and train as flax's own single-device run does."""
+    the replicas still gather each device's part of each, and reduce-scatter each device's
+    part of each gradient (found through autodiff's transpose of the weight's sharding
+    constraint, not by shape), not all-reduces of zero-padded blocks, and train as flax's
+    own single-device run does."""
     model, tx = _DotReluDot(64), optax.adam(1e-3)
     boxed = model.init(jax.random.key(0), jnp.ones((4, 64), jnp.float64))
     rng = np.random.default_rng(0)
@@ -500,4 +502,4 @@ def test_flax_guides_dot_relu_dot_gathers_each_devices_part_of_equal_shaped_weig
     assert held * 8 == whole  # 1/4 per replica, split again over the replica's 2 devices
     report = compiled_report(step.lower(*args).compile(), strategy)
     across = {c.kind for c in report.collectives if not c.inside_replica}
-    assert "all-gather" in across, across
+    assert across == {"all-gather", "reduce-scatter"}, across

@@ -24,7 +24,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from xla_strategies.core.layout import replica_axes
+from xla_strategies.core.layout import model_dim, replica_axes
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.axis_names import (
     AxisRenamer,
@@ -208,6 +208,8 @@ class _Importer:
         node = self.known_node(eqn, inputs, outputs) or self.region_node(eqn, inputs, outputs)
         if node is None:
             attrs = {k: j for k, v in params.items() if (j := jsonable(v)) is not None}
+            if prim == "sharding_constraint":
+                attrs |= _constraint_attrs(params)
             node = Node("jax." + prim, inputs, outputs, attrs, payload=self._renamer.equation(eqn))
         graph.nodes.append(node)
         if prim in RESHAPING and len(inputs) == 1:
@@ -291,3 +293,12 @@ class _Importer:
             for i, body in enumerate(bodies)
         ]
         return Node("jax." + prim, inputs, outputs, attrs, regions=regions, payload=eqn)
+
+
+def _constraint_attrs(params: dict[str, Any]) -> dict[str, int]:
+    """A sharding constraint's `model_dim`: the dimension its sharding splits over the
+    model axis (flax's `nn.with_partitioning`, Megatron's activation constraints), where
+    it splits one. Autodiff transposes a parameter's constraint into its gradient's, so the
+    gradient's reduction finds its parameter's layout there (`layouts.mark_model_dims`)."""
+    dim = model_dim(getattr(params.get("sharding"), "spec", ()))
+    return {} if dim is None else {"model_dim": dim}

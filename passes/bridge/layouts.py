@@ -12,7 +12,7 @@ from typing import Any
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xla_strategies.core.layout import replica_axes
-from xla_strategies.passes.ir.graph import Graph, Split, Value
+from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 
 
 def replica_spec(mesh: Mesh) -> PartitionSpec:
@@ -112,18 +112,37 @@ def _global_sharding(
 
 
 def mark_model_dims(graph: Graph) -> None:
-    """Give each autodiff reduction of a parameter split over the model axis (its `param`
-    attribute names an input whose `model_dim` is set) that `model_dim`: the gradient is
-    laid out as its parameter, and a pass that splits it over the replicas must pick
-    another dimension."""
+    """Give each autodiff reduction of a parameter split over the model axis its
+    `model_dim`: the gradient is laid out as its parameter, and a pass that splits it over
+    the replicas must pick another dimension. The parameter is the input its `param`
+    attribute names, or else the reduction reads or feeds a sharding constraint that
+    splits the model axis (autodiff's transpose of the parameter's own constraint, as
+    flax's `nn.with_partitioning` writes it): two parameters of one shape split on
+    different dimensions (Megatron's q and o projections) are told apart so."""
     dims = {
         v.name: a.model_dim
         for v, a in zip(graph.inputs, graph.io.inputs, strict=True)
         if a.model_dim is not None
     }
-    if not dims:
-        return
     for region in graph.graphs():
+        producers, users = region.producers(), region.users()
         for node in region.nodes:
-            if node.op == "all_reduce" and node.attrs.get("param") in dims:
+            if node.op != "all_reduce" or node.attrs.get("origin") is not Origin.AUTODIFF:
+                continue
+            if node.attrs.get("param") in dims:
                 node.attrs["model_dim"] = dims[node.attrs["param"]]
+            elif (dim := _constrained_model_dim(node, producers, users)) is not None:
+                node.attrs["model_dim"] = dim
+
+
+def _constrained_model_dim(
+    node: Node, producers: dict[Value, Node], users: dict[Value, list[Node]]
+) -> int | None:
+    """The model axis's dimension of the one sharding constraint `node` reads or feeds."""
+    near = [producers.get(v) for v in node.inputs] + users.get(node.outputs[0], [])
+    dims = {
+        n.attrs["model_dim"]
+        for n in near
+        if n is not None and n.op == "jax.sharding_constraint" and "model_dim" in n.attrs
+    }
+    return dims.pop() if len(dims) == 1 else None
