@@ -125,7 +125,8 @@ def mark_model_dims(graph: Graph) -> None:
         if a.model_dim is not None
     }
     for region in graph.graphs():
-        producers, users = region.producers(), region.users()
+        constrained = any(_model_dim_of_constraint(n) is not None for n in region.nodes)
+        producers, users = (region.producers(), region.users()) if constrained else ({}, {})
         for node in region.nodes:
             if node.op != "all_reduce" or node.attrs.get("origin") is not Origin.AUTODIFF:
                 continue
@@ -140,9 +141,9 @@ def _constrained_model_dim(
 ) -> int | None:
     """The model axis's dimension of the one sharding constraint `node` reads or feeds."""
     near = [producers.get(v) for v in node.inputs] + users.get(node.outputs[0], [])
-    dims = {
-        n.attrs["model_dim"]
-        for n in near
-        if n is not None and n.op == "jax.sharding_constraint" and "model_dim" in n.attrs
-    }
+    dims = {_model_dim_of_constraint(n) for n in near if n is not None} - {None}
     return dims.pop() if len(dims) == 1 else None
+
+
+def _model_dim_of_constraint(node: Node) -> int | None:
+    return node.attrs.get("model_dim") if node.op == "jax.sharding_constraint" else None

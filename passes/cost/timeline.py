@@ -9,6 +9,7 @@ event containing its first iteration's events, so events nest properly.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -74,6 +75,7 @@ def _convolution_flops(node: Node) -> int:
     return 2 * (out.size // positions) * kernel.shape[kernel_spec[1]] * taps
 
 
+@functools.cache  # a step's convolutions repeat a few shapes, priced after every pass
 def _real_taps(
     size: int, window: int, outputs: int, stride: int, low: int, dilation: int, window_dilation: int
 ) -> int:
