@@ -41,6 +41,9 @@ SLOW_TESTS = (
     "tests/frameworks/test_flax_linen.py::test_scanned_remat_lm_with_tied_embedding",
     "tests/torch_models/test_train.py::test_transformer_with_tied_embedding_and_adamw",
     "tests/torch_models/test_train.py::test_checkpoint_saves_and_restores_a_torch_state",
+    # two worker processes; 8.8 s alone, but 152 s in one `make test` run beside the other
+    # pytest worker (445.8 s in all, 2026-11-27; why not found)
+    "tests/test_cluster_resolvers.py::test_slurm_feeds_multi_worker_mirrored_strategy",
     # both transformer cases (13 s each); `make test` keeps the MLP's two
     "tests/test_equivalence.py::test_mirrored_matches_one_device[transformer",
     "tests/test_examples.py::test_train_mlp_resumes_and_saves_on_sigterm",
