@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -274,3 +274,13 @@ def batch_norm_step(
         return {"params": params, "batch_stats": stats}, opt_state, loss
 
     return step
+
+
+def jaxpr_equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters
+    (a closed jaxpr's, or a jaxpr: jit, scan, remat, custom derivative bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            if hasattr(inner := getattr(param, "jaxpr", param), "eqns"):
+                yield from jaxpr_equations(inner)

@@ -169,14 +169,7 @@ def test_a_convolution_costs_the_flops_xla_counts(features, window, stride, grou
         analysis = alone.compile().cost_analysis()
         return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
-    def equations(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn
-            for param in eqn.params.values():
-                if hasattr(inner := getattr(param, "jaxpr", param), "eqns"):
-                    yield from equations(inner)
-
-    eqns = list(equations(jax.make_jaxpr(gradients)(params, images).jaxpr))
+    eqns = list(helpers.jaxpr_equations(jax.make_jaxpr(gradients)(params, images).jaxpr))
     xla = [xla_flops(e) for e in eqns if e.primitive.name == "conv_general_dilated"]
     assert len(ours) == len(xla) == 3
     assert sorted(ours) == sorted(xla)

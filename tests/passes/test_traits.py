@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
 from tests.passes.pass_testing import MESH
 from xla_strategies.passes import VerificationError, parse, verify
 from xla_strategies.passes.cost.collective_stats import collective_counts
@@ -93,18 +94,9 @@ def test_every_op_of_tanh_gelus_gradient_is_known_to_the_passes():
 
     import xla_strategies.passes.bridge.ops  # noqa: F401  (declares the JAX ops)
 
-    def primitives(jaxpr) -> set[str]:
-        found = set()
-        for eqn in jaxpr.eqns:
-            found.add(eqn.primitive.name)
-            for param in eqn.params.values():
-                sub = getattr(param, "jaxpr", param)  # a closed jaxpr's, or a jaxpr
-                if hasattr(sub, "eqns"):
-                    found |= primitives(sub)
-        return found
-
     gradient = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x, approximate=True)))
-    found = primitives(jax.make_jaxpr(gradient)(jnp.ones((4, 8))).jaxpr)
+    jaxpr = jax.make_jaxpr(gradient)(jnp.ones((4, 8))).jaxpr
+    found = {eqn.primitive.name for eqn in helpers.jaxpr_equations(jaxpr)}
     structural = {"pjit", "jit", "reduce_sum", "broadcast_in_dim", "reshape"}
     pointwise = found - structural
     assert pointwise and all(Trait.ELEMENTWISE in traits_of(f"jax.{p}") for p in pointwise), {
