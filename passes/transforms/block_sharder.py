@@ -24,6 +24,7 @@ from xla_strategies.passes.transforms.blocks import (
     DEFERRED,
     block_value,
     divides,
+    held_dims_by_shape,
     shard_dimension,
     sinks_to_blocks,
     unit_reshape_dim,
@@ -111,8 +112,8 @@ class BlockSharder:
         return returned
 
     def walk(self, graph: Graph) -> None:
-        self.model_dims = _held_dims_by_shape(graph, "model_dim")
-        self.held_dims = _held_dims_by_shape(graph, "dimension")
+        self.model_dims = held_dims_by_shape(graph, "model_dim")
+        self.held_dims = held_dims_by_shape(graph, "dimension")
         self.users = graph.users()
         for node in graph.nodes:
             if is_gradient_reduction(node, self.all_axes):
@@ -394,16 +395,3 @@ def is_gradient_reduction(node: Node, axes: list[str]) -> bool:
 
 def _type(value: Value) -> str:
     return (f"{value.name} " if value.name else "") + format_type(value)
-
-
-def _held_dims_by_shape(graph: Graph, attr: str) -> dict[tuple[int, ...], int]:
-    """A dimension of the parameters `graph` gathers from blocks (the deferred gathers
-    shard-parameters leaves), by shape: the one the model axis splits (`model_dim`), or
-    the one the blocks are split on (`dimension`), which a gradient's blocks then share. A
-    gradient inside a loop body has no parameter name, but has its parameter's shape. A
-    shape two parameters split on different dimensions says nothing."""
-    found: dict[tuple[int, ...], set[int]] = {}
-    for node in graph.nodes:
-        if node.op == "all_gather" and node.attrs.get(DEFERRED) and attr in node.attrs:
-            found.setdefault(node.outputs[0].shape, set()).add(node.attrs[attr])
-    return {shape: dims.pop() for shape, dims in found.items() if len(dims) == 1}

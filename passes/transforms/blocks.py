@@ -77,3 +77,16 @@ class BlockRewriter(Protocol):
     def block_of(self, full: Value, dim: int) -> Value: ...
     def slice(self, value: Value, dim: int) -> Value: ...
     def rewrite_region(self, graph: Graph, returnable: range) -> dict[int, int]: ...
+
+
+def held_dims_by_shape(graph: Graph, attr: str) -> dict[tuple[int, ...], int]:
+    """A dimension of the parameters `graph` gathers from blocks (the deferred gathers
+    shard-parameters leaves), by shape: the one the model axis splits (`model_dim`), or
+    the one the blocks are split on (`dimension`), which a gradient's blocks then share. A
+    gradient inside a loop body has no parameter name, but has its parameter's shape. A
+    shape two parameters split on different dimensions says nothing."""
+    found: dict[tuple[int, ...], set[int]] = {}
+    for node in graph.nodes:
+        if node.op == "all_gather" and node.attrs.get(DEFERRED) and attr in node.attrs:
+            found.setdefault(node.outputs[0].shape, set()).add(node.attrs[attr])
+    return {shape: dims.pop() for shape, dims in found.items() if len(dims) == 1}
