@@ -167,7 +167,7 @@ class BlockSharder:
         attrs.pop("reduce_op")
         if model_dim is not None:  # the lowering keeps the blocks split there
             attrs["model_dim"] = model_dim
-            self.model_dims.setdefault(full.shape, model_dim)  # for the update's gather
+            self.held_model_dims[full] = model_dim  # the update's gather, through its ops
         if self.across:  # the sum over the other axes (slices), on the blocks
             partial = block.like(varying_axes=block.varying_axes | frozenset(self.across))
             self.emit("reduce_scatter", node.inputs, partial, attrs)
