@@ -442,7 +442,8 @@ def test_a_collective_over_every_chip_is_priced_over_the_replicas_and_the_model_
     )
 
 
-# flax's guide "Scale up Flax Modules on multiple devices": its DotReluDot, as it writes it
+# flax's guide "Scale up Flax Modules on multiple devices": its DotReluDot, as it writes it,
+# with mesh axis names and with logical ones
 
 
 class _DotReluDot(nn.Module):
@@ -467,20 +468,65 @@ class _DotReluDot(nn.Module):
         return jnp.dot(y, w2)
 
 
-def test_flax_guides_dot_relu_dot_moves_each_devices_part_of_equal_shaped_weights():
+class _LogicalDotReluDot(nn.Module):
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.xavier_normal()
+        y = nn.Dense(
+            self.depth,
+            kernel_init=nn.with_logical_partitioning(init, ("embed", "hidden")),
+            use_bias=False,
+            param_dtype=jnp.float64,
+        )(x)
+        y = jax.nn.relu(y)
+        y = nn.with_logical_constraint(y, ("batch", "hidden"))
+        w2 = self.param(
+            "W2",
+            nn.with_logical_partitioning(init, ("hidden", "embed")),
+            (self.depth, x.shape[-1]),
+            jnp.float64,
+        )
+        return jnp.dot(y, w2)
+
+
+_RULES = (("batch", None), ("hidden", "model"), ("embed", None))
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "held_share"),
+    [
+        # parameters and optimizer state held as each device's part: 1/4 per replica,
+        # split again over the replica's 2 devices
+        (_DotReluDot(64), {"shard_parameters": True}, 8),
+        # parameters kept whole across the replicas, each updating its block: only the
+        # model axis splits them; each weight's update gathers its own split
+        (_DotReluDot(64), {"shard_weight_updates": True, "shard_parameters": False}, 2),
+        (_LogicalDotReluDot(64), {"shard_parameters": True}, 8),
+    ],
+    ids=["shard-parameters", "shard-weight-updates", "logical-axis-names"],
+)
+def test_flax_guides_dot_relu_dot_moves_each_devices_part_of_equal_shaped_weights(
+    model, options, held_share
+):
     """Its two weights have one shape, split over the model axis on different dimensions:
     the replicas still gather each device's part of each, and reduce-scatter each device's
     part of each gradient (found through autodiff's transpose of the weight's sharding
     constraint, not by shape), not all-reduces of zero-padded blocks, and train as flax's
     own single-device run does."""
-    model, tx = _DotReluDot(64), optax.adam(1e-3)
-    boxed = model.init(jax.random.key(0), jnp.ones((4, 64), jnp.float64))
+    tx = optax.adam(1e-3)
+    with nn.logical_axis_rules(_RULES):
+        boxed = model.init(jax.random.key(0), jnp.ones((4, 64), jnp.float64))
     rng = np.random.default_rng(0)
     batches = [(rng.normal(size=(16, 64)), rng.normal(size=(16, 64))) for _ in range(3)]
 
     def train_step(params, opt_state, batch):
         x, y = batch
-        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        with nn.logical_axis_rules(_RULES):
+            loss, grads = jax.value_and_grad(
+                lambda p: jnp.mean((model.apply(p, x) - y) ** 2)
+            )(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -491,15 +537,32 @@ def test_flax_guides_dot_relu_dot_moves_each_devices_part_of_equal_shaped_weight
     from xla_strategies.hardware.compiled_report import compiled_report
 
     strategy = xs.MirroredStrategy(logical_devices_per_replica=2)
-    params, opt_state = strategy.replicate(boxed), strategy.replicate(tx.init(boxed))
-    step = strategy.compile(train_step, shard_parameters=True)
+    with nn.logical_axis_rules(_RULES):
+        params, opt_state = strategy.replicate(boxed), strategy.replicate(tx.init(boxed))
+    step = strategy.compile(train_step, **options)
     for batch in strategy.experimental_distribute_dataset(batches):
         args = (params, opt_state, batch)
         params, opt_state, _ = step(*args)
     for g, w in zip(jax.tree.leaves(nn.meta.unbox(params)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)  # adam divides by sqrt(v)
     held, whole = bytes_on(nn.meta.unbox(params)["params"]["W2"], strategy.devices[0])
-    assert held * 8 == whole  # 1/4 per replica, split again over the replica's 2 devices
+    assert held * held_share == whole
     report = compiled_report(step.lower(*args).compile(), strategy)
     across = {c.kind for c in report.collectives if not c.inside_replica}
     assert across == {"all-gather", "reduce-scatter"}, across
+
+
+def test_replicating_logical_axis_names_with_no_rules_in_scope_raises():
+    """flax maps no logical name without rules, so the tree would be kept whole over the
+    model axis, and its optimizer state laid out unlike its parameters: an error naming
+    the leaf, not a silently slower step. A tree already split needs no rules."""
+    model = _LogicalDotReluDot(64)
+    with nn.logical_axis_rules(_RULES):
+        boxed = model.init(jax.random.key(0), jnp.ones((4, 64), jnp.float64))
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2)
+    with pytest.raises(ValueError, match=r"\['kernel'\].*logical axis names \('embed', 'hidden'\)"):
+        strategy.replicate(optax.adam(1e-3).init(boxed))
+    with nn.logical_axis_rules(_RULES):
+        params = strategy.replicate(boxed)
+    again = strategy.replicate(params)
+    assert again["params"]["W2"].value.sharding.spec == P("model")

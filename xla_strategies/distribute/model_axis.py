@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -44,29 +44,42 @@ def with_model_axis(
     return devices.reshape(shape), (*axis_names, MODEL_AXIS)
 
 
-def declared_model_dims(tree: Any) -> list[int | None]:
+class UnmappedLogicalNames(NamedTuple):
+    """A flax linen box's logical axis names with no rules in scope to map them to mesh
+    axes: flax would leave the value whole, silently."""
+
+    names: tuple
+
+
+def declared_model_dims(tree: Any) -> list[int | None | UnmappedLogicalNames]:
     """Per leaf of `tree` (in `jax.tree.leaves` order), the dimension its flax linen
     annotation splits over the model axis (`nn.with_partitioning`, or
     `nn.with_logical_partitioning` under its logical axis rules), or None."""
     meta = sys.modules.get("flax.core.meta")  # only a tree flax made can hold its boxes
     if meta is None:
         return [None] * len(jax.tree.leaves(tree))
-    dims: list[int | None] = []
+    dims: list[int | None | UnmappedLogicalNames] = []
     for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)):
         if isinstance(node, meta.Partitioned):
-            dims += [model_dim(_mesh_axes(node))] * len(jax.tree.leaves(node))
+            axes = _mesh_axes(node)
+            dim = axes if isinstance(axes, UnmappedLogicalNames) else model_dim(axes)
+            dims += [dim] * len(jax.tree.leaves(node))
         else:
             dims += [None] * len(jax.tree.leaves(node))
     return dims
 
 
-def _mesh_axes(box: Any) -> tuple:
-    """A linen box's names as mesh axes: logical names through their rules."""
+def _mesh_axes(box: Any) -> tuple | UnmappedLogicalNames:
+    """A linen box's names as mesh axes: logical names through their rules (the box's
+    own, else those `nn.logical_axis_rules` puts in scope)."""
     logical = getattr(sys.modules.get("flax.linen.spmd"), "LogicallyPartitioned", ())
     if logical and isinstance(box, logical):
         from flax import linen
 
-        return tuple(linen.logical_to_mesh_axes(box.names, box.rules))
+        rules = box.rules or linen.get_logical_axis_rules()
+        if not rules and any(isinstance(name, str) for name in box.names):
+            return UnmappedLogicalNames(tuple(box.names))
+        return tuple(linen.logical_to_mesh_axes(box.names, rules))
     return tuple(box.names)
 
 
@@ -75,11 +88,22 @@ def state_shardings(
 ) -> Iterator[NamedSharding]:
     """Where each array of `tree` (function leaves skipped) is kept as state: split over
     the model axis as flax linen annotates it or as it already is (`model_dim_of`), whole
-    otherwise."""
-    for dim, leaf in zip(declared_model_dims(tree), jax.tree.leaves(tree), strict=True):
+    otherwise. Raises where a leaf has logical axis names that no rules map, and is not
+    split already: it would be kept whole, and its update would not line up with its
+    parameter's."""
+    paths = jax.tree_util.tree_leaves_with_path(tree)
+    for dim, (path, leaf) in zip(declared_model_dims(tree), paths, strict=True):
         if is_function_leaf(leaf):
             continue
-        dim = model_dim_of(leaf) if dim is None else dim
+        unmapped = dim if isinstance(dim, UnmappedLogicalNames) else None
+        dim = model_dim_of(leaf) if dim is None or unmapped else dim
+        if unmapped and dim is None:
+            raise ValueError(
+                f"replicate(tree): tree{jax.tree_util.keystr(path)} has flax logical axis "
+                f"names {unmapped.names} but no logical axis rules are in scope to map "
+                "them to the mesh; call replicate inside `nn.logical_axis_rules(rules)`, "
+                "the rules the step applies the model under"
+            )
         spec = PartitionSpec() if dim is None else PartitionSpec(*[None] * dim, MODEL_AXIS)
         yield NamedSharding(mesh, spec)
 
