@@ -524,9 +524,9 @@ def test_flax_guides_dot_relu_dot_moves_each_devices_part_of_equal_shaped_weight
     def train_step(params, opt_state, batch):
         x, y = batch
         with nn.logical_axis_rules(_RULES):
-            loss, grads = jax.value_and_grad(
-                lambda p: jnp.mean((model.apply(p, x) - y) ** 2)
-            )(params)
+            loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(
+                params
+            )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
