@@ -148,7 +148,8 @@ _COMMENT = re.compile(r"//[^\n]*")
 _IDENT = re.compile(r"[A-Za-z_][\w.\-]*")
 _VALUE = re.compile(r"%[\w.\-]+")
 _INT = re.compile(r"\d+")
-_TYPE = re.compile(r"([A-Za-z0-9_]+)\[([0-9,\s]*)\](?:\{([\w,\s\-]*)\})?")
+# a dtype is a word, or a PRNG key's `key<impl>` (`key<fry>`: threefry)
+_TYPE = re.compile(r"([A-Za-z0-9_]+(?:<\w+>)?)\[([0-9,\s]*)\](?:\{([\w,\s\-]*)\})?")
 
 
 @dataclass

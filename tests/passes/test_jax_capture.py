@@ -155,3 +155,20 @@ func @f(%0: f32[2]) {
     np.testing.assert_allclose(evaluate(graph, [jnp.ones(2)])[0], [3.0, 3.0])
     with pytest.raises(LoweringError, match="policy 'custom'"):
         evaluate(parse(region.replace("POLICY", "custom")), [jnp.ones(2)])
+
+
+def test_a_step_that_draws_a_prng_key_round_trips_through_the_text_form():
+    """A dropout key's type prints as `key<fry>[]`: the text form parses it back (the
+    dump command's `--format dot` and `xla-strategies opt` read that text)."""
+    strategy = xs.MirroredStrategy()
+
+    def step(x):
+        key = jax.random.fold_in(
+            jax.random.key(0), xs.get_replica_context().replica_id_in_sync_group
+        )
+        return x * jax.random.bernoulli(key, 0.5, x.shape)
+
+    (batch,) = strategy.experimental_distribute_dataset([np.ones((8, 4), np.float32)])
+    text = print_graph(_graph(strategy, step, batch))
+    assert "key<fry>[]" in text
+    assert print_graph(parse(text)) == text
