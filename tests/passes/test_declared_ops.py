@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import keras
 import numpy as np
 import optax
 import pytest
+import torch
 
 import xla_strategies as xs
+import xla_strategies.torch as xst
 from benchmarks import tpu_models
 from tests import helpers
+from tests.keras_models import models as keras_models
+from tests.torch_models import models as torch_models
+from xla_strategies.passes.ir.text import parse
 from xla_strategies.passes.ir.traits import traits_of
+from xla_strategies.step.dump_reader import steps
 
 #: foreign ops these models capture that the passes leave opaque, and why that is right
 KNOWN_OPAQUE = {
@@ -36,6 +43,14 @@ KNOWN_OPAQUE = {
     "jax.bitcast_convert_type": "a key's bits: a few bytes",
     "jax.threefry2x32": "a key's hash: a few bytes",
     "jax.shift_right_logical": "dropout's uniform bits: priced as their bytes",
+    "jax.argmax": "an accuracy metric's predicted class (Keras): priced as its bytes",
+    "jax.shift_right_arithmetic": "Keras' argmax of the predictions' bits: a few bytes",
+    "jax.reduce_prod": "a count of elements from a shape (Keras' metrics): a few bytes",
+    "jax.concatenate": "data movement: priced as the bytes it reads and writes",
+    "jax.empty": "torch.empty: makes a value from nothing, priced as the bytes it writes",
+    "jax.random_split": "a key: a few bytes",
+    "jax.reduce_window": "torch's max pooling (a generic window reduction): priced as its bytes",
+    "jax.reduce_or": "a check of torch's attention mask: a few bytes",
 }
 
 
@@ -110,3 +125,48 @@ def test_the_known_opaque_ops_are_still_opaque():
     """An op declared since it was listed here leaves the list (its entry would hide the
     next release's change to it)."""
     assert {op for op in KNOWN_OPAQUE if traits_of(op)} == set()
+
+
+@pytest.mark.parametrize("make", ["mnist_convnet", "text_transformer"])
+def test_every_op_of_a_keras_fit_is_declared(make, tmp_path, monkeypatch):
+    """keras.io's convnet and transformer, trained by `fit` in the strategy's scope: the
+    step Keras' trainer compiles, as the dump holds it after capture."""
+    monkeypatch.setenv("XLA_STRATEGIES_DUMP_TO", str(tmp_path))
+    rng = np.random.default_rng(0)
+    if make == "mnist_convnet":
+        x = rng.normal(size=(16, 28, 28, 1)).astype(np.float32)
+        y = keras.utils.to_categorical(np.arange(16) % 10, 10)
+        loss = "categorical_crossentropy"
+    else:
+        x, y = rng.integers(0, 50, size=(16, 16)), np.arange(16) % 2
+        loss = "sparse_categorical_crossentropy"
+    strategy = xs.MirroredStrategy()
+    with strategy.scope():
+        model = getattr(keras_models, make)()
+        model.compile(optimizer="adam", loss=loss, metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    (step,) = steps(tmp_path)
+    graph = parse(step.ir_after("capture"))
+    ops = {node.op for region in graph.graphs() for node in region.nodes if node.is_foreign}
+    assert "jax.dot_general" in ops
+    assert _undeclared(ops) == set()
+
+
+@pytest.mark.parametrize("name", ["Net", "TinyLM"])
+def test_every_op_of_a_torch_train_step_is_declared(name):
+    """PyTorch's CIFAR-10 tutorial network and a word-language-model transformer, through
+    torchax, with torch's AdamW."""
+    module = getattr(torch_models, name)()
+    if name == "Net":
+        loss, batch = torch_models.classification_loss, torch_models.image_batches(1)[0]
+    else:
+        tokens = np.random.default_rng(0).integers(0, 32, size=(16, 9)).astype(np.int32)
+        loss, batch = torch_models.lm_loss, (tokens[:, :-1], tokens[:, 1:])
+    state = xst.TrainState.create(module, torch.optim.AdamW(module.parameters(), lr=1e-3))
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(lambda s, *b: xst.train_step(s, loss, *b))
+    (batch,) = strategy.experimental_distribute_dataset([batch])
+    graph = step.graph(state, *batch)
+    ops = {node.op for region in graph.graphs() for node in region.nodes if node.is_foreign}
+    assert "jax.dot_general" in ops
+    assert _undeclared(ops) == set()
