@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.cost.model import OPS
 from xla_strategies.passes.cost.timeline import step_estimate
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.walk import collectives_per_step, payload_bytes
@@ -23,8 +24,9 @@ def collectives(graph: Graph, topology: Any = None) -> list[dict[str, Any]]:
     for node, trips in collectives_per_step(graph):
         nbytes = payload_bytes(node)
         estimate = None
-        if topology is not None and node.op in ("all_reduce", "reduce_scatter", "all_gather"):
-            estimate = trips * topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))
+        if topology is not None and node.op in OPS:  # priced on the whole tensor it moves
+            axes = tuple(node.attrs["axes"])
+            estimate = trips * topology.collective_time(node.op, node.whole_bytes, axes)
         label = node.label
         entries.append(
             {

@@ -13,6 +13,7 @@ import functools
 import math
 from typing import Any
 
+from xla_strategies.passes.cost.model import OPS
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.ir.walk import regions_per_step, walk_per_step
@@ -178,7 +179,7 @@ class _Timeline:
 
     def collective(self, node: Node, ready: float, clock: float) -> float:
         nbytes = node.whole_bytes
-        if self.topology is not None and node.op in ("all_reduce", "reduce_scatter", "all_gather"):
+        if self.topology is not None and node.op in OPS:
             seconds = self.topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))
         else:
             seconds = nbytes / COLLECTIVE_BYTES_PER_S

@@ -78,6 +78,35 @@ func @step(%0: f32[1024,1024]{x,y}) {
     assert trace["metadata"]["exposed_s"] == exposed["exposed_s"]
 
 
+@pytest.mark.parametrize(
+    ("op", "result"),
+    [
+        ("all_gather", "f32[1024,1024]"),  # a block gathered: priced on the whole result
+        ("reduce_scatter", "f32[128,1024]{x,y}"),  # the whole operand scattered
+        ("all_to_all", "f32[1024,1024]{x,y}"),
+    ],
+)
+def test_the_ledger_and_the_timeline_price_a_collective_on_the_same_bytes(op, result):
+    """The ledger's estimate per collective (the dump's) and the timeline's are one
+    number: the cost model's time for the whole tensor the collective moves."""
+    from xla_strategies.passes import parse
+    from xla_strategies.passes.cost.ledger import collectives
+    from xla_strategies.passes.cost.timeline import step_estimate
+
+    operand = "f32[128,1024]{x,y}" if op == "all_gather" else "f32[1024,1024]{x,y}"
+    attrs = '"axes": ["x", "y"]' + (', "dimension": 0' if op != "all_to_all" else "")
+    if op == "all_to_all":
+        attrs += ', "split_axis": 0, "concat_axis": 0'
+    graph = parse(
+        f"func @step(%0: {operand}) {{\n  %1: {result} = {op}(%0) {{{attrs}}}\n  return %1\n}}\n"
+    )
+    topology = xs.Topology.from_name("v5e-8")
+    (entry,) = collectives(graph, topology)
+    whole = topology.collective_time(op, 1024 * 1024 * 4, ("x", "y"))
+    assert entry["estimated_s"] == whole
+    assert step_estimate(graph, topology)["exposed_s"] == whole  # nothing computes beside it
+
+
 def test_compute_estimates_take_the_topologys_rates():
     from xla_strategies.passes import parse
     from xla_strategies.passes.cost.timeline import BYTES_PER_S, FLOPS_PER_S, compute_seconds
