@@ -239,3 +239,31 @@ ENTRY %main (p0: f32[128,128]) -> f32[1024,128] {{
 """
     (gather,) = collectives(asynchronous)
     assert gather.asynchronous and gather.overlapped_ops == 1  # the multiply alone
+
+
+def test_an_all_to_all_is_priced_by_the_torus_bisection_not_as_a_gather():
+    """XLA's TPU backend routes an all-to-all through the network (`NetRouterEmitter`): the
+    report prices it with the cost model's all-to-all, bounded by the torus's cut."""
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc("v5e:4x4", "tpu").devices
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(4, 4), ("x", "y"))
+    spec = PartitionSpec(("x", "y"))
+
+    @jax.jit
+    def exchange(v):
+        return jax.shard_map(
+            lambda b: jax.lax.all_to_all(b, ("x", "y"), 0, 0, tiled=True),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )(v)
+
+    x = jax.ShapeDtypeStruct((16 * 256, 1024), jnp.float32, sharding=NamedSharding(mesh, spec))
+    topology = Topology.from_name("v5e-16")
+    report = hlo_report(exchange.lower(x).compile().as_text(), topology)
+    (moved,) = report.collectives
+    assert moved.kind == "all-to-all" and moved.group_size == 16 and moved.nbytes == 2**20
+    seconds = topology.collective_time("all_to_all", moved.nbytes)
+    assert report.estimate["communication_s"] == seconds
+    assert seconds > 1.5 * topology.collective_time("all_gather", moved.nbytes, algorithm="flat")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from importlib import resources
 
@@ -110,6 +111,27 @@ def test_wraparound_doubles_ring_bandwidth():
     t_torus = torus.collective_time("all_reduce", one_axis, ("x",), algorithm="flat")
     # (p-1)/p differs: 7/8 against 15/16
     assert t_line / t_torus == pytest.approx(2 * (7 / 8) / (15 / 16), rel=0.01)
+
+
+def test_an_all_to_all_on_a_torus_is_bounded_by_its_bisection():
+    """Half of every chip's buffer crosses to the other half of the slice: on a 16x16
+    torus, through the 2 x 16 ring links a cut severs, 8 times an all-gather's time once
+    bandwidth rules. A switched node has no such cut."""
+    torus = xs.Topology.from_name("v5e-256")
+    for nbytes in (1e9, 1e10):
+        gather = torus.collective_time("all_gather", nbytes, algorithm="flat")
+        assert torus.collective_time("all_to_all", nbytes) / gather == pytest.approx(8, rel=0.02)
+    # one ring of 4 with wraparound: 2 chips each send half their buffer across a cut, a
+    # buffer's bytes each way over the 2 links it severs (the ring's bandwidth); each
+    # chip injects 3/4 of its buffer over the same links: the cut is the larger
+    (x,) = torus.axis_links(("x",))
+    ring = dataclasses.replace(x, size=4)
+    assert cost_model.all_to_all_time(1e9, [ring]) == pytest.approx(
+        1e9 / ring.ring_bandwidth + 2 * ring.latency
+    )
+    node = xs.Topology.from_name("dgx-h100")
+    gather = node.collective_time("all_gather", 1e9, algorithm="flat")
+    assert node.collective_time("all_to_all", 1e9) == pytest.approx(gather, rel=0.01)
 
 
 def test_gloo_hosts_and_tpu_slices_stay_flat_where_gpu_nodes_decompose():

@@ -19,6 +19,11 @@ Algorithms for a reduction over several axes:
   phase overlaps another's fast ones (pipelining, as NCCL's hierarchical rings do). Its
   time is the makespan of scheduling the parts' phases on the axes they use.
 
+An all-to-all (`all_to_all_time`) has no algorithm to choose: XLA's TPU backend routes it
+through the network (its backend config records `NetRouterEmitter`), so on a torus it is
+bounded by the bisection as well as by each chip's links. An estimate from that bound,
+not calibrated against hardware.
+
 `lower_bound` is what no algorithm can beat: every participant must receive 2(p-1)/p of
 the data through all its links at once (per level), and combining p inputs takes
 log2(p) rounds of latency each way.
@@ -31,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 ALGORITHMS = ("flat", "ordered", "rotated")
-OPS = ("all_reduce", "reduce_scatter", "all_gather")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,30 @@ def slices_time(
     across = flat_time(op, shard, dcn)
     back = flat_time("all_gather", nbytes, slice_axes) if op == "all_reduce" else 0.0
     return inside + across + back
+
+
+def all_to_all_time(nbytes: float, axes: Sequence[AxisLink]) -> float:
+    """An all-to-all of `nbytes` per participant (its whole buffer; (p-1)/p of it leaves).
+
+    Each participant sends through its links at once, as an all-gather of those bytes
+    does; on a torus the half of the data that must cross to the other half of the
+    participants also passes the links a cut through one dimension severs. Cutting a
+    dimension of size k in two crosses p/k of its rings (each twice, with wraparound)
+    and p*nbytes/4 bytes each way: k * nbytes / (4 * the ring's bandwidth), which on a
+    16x16 torus is 8 times the all-gather's time. A switched network (DCN, NVLink,
+    InfiniBand) has no such cut: injection bounds it."""
+    p = math.prod(a.size for a in axes)
+    if p == 1 or nbytes == 0:
+        return 0.0
+    used = [a for a in axes if a.size > 1]
+    torus = all(a.level == "ici" for a in used)
+    injection = (
+        sum(a.ring_bandwidth for a in used) if torus else min(a.ring_bandwidth for a in used)
+    )
+    bound = (p - 1) / p * nbytes / injection
+    if torus:
+        bound = max(bound, max(a.size * nbytes / (4 * a.ring_bandwidth) for a in used))
+    return math.ceil(math.log2(p)) * max(a.latency for a in axes) + bound
 
 
 def flat_ring_time(op: str, nbytes: float, axes: Sequence[AxisLink]) -> float:
@@ -223,9 +252,12 @@ def _phases(op: str, nbytes: float, order: Sequence[AxisLink]) -> list[tuple[str
 def collective_time(
     op: str, nbytes: float, axes: Sequence[AxisLink], algorithm: str = "best"
 ) -> float:
-    """Estimated seconds for `op` of `nbytes` per participant over `axes`."""
+    """Estimated seconds for `op` of `nbytes` per participant over `axes` (an all-to-all
+    has one way: `algorithm` does not apply to it)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if op == "all_to_all":
+        return all_to_all_time(nbytes, axes)
     times = {
         "flat": lambda: flat_time(op, nbytes, axes),
         "ordered": lambda: ordered_time(op, nbytes, fast_first(axes)),

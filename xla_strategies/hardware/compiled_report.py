@@ -178,7 +178,11 @@ def step_estimate(
     }
 
 
-_COST_OP = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter"}
+_COST_OP = {
+    "all-reduce": "all_reduce",
+    "reduce-scatter": "reduce_scatter",
+    "all-to-all": "all_to_all",
+}
 
 
 def _collective_seconds(c: Collective, topology: Any) -> float:
@@ -186,7 +190,7 @@ def _collective_seconds(c: Collective, topology: Any) -> float:
     axis for a collective inside a replica, the replica axes for the others (and then the
     model axis, for a group of every device of several replicas: MaxText's tensor-parallel
     programs have them), and the slices' DCN for a collective across them."""
-    op = _COST_OP.get(c.kind, "all_gather")  # all-to-all, permute: one pass of the bytes
+    op = _COST_OP.get(c.kind, "all_gather")  # a permute: one pass of the bytes
     whole = c.nbytes * (c.group_size if c.kind == "reduce-scatter" else 1)
     if c.across_slices:
         return _dcn_seconds(c, topology, op, whole)
