@@ -54,7 +54,8 @@ class UnmappedLogicalNames(NamedTuple):
 def declared_model_dims(tree: Any) -> list[int | None | UnmappedLogicalNames]:
     """Per leaf of `tree` (in `jax.tree.leaves` order), the dimension its flax linen
     annotation splits over the model axis (`nn.with_partitioning`, or
-    `nn.with_logical_partitioning` under its logical axis rules), or None."""
+    `nn.with_logical_partitioning` under its logical axis rules), or None; the names,
+    `UnmappedLogicalNames`, where no rules are in scope to map them."""
     meta = sys.modules.get("flax.core.meta")  # only a tree flax made can hold its boxes
     if meta is None:
         return [None] * len(jax.tree.leaves(tree))
