@@ -12,7 +12,7 @@ For each model's gradient set and each topology:
 An overlap table gives, per cell, the exposed communication (gradient-sync time no
 backward compute hides) with the reductions hoisted after the backward pass (`ours`, all
 exposed) and pipelined (each layer's reduction starting when its backward is done,
-`cost_model.pipelined_exposure`, as `schedule-all-reduces` estimates it), the estimated
+`decisions.pipelined_exposure`, as `schedule-all-reduces` estimates it), the estimated
 step (compute at `MFU` of the chip's bf16 peak, plus the exposed communication) and the
 exposed share of it, under the per-chip workloads in `WORKLOADS`.
 
@@ -74,11 +74,12 @@ def buckets(sizes: list[int], threshold: int) -> list[int]:
 
 def sync_times(sizes: list[int], topology: str) -> dict[str, Any]:
     from xla_strategies.hardware.topology import Topology
+    from xla_strategies.passes.cost import decisions
     from xla_strategies.passes.cost import model as cost_model
 
     links = Topology.from_name(topology).axis_links()
     total = sum(sizes)
-    ours_threshold = cost_model.bucket_bytes(links)
+    ours_threshold = decisions.bucket_bytes(links)
     ours = buckets(sizes, ours_threshold)
     chosen = [cost_model.best_algorithm("all_reduce", b, links)[0] for b in ours]
     bound = cost_model.lower_bound("all_reduce", total, links)
@@ -119,6 +120,7 @@ def layer_bytes(sizes: list[int], layers: int) -> tuple[list[int], int]:
 def overlap(model: str, sizes: list[int], topology: str, hoisted: float) -> dict[str, Any]:
     """Exposed communication hoisted and pipelined, and the estimated step, for `model`."""
     from xla_strategies.hardware.topology import Topology
+    from xla_strategies.passes.cost import decisions
     from xla_strategies.passes.cost import model as cost_model
 
     top = Topology.from_name(topology)
@@ -134,7 +136,7 @@ def overlap(model: str, sizes: list[int], topology: str, hoisted: float) -> dict
 
     # each layer's gradients are ready when its backward ends; the embeddings' last
     ready = [(per_layer[0], backward)]
-    pipelined = cost_model.pipelined_exposure(ready, backward, work["layers"], reduce)
+    pipelined = decisions.pipelined_exposure(ready, backward, work["layers"], reduce)
     pipelined += reduce(rest) if rest else 0.0
     exposed = min(hoisted, pipelined)
     return {
@@ -152,6 +154,7 @@ def sharded_update(shapes: list[tuple[int, ...]], itemsize: int, topology: str) 
     collective and AdamW time per step and the optimizer state per chip. A tensor with no
     dimension that divides by the chip count keeps a replicated update, as the pass does."""
     from xla_strategies.hardware.topology import Topology
+    from xla_strategies.passes.cost import decisions
     from xla_strategies.passes.cost import model as cost_model
     from xla_strategies.passes.transforms.blocks import shard_dimension
 
@@ -159,14 +162,14 @@ def sharded_update(shapes: list[tuple[int, ...]], itemsize: int, topology: str) 
     links, chips = top.axis_links(), top.num_devices
     sizes = [math.prod(s) * itemsize for s in shapes]
     split = [shard_dimension(s, chips) is not None for s in shapes]
-    bucket = cost_model.bucket_bytes(links)
+    bucket = decisions.bucket_bytes(links)
     sharded_bytes = [b for b, ok in zip(sizes, split, strict=True) if ok]
     kept_bytes = [b for b, ok in zip(sizes, split, strict=True) if not ok]
 
     def time(op: str, tensors: list[int]) -> float:
         return sum(cost_model.collective_time(op, b, links) for b in buckets(tensors, bucket))
 
-    rate = top.memory_bandwidth or cost_model.UPDATE_BYTES_PER_S
+    rate = top.memory_bandwidth or decisions.UPDATE_BYTES_PER_S
     update = ADAMW_TOUCHES * sum(sizes) / rate
     kept_update = ADAMW_TOUCHES * sum(kept_bytes) / rate
     state = ADAM_STATE_COPIES * 4 * sum(math.prod(s) for s in shapes)  # float32 moments

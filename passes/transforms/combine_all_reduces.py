@@ -49,7 +49,8 @@ import math
 from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.cost.model import SLOW_LEVELS, bucket_bytes
+from xla_strategies.passes.cost.decisions import bucket_bytes
+from xla_strategies.passes.cost.model import SLOW_LEVELS
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.transforms.bucket_lowering import Bucket, combine, combine_blocks

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost import model as cost_model
+from xla_strategies.passes.cost.decisions import block_collective_estimates
 from xla_strategies.passes.ir.graph import Graph, NewNodes, Node, Value
 
 
@@ -121,7 +122,7 @@ class DecomposeAllReduces(Pass):
         links = {a.name: a for a in ctx.topology.axis_links(axes)}
         ordered = [links[a] for a in axes]
         nbytes = node.whole_bytes
-        estimates = cost_model.block_collective_estimates(
+        estimates = block_collective_estimates(
             node.op, nbytes, ordered, ctx.topology.reduce_scatter_over_axes_is_all_reduce
         )
         choice = self.force if self.force == "ordered" else min(estimates, key=estimates.get)

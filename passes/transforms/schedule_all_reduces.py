@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.cost.model import pipelined_exposure
+from xla_strategies.passes.cost.decisions import pipelined_exposure
 from xla_strategies.passes.cost.timeline import (
     compute_estimate,
     compute_seconds,
@@ -158,7 +158,7 @@ def _node_compute(node: Node, topology: Any, reads: dict[Node, int]) -> float:
 def exposed_estimates(ready: list[Readiness], trips: int, topology) -> dict[str, float]:  # noqa: ANN001
     """Exposed communication of the loop's reductions, hoisted (one all-reduce of every
     iteration's bytes after the loop, all of it exposed) and pipelined
-    (`cost_model.pipelined_exposure`)."""
+    (`decisions.pipelined_exposure`)."""
     axes = tuple(ready[0].node.attrs["axes"])
 
     def reduce(nbytes: float) -> float:

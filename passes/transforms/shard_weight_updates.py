@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xla_strategies.passes.base import ModePass, PassContext
-from xla_strategies.passes.cost.model import runs_as_all_reduce, weight_update_estimates
+from xla_strategies.passes.cost.decisions import runs_as_all_reduce, weight_update_estimates
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.transforms.block_axes import block_order
 from xla_strategies.passes.transforms.block_sharder import (
