@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
-from xla_strategies.passes.cost.model import OPS
-from xla_strategies.passes.cost.timeline import step_estimate
+from xla_strategies.passes.cost.timeline import collective_seconds, step_estimate
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.walk import collectives_per_step, payload_bytes
 from xla_strategies.passes.pipeline import Instrument
@@ -23,10 +22,8 @@ def collectives(graph: Graph, topology: Any = None) -> list[dict[str, Any]]:
     entries = []
     for node, trips in collectives_per_step(graph):
         nbytes = payload_bytes(node)
-        estimate = None
-        if topology is not None and node.op in OPS:  # priced on the whole tensor it moves
-            axes = tuple(node.attrs["axes"])
-            estimate = trips * topology.collective_time(node.op, node.whole_bytes, axes)
+        seconds = collective_seconds(node, topology)  # the timeline's own price
+        estimate = None if seconds is None else trips * seconds
         label = node.label
         entries.append(
             {

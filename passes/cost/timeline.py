@@ -179,9 +179,8 @@ class _Timeline:
 
     def collective(self, node: Node, ready: float, clock: float) -> float:
         nbytes = node.whole_bytes
-        if self.topology is not None and node.op in OPS:
-            seconds = self.topology.collective_time(node.op, nbytes, tuple(node.attrs["axes"]))
-        else:
+        seconds = collective_seconds(node, self.topology)
+        if seconds is None:
             seconds = nbytes / COLLECTIVE_BYTES_PER_S
         start = max(ready, self.network_free)
         self.network_free = start + seconds
@@ -230,6 +229,14 @@ def _laid_out(graph: Graph, topology: Any) -> tuple[_Timeline, dict[str, float]]
     end = max(timeline.run(graph, 0.0), timeline.network_free)
     exposed = max(0.0, end - timeline.busy)
     return timeline, {"step_s": end, "compute_s": timeline.busy, "exposed_s": exposed}
+
+
+def collective_seconds(node: Node, topology: Any) -> float | None:
+    """The cost model's time for one run of collective `node`, priced on the whole tensor
+    it moves; None without a topology, or for an op the model does not price."""
+    if topology is None or node.op not in OPS:
+        return None
+    return topology.collective_time(node.op, node.whole_bytes, tuple(node.attrs["axes"]))
 
 
 def step_estimate(graph: Graph, topology: Any = None) -> dict[str, float]:
