@@ -73,6 +73,10 @@ def _captured_ops(strategy, step, state, batch) -> set[str]:
     compiled = strategy.compile(step, axis_name="batch")
     (batch,) = strategy.experimental_distribute_dataset([batch])
     graph = compiled.executable(*replicated, batch).graph
+    return _foreign_ops(graph)
+
+
+def _foreign_ops(graph) -> set[str]:
     return {node.op for region in graph.graphs() for node in region.nodes if node.is_foreign}
 
 
@@ -147,7 +151,7 @@ def test_every_op_of_a_keras_fit_is_declared(make, tmp_path, monkeypatch):
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     (step,) = steps(tmp_path)
     graph = parse(step.ir_after("capture"))
-    ops = {node.op for region in graph.graphs() for node in region.nodes if node.is_foreign}
+    ops = _foreign_ops(graph)
     assert "jax.dot_general" in ops
     assert _undeclared(ops) == set()
 
@@ -167,6 +171,6 @@ def test_every_op_of_a_torch_train_step_is_declared(name):
     step = strategy.compile(lambda s, *b: xst.train_step(s, loss, *b))
     (batch,) = strategy.experimental_distribute_dataset([batch])
     graph = step.graph(state, *batch)
-    ops = {node.op for region in graph.graphs() for node in region.nodes if node.is_foreign}
+    ops = _foreign_ops(graph)
     assert "jax.dot_general" in ops
     assert _undeclared(ops) == set()
