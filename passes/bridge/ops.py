@@ -16,10 +16,8 @@ def _jax(*names: str) -> list[str]:
     return [f"jax.{name}" for name in names]
 
 
-declare_all(
-    _jax("transpose", "squeeze", "expand_dims"),
-    Trait.LINEAR,
-)
+declare_all(_jax("squeeze", "expand_dims"), Trait.LINEAR)
+declare("jax.transpose", Trait.LINEAR, Trait.TRANSPOSE)
 declare("jax.reshape", Trait.LINEAR, Trait.RESHAPE)
 declare_result_shape_param("jax.reshape", "new_sizes")
 declare_all(_jax("neg", "copy", "copy_p"), Trait.LINEAR, Trait.ELEMENTWISE)

@@ -13,6 +13,7 @@ import functools
 import math
 from typing import Any
 
+from xla_strategies.passes.cost.fusion import fused_bytes, fuses_into_neighbours
 from xla_strategies.passes.cost.model import OPS
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
@@ -28,12 +29,12 @@ _COMPUTE, _COLLECTIVES = 1, 2
 _FREE = frozenset({"pvary", "pinvariant", "constant", "after"})
 
 
-def compute_seconds(node: Node, topology: Any = None, reads: int | None = None) -> float:
+def compute_seconds(node: Node, topology: Any = None, moved: int | None = None) -> float:
     """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes,
     at the topology's peak flops and memory bandwidth where it knows them. A replica that
     spans several devices (the topology's model axis) splits its work among them.
-    `reads`: the bytes the node reads as XLA fuses it (`reduction_reads`), where not its
-    operands'."""
+    `moved`: the bytes the node reads and writes as XLA fuses it (`fusion.fused_bytes`),
+    where not its operands and results (nothing, for an op fused into its neighbours)."""
     out = sum(v.size for v in node.outputs)
     flops = out
     if node.has(Trait.CONTRACTION) and len(node.inputs) == 2:
@@ -43,14 +44,16 @@ def compute_seconds(node: Node, topology: Any = None, reads: int | None = None) 
         flops = _convolution_flops(node)
     if node.op in _FREE:
         return 0.0
-    moved = 0
-    if not _fuses_into_neighbours(node):
-        reads = sum(v.nbytes for v in node.inputs) if reads is None else reads
-        moved = reads + sum(v.nbytes for v in node.outputs)
+    if moved is None:
+        moved = 0 if fuses_into_neighbours(node) else _operand_and_result_bytes(node)
     peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S
     bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
     devices = getattr(topology, "model_axis_size", 1)
     return max(flops / peak, moved / bandwidth) / devices
+
+
+def _operand_and_result_bytes(node: Node) -> int:
+    return sum(v.nbytes for v in node.inputs) + sum(v.nbytes for v in node.outputs)
 
 
 def _convolution_flops(node: Node) -> int:
@@ -91,54 +94,18 @@ def _real_taps(
     )
 
 
-def _fuses_into_neighbours(node: Node) -> bool:
-    """XLA fuses elementwise ops, broadcasts and reshapes into the ops that read or write
-    their values: their memory traffic is those ops', counted there."""
-    return (
-        node.has(Trait.ELEMENTWISE) or node.has(Trait.BROADCAST_IN_DIM) or node.has(Trait.RESHAPE)
-    )
-
-
-def reduction_reads(graph: Graph) -> dict[Node, int]:
-    """The bytes each reduction of `graph` (not of nested regions) reads, as XLA fuses it.
-    The elementwise ops that make its operand fuse into it, so it reads what they read (a
-    bf16 activation, not its f32 cast). Reductions that read the same value are one
-    multi-output fusion, which reads it once (BatchNorm's mean and mean of squares)."""
-    producers = graph.producers()
-    read: set[Value] = set()
-    found = {}
-    for node in graph.nodes:
-        if node.has(Trait.DIMENSION_REDUCTION):
-            sources = _fused_sources(node.inputs, producers)
-            found[node] = sum(v.nbytes for v in sources - read)
-            read |= sources
-    return found
-
-
-def _fused_sources(values: list[Value], producers: dict[Value, Node]) -> set[Value]:
-    """The values that the fused ops making `values` read (`values` themselves where no
-    fused op makes them)."""
-    stack, seen, sources = list(values), set(), set()
-    while stack:
-        value = stack.pop()
-        if value in seen:
-            continue
-        seen.add(value)
-        producer = producers.get(value)
-        if producer is not None and not producer.regions and _fuses_into_neighbours(producer):
-            stack.extend(producer.inputs)
-        else:
-            sources.add(value)
-    return sources
-
-
-def compute_estimate(graph: Graph, topology: Any = None) -> float:
+def compute_estimate(graph: Graph, topology: Any = None, whole_step: bool = True) -> float:
     """Estimated compute seconds of one run of `graph`: the timeline's compute track, each
     region's nodes as often as they run (`walk_per_step`). Collectives aside, so it needs
-    no mesh axes of the topology, only its rates."""
-    reads = {node: n for region in graph.graphs() for node, n in reduction_reads(region).items()}
+    no mesh axes of the topology, only its rates. `whole_step`: `graph` is a step, not a
+    loop's body (`fusion.fused_bytes`)."""
+    moved = {
+        node: n
+        for region in graph.graphs()
+        for node, n in fused_bytes(region, whole_step and region is graph).items()
+    }
     return sum(
-        times * compute_seconds(node, topology, reads.get(node))
+        times * compute_seconds(node, topology, moved.get(node))
         for node, times in walk_per_step(graph)
         if not node.is_collective and not node.regions
     )
@@ -157,9 +124,9 @@ class _Timeline:
     ) -> None:
         self.events.append(_event(name, track, start, end, args))
 
-    def run(self, graph: Graph, clock: float) -> float:
+    def run(self, graph: Graph, clock: float, whole_step: bool = False) -> float:
         """Lay out `graph`'s nodes from `clock`; return when its compute ends."""
-        reads = reduction_reads(graph)
+        moved = fused_bytes(graph, whole_step)
         for node in graph.nodes:
             start = max([clock] + [self.ready.get(v, 0.0) for v in node.inputs])
             if node.is_collective:
@@ -168,7 +135,7 @@ class _Timeline:
             if node.regions:
                 end = self.loop(node, start)
             else:
-                end = start + compute_seconds(node, self.topology, reads.get(node))
+                end = start + compute_seconds(node, self.topology, moved.get(node))
                 if node.op not in ("constant", "pvary"):
                     self.event(node.op, _COMPUTE, start, end)
                     self.busy += end - start
@@ -226,7 +193,7 @@ def _event(name: str, track: int, start: float, end: float, args: dict | None = 
 
 def _laid_out(graph: Graph, topology: Any) -> tuple[_Timeline, dict[str, float]]:
     timeline = _Timeline(topology)
-    end = max(timeline.run(graph, 0.0), timeline.network_free)
+    end = max(timeline.run(graph, 0.0, whole_step=True), timeline.network_free)
     exposed = max(0.0, end - timeline.busy)
     return timeline, {"step_s": end, "compute_s": timeline.busy, "exposed_s": exposed}
 

@@ -36,6 +36,7 @@ class Trait(enum.Enum):
     # places its operand's dimensions at `broadcast_dimensions` of a result of `shape`
     BROADCAST_IN_DIM = "broadcast-in-dim"
     RESHAPE = "reshape"  # the same elements in row-major order, in its result's shape
+    TRANSPOSE = "transpose"  # its operand's dimensions in the order of its `permutation`
     # a collective whose result every replica of its axes (`axes` or `axis_name`) holds
     # alike, whatever its type says (an all-gather)
     GATHERS = "gathers"
@@ -113,7 +114,7 @@ declare("reduce_scatter", Trait.COLLECTIVE, Trait.REDUCES)
 declare("all_gather", Trait.COLLECTIVE, Trait.GATHERS)
 declare_all(("all_to_all", "collective_permute", "broadcast"), Trait.COLLECTIVE)
 declare("reshape", Trait.LINEAR, Trait.RESHAPE)
-declare("transpose", Trait.LINEAR)
+declare("transpose", Trait.LINEAR, Trait.TRANSPOSE)
 declare("scale", Trait.LINEAR, Trait.ELEMENTWISE)
 declare("add", Trait.ADDING, Trait.ELEMENTWISE)
 declare("convert", Trait.ELEMENTWISE)

@@ -34,11 +34,8 @@ from typing import Any
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.decisions import pipelined_exposure
-from xla_strategies.passes.cost.timeline import (
-    compute_estimate,
-    compute_seconds,
-    reduction_reads,
-)
+from xla_strategies.passes.cost.fusion import fused_bytes
+from xla_strategies.passes.cost.timeline import compute_estimate, compute_seconds
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.ir.walk import payload_bytes, regions_per_step
@@ -132,8 +129,8 @@ def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     follows its condition), each with when its operand is ready in the iteration, at the
     topology's compute rates."""
     body = loop.regions[-1]
-    reads = reduction_reads(body)
-    costs = [_node_compute(node, topology, reads) for node in body.nodes]
+    moved = fused_bytes(body)
+    costs = [_node_compute(node, topology, moved) for node in body.nodes]
     total = sum(costs)
     found, elapsed = [], 0.0
     for node, cost in zip(body.nodes, costs, strict=True):
@@ -143,15 +140,16 @@ def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     return found
 
 
-def _node_compute(node: Node, topology: Any, reads: dict[Node, int]) -> float:
-    """Estimated compute seconds of one run of `node`, nested regions included (`reads`:
-    the reductions' fused reads, `reduction_reads`)."""
+def _node_compute(node: Node, topology: Any, moved: dict[Node, int]) -> float:
+    """Estimated compute seconds of one run of `node`, nested regions included (`moved`:
+    the bytes nodes move as XLA fuses them, `fused_bytes`)."""
     if node.is_collective:
         return 0.0
     if not node.regions:
-        return compute_seconds(node, topology, reads.get(node))
+        return compute_seconds(node, topology, moved.get(node))
     return sum(
-        times * compute_estimate(region, topology) for region, times in regions_per_step(node)
+        times * compute_estimate(region, topology, whole_step=False)
+        for region, times in regions_per_step(node)
     )
 
 

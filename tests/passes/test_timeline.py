@@ -130,36 +130,6 @@ func @mm(%0: f32[1024,1024], %1: f32[1024,1024]) {
     assert compute_seconds(matmul, four_chip_replicas) == compute_seconds(matmul, v5e) / 4
 
 
-def test_reductions_read_what_the_fused_ops_before_them_read_once():
-    """BatchNorm's statistics: the mean and the mean of squares of a bf16 activation cast
-    to f32. XLA fuses the cast and the square into one multi-output reduction that reads
-    the bf16 activation once; the estimate prices that, not two f32 passes."""
-    from xla_strategies.passes import parse
-    from xla_strategies.passes.cost.timeline import compute_seconds, reduction_reads
-
-    graph = parse(
-        """\
-func @stats(%0: bf16[64,1024,256]) {
-  %1: f32[64,1024,256] = jax.convert_element_type(%0) {"new_dtype": "float32"}
-  %2: f32[256] = jax.reduce_sum(%1) {"axes": [0, 1]}
-  %3: f32[64,1024,256] = jax.square(%1)
-  %4: f32[256] = jax.reduce_sum(%3) {"axes": [0, 1]}
-  return %2, %4
-}
-"""
-    )
-    mean, squares = (n for n in graph.nodes if n.op == "jax.reduce_sum")
-    activation = graph.inputs[0].nbytes
-    assert reduction_reads(graph) == {mean: activation, squares: 0}
-    v5e = xs.Topology.from_name("v5e-8")
-    reads = reduction_reads(graph)
-    fused = compute_seconds(mean, v5e, reads[mean]) + compute_seconds(squares, v5e, reads[squares])
-    unfused = compute_seconds(mean, v5e) + compute_seconds(squares, v5e)
-    statistics = 2 * 256 * 4  # the two f32[256] results
-    assert fused == pytest.approx((activation + statistics) / v5e.memory_bandwidth)
-    assert unfused == pytest.approx((2 * 2 * activation + statistics) / v5e.memory_bandwidth)
-
-
 @pytest.mark.parametrize(
     "features, window, stride, groups", [(8, 3, 2, 2), (16, 1, 1, 1), (8, 7, 2, 1), (4, 3, 1, 4)]
 )
