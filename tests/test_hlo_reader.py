@@ -267,3 +267,49 @@ def test_an_all_to_all_is_priced_by_the_torus_bisection_not_as_a_gather():
     seconds = topology.collective_time("all_to_all", moved.nbytes)
     assert report.estimate["communication_s"] == seconds
     assert seconds > 1.5 * topology.collective_time("all_gather", moved.nbytes, algorithm="flat")
+
+
+def test_an_asynchronous_start_is_read_by_its_result_not_its_context_words():
+    """libtpu's asynchronous collective-permute returns (operand, result, u32[], u32[]):
+    its result is the second element, not the last (a 4-byte context word, which the
+    reader had counted: Llama-2-70B's tensor-parallel step read 108 GB short)."""
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc("v6e:4x4", "tpu").devices
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(4, 4), ("x", "y"))
+    spec = PartitionSpec(("x", "y"))
+    ring = [(i, (i + 1) % 16) for i in range(16)]
+
+    @jax.jit
+    def shift(v):
+        return jax.shard_map(
+            lambda b: 2 * jax.lax.ppermute(b, ("x", "y"), ring),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )(v)
+
+    x = jax.ShapeDtypeStruct((16 * 256, 1024), jnp.float32, sharding=NamedSharding(mesh, spec))
+    text = shift.lower(x).compile().as_text()
+    assert "collective-permute-start(" in text
+    (moved,) = collectives(text)
+    assert moved.kind == "collective-permute" and moved.asynchronous
+    assert moved.nbytes == 256 * 1024 * 4
+
+
+def test_an_asynchronous_all_to_all_is_read_by_its_result():
+    """libtpu's all-to-all-start (`xla_tpu_enable_async_all_to_all` on v5p and v6e), as it
+    spells it: ((operands), result, u32[], u32[])."""
+    block = "bf16[256,2048,16]{1,2,0:T(8,128)(2,1)}"
+    started = f"(({block}), {block}, u32[]{{:S(2)}}, u32[]{{:S(2)}})"
+    text = f"""HloModule m
+
+ENTRY %main (p0: bf16[256,2048,16]) -> bf16[256,2048,16] {{
+  %p0 = {block} parameter(0)
+  %a2a = {started} all-to-all-start({block} %p0), replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}
+  ROOT %done = {block} all-to-all-done({started} %a2a)
+}}
+"""
+    (moved,) = collectives(text)
+    assert moved.kind == "all-to-all" and moved.asynchronous
+    assert moved.nbytes == 256 * 2048 * 16 * 2

@@ -109,7 +109,7 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
                     name=op_name,
                     computation=name,
                     times=times[name],
-                    nbytes=_result_bytes(inner_types, opcode.endswith("-start")),
+                    nbytes=_result_bytes(inner_types, _returns_operands(opcode)),
                     group_size=group_size(kind, inner_rest, everyone, op_name),
                     replica_groups=replica_groups(inner_rest),
                     algorithm=_algorithm(config),
@@ -166,7 +166,7 @@ def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def _key(inner: tuple[str, str, str]) -> tuple[str, int]:
-    return inner[0], _result_bytes(inner[1], False)
+    return inner[0], _result_bytes(inner[1], returns_operands=False)
 
 
 def _fused_compute(rest: str, comps: dict[str, list[Op]]) -> int:
@@ -213,13 +213,38 @@ def _between(ops: list[Op], start: int, start_name: str) -> list[Op]:
     return between
 
 
-def _result_bytes(types: str, asynchronous: bool) -> int:
-    """An asynchronous start's result is a tuple that holds its operands too: count the
-    last element (the result)."""
-    if asynchronous and types.startswith("("):
-        parts = [p for p in re.split(r",\s*(?![^\[]*\])", types.strip("()")) if "[" in p]
-        return hlo_bytes(parts[-1]) if parts else 0
-    return hlo_bytes(types)
+def _returns_operands(opcode: str) -> bool:
+    """Whether the instruction is an asynchronous start that returns its operands with its
+    result: (operands, result, context words...), as `all-gather-start`,
+    `collective-permute-start` ((operand, result, u32[], u32[])) and libtpu's
+    `all-to-all-start` (((operands), result, u32[], u32[])) do. An `all-reduce-start`
+    returns its result alone, and so does a collective that a wrapper starts."""
+    return (
+        opcode.endswith("-start") and opcode != "all-reduce-start" and bool(collective_kind(opcode))
+    )
+
+
+def _result_bytes(types: str, returns_operands: bool) -> int:
+    """The bytes of a collective's result: of its type's second element where it returns
+    its operands first (`_returns_operands`)."""
+    elements = _tuple_elements(types) if returns_operands and types.startswith("(") else []
+    return hlo_bytes(elements[1] if len(elements) > 1 else types)
+
+
+def _tuple_elements(types: str) -> list[str]:
+    """The top-level elements of a tuple type, `(a, (b, c), d)`: a, (b, c) and d (commas
+    inside shapes, layouts and nested tuples do not split)."""
+    elements, depth, start = [], 0, 1
+    for at, char in enumerate(types):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 1:
+            elements.append(types[start:at].strip())
+            start = at + 1
+    elements.append(types[start : types.rindex(")")].strip())
+    return elements
 
 
 def _algorithm(rest: str) -> str | None:
