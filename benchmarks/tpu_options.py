@@ -47,6 +47,7 @@ SETS: dict[str, dict[str, Any]] = {
     "async-all-gather": {"xla_enable_async_all_gather": True},
     "async-all-reduce": {"xla_enable_async_all_reduce": True},
     "ag-backward-pipelining": {"xla_tpu_enable_ag_backward_pipelining": True},
+    "async-all-to-all": {"xla_tpu_enable_async_all_to_all": True},
 }
 
 
