@@ -48,6 +48,14 @@ SETS: dict[str, dict[str, Any]] = {
     "async-all-reduce": {"xla_enable_async_all_reduce": True},
     "ag-backward-pipelining": {"xla_tpu_enable_ag_backward_pipelining": True},
     "async-all-to-all": {"xla_tpu_enable_async_all_to_all": True},
+    # XLA's partitioner writes a matmul beside an all-gather or reduce-scatter over the
+    # model axis as a windowed einsum (a ring of collective-permutes); these turn it off
+    "no-windowed-einsum": {
+        "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+    },
+    "no-windowed-einsum-ag": {"xla_tpu_enable_windowed_einsum_for_all_gather": False},
+    "no-windowed-einsum-rs": {"xla_tpu_enable_windowed_einsum_for_reduce_scatter": False},
 }
 
 
@@ -70,7 +78,7 @@ def measure(
             rows.append({**head, "error": " ".join(str(exc).split())[:300]})
             tqdm.write(f"{name}: {rows[-1]['error']}")
             continue
-        report = hlo_report(compiled.as_text(), strategy.topology)
+        report = hlo_report(compiled.as_text(), strategy.topology, per_replica)
         estimate = report.estimate
         if hlo_dir is not None:
             hlo_dir.mkdir(parents=True, exist_ok=True)
