@@ -27,6 +27,10 @@ from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.hardware.compiled_report import Memory, hlo_report
 
 RESULTS = Path(__file__).parent / "results" / "tpu_options.json"
+# XLA's partitioner writes a matmul beside an all-gather or reduce-scatter over the model
+# axis as a windowed einsum (a ring of collective-permutes); these turn it off
+_NO_WINDOWED_EINSUM_AG = {"xla_tpu_enable_windowed_einsum_for_all_gather": False}
+_NO_WINDOWED_EINSUM_RS = {"xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
 SETS: dict[str, dict[str, Any]] = {
     "none": {},
     # continuation fusion of all-gathers (v5e only: libtpu refuses it elsewhere)
@@ -48,14 +52,9 @@ SETS: dict[str, dict[str, Any]] = {
     "async-all-reduce": {"xla_enable_async_all_reduce": True},
     "ag-backward-pipelining": {"xla_tpu_enable_ag_backward_pipelining": True},
     "async-all-to-all": {"xla_tpu_enable_async_all_to_all": True},
-    # XLA's partitioner writes a matmul beside an all-gather or reduce-scatter over the
-    # model axis as a windowed einsum (a ring of collective-permutes); these turn it off
-    "no-windowed-einsum": {
-        "xla_tpu_enable_windowed_einsum_for_all_gather": False,
-        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
-    },
-    "no-windowed-einsum-ag": {"xla_tpu_enable_windowed_einsum_for_all_gather": False},
-    "no-windowed-einsum-rs": {"xla_tpu_enable_windowed_einsum_for_reduce_scatter": False},
+    "no-windowed-einsum": _NO_WINDOWED_EINSUM_AG | _NO_WINDOWED_EINSUM_RS,
+    "no-windowed-einsum-ag": _NO_WINDOWED_EINSUM_AG,
+    "no-windowed-einsum-rs": _NO_WINDOWED_EINSUM_RS,
 }
 
 
