@@ -36,6 +36,11 @@ class TransformerConfig:
     #: attention by JAX's splash attention kernel (Pallas), as MaxText runs it by default,
     #: passed to flax's attention as its `attention_fn`
     splash: bool = False
+    #: what `nn.remat` keeps of each layer for the backward pass, by its name in
+    #: `jax.checkpoint_policies`; None keeps the layer's input alone (everything else is
+    #: computed again). "dots_with_no_batch_dims_saveable" keeps every weight's matmul
+    #: output, as MaxText's `remat_policy=minimal` does
+    remat_policy: str | None = None
 
     @property
     def train_flops_per_sequence(self) -> float:
@@ -188,8 +193,9 @@ class Transformer(nn.Module):
         x = embed(tokens)
         if not cfg.swiglu:
             x = x + nn.Embed(cfg.seq_len, cfg.width, dtype=COMPUTE)(jnp.arange(tokens.shape[1]))
+        policy = cfg.remat_policy and getattr(jax.checkpoint_policies, cfg.remat_policy)
         layers = nn.scan(
-            nn.remat(Block),
+            nn.remat(Block, policy=policy),
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=cfg.layers,
@@ -360,6 +366,13 @@ def _resnet50() -> Workload:
     return Workload("ResNet-50", init, batch, 32, step, resnet50_train_flops_per_image())
 
 
+def _llama2_70b(tensor_parallel: bool, **settings: Any) -> TransformerConfig:
+    return TransformerConfig(
+        32000, 8192, 64, 80, 28672, 2048, swiglu=True, kv_heads=8,
+        tensor_parallel=tensor_parallel, **settings,
+    )  # fmt: skip
+
+
 WORKLOADS = {
     "resnet50": _resnet50,
     "bert-large": lambda: _lm(
@@ -377,10 +390,9 @@ WORKLOADS = {
         "Llama-2-7B splash",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, splash=True),
     ),
-    "llama2-70b": lambda tp=False: _lm(
-        "Llama-2-70B",
-        TransformerConfig(
-            32000, 8192, 64, 80, 28672, 2048, swiglu=True, kv_heads=8, tensor_parallel=tp
-        ),
+    "llama2-70b": lambda tp=False: _lm("Llama-2-70B", _llama2_70b(tp)),
+    "llama2-70b-minimal": lambda tp=False: _lm(
+        "Llama-2-70B minimal remat",
+        _llama2_70b(tp, remat_policy="dots_with_no_batch_dims_saveable"),
     ),
 }

@@ -8,7 +8,7 @@ from typing import Any
 
 
 def row_text(r: dict[str, Any]) -> str:
-    head = f"{r['model']:<13}{r['topology']:<11}{r['program']:<9}"
+    head = f"{r['model'] + ' ':<14}{r['topology']:<11}{r['program']:<9}"  # a long name apart
     if "error" in r:
         return head + f"does not fit: {r['error']}"
     return head + (
