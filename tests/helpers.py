@@ -139,13 +139,15 @@ class ScannedLM(nn.Module):
     width: int = 8
     layers: int = 3
     remat: bool = True
+    remat_policy: str | None = None  # a name in jax.checkpoint_policies
 
     @nn.compact
     def __call__(self, tokens):
         embed = nn.Embed(self.vocab, self.width)
         x = embed(tokens)
+        policy = self.remat_policy and getattr(jax.checkpoint_policies, self.remat_policy)
         stack = nn.scan(
-            nn.remat(Block) if self.remat else Block,
+            nn.remat(Block, policy=policy) if self.remat else Block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=self.layers,
@@ -169,11 +171,13 @@ def clipped_adamw() -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
 
 
-def scanned_lm(dtype=np.float32, vocab=11, width=16, layers=3, remat=True, steps=3):
+def scanned_lm(
+    dtype=np.float32, vocab=11, width=16, layers=3, remat=True, steps=3, remat_policy=None
+):
     """A flax linen LM with its layers under nn.scan(nn.remat(...)) and a tied embedding
     (vocab 11 divides by no replica count: the embedding splits on its width), the step
     flax's docs write for it, and its token batches."""
-    model = ScannedLM(vocab=vocab, width=width, layers=layers, remat=remat)
+    model = ScannedLM(vocab, width, layers, remat, remat_policy)
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, vocab, size=(16, 7)).astype(np.int32) for _ in range(steps)]
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]

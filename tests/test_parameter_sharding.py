@@ -74,6 +74,28 @@ def test_without_remat_the_backward_loop_gathers_again_instead_of_stacking_weigh
         assert backward.regions[0].count_ops("all_gather") >= 1  # both kernels, one bucket
 
 
+def test_a_remat_policy_that_keeps_the_matmuls_reaches_the_program_and_keeps_the_numbers():
+    """`nn.remat(..., policy=...)` as MaxText's `remat_policy=minimal` is written for flax
+    (every weight's matmul output kept for the backward pass): the layers' checkpoint
+    region in the backward loop carries the policy through the passes, and the numbers stay
+    one device's."""
+    with jax.enable_x64(True):
+        strategy = xs.MirroredStrategy()
+        policy = "dots_with_no_batch_dims_saveable"
+        params, make_step, batches = scanned_lm(np.float64, remat_policy=policy)
+        tx = clipped_adamw()
+        (p_on, s_on), step = train_on(
+            strategy, make_step(tx), params, tx, batches, shard_parameters=True
+        )
+        reference, _ = train_on(xs.OneDeviceStrategy(), make_step(tx), params, tx, batches)
+        assert_close_to_scale((p_on, s_on), reference, 1e-12)
+        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+        graph = step.executable(p_on, s_on, batch).graph
+        _, backward = [n for n in graph.nodes if n.op == "jax.scan"]  # the recompute
+        remats = [n for n in backward.regions[0].nodes if n.op == "jax.remat2"]
+        assert [n.attrs.get("policy") for n in remats] == [policy]
+
+
 def test_prefetching_the_next_layer_keeps_the_numbers():
     """prefetch-all-gathers (on by itself only with a topology) forced on emulated devices:
     each loop gathers layer i+1 into a carry while layer i computes; same numbers."""
