@@ -52,6 +52,27 @@ SETS: dict[str, dict[str, Any]] = {
     "async-all-reduce": {"xla_enable_async_all_reduce": True},
     "ag-backward-pipelining": {"xla_tpu_enable_ag_backward_pipelining": True},
     "async-all-to-all": {"xla_tpu_enable_async_all_to_all": True},
+    # the overlap half of MaxText's CF_FOR_ALL_GATHER, without the fusion v5p refuses
+    "overlap-collectives": {
+        "xla_tpu_enable_async_collective_fusion": True,
+        "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+        "xla_tpu_overlap_compute_collective_tc": True,
+    },
+    # the latency-hiding scheduler's settings of MaxText's HOST_OFFLOAD_FLAGS
+    "scheduler": {
+        "xla_tpu_enable_all_experimental_scheduler_features": True,
+        "xla_tpu_enable_scheduler_memory_pressure_tracking": True,
+        "xla_tpu_aggressive_opt_barrier_removal": "ENABLED",
+        "xla_lhs_prioritize_async_depth_over_stall": "ENABLED",
+        "xla_should_allow_loop_variant_parameter_in_chain": "ENABLED",
+        "xla_should_add_loop_invariant_op_in_chain": "ENABLED",
+        "xla_tpu_scheduler_percent_shared_memory_limit": 100,
+        "xla_latency_hiding_scheduler_rerun": 2,
+    },
+    "data-parallel-overlap": {
+        "xla_tpu_enable_data_parallel_all_reduce_opt": True,
+        "xla_tpu_data_parallel_opt_different_sized_ops": True,
+    },
     "no-windowed-einsum": _NO_WINDOWED_EINSUM_AG | _NO_WINDOWED_EINSUM_RS,
     "no-windowed-einsum-ag": _NO_WINDOWED_EINSUM_AG,
     "no-windowed-einsum-rs": _NO_WINDOWED_EINSUM_RS,
