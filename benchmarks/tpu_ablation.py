@@ -5,7 +5,8 @@ then with each of its passes disabled in turn, and every program is read by the 
 reader (`compiled_report`). A pass earns its place when the pipeline without it moves no
 fewer collective bytes, leaves no fewer bytes synchronous and estimates no faster a step.
 Passes that cannot be disabled alone (insert-reductions: the gradients' reductions
-themselves) are not ablated.
+themselves) are not ablated. A pipeline whose optimised graph is the default's, IR text for
+IR text, lowers to the same XLA program: it is not compiled again, and its row says so.
 
     JAX_PLATFORMS=cpu python -m benchmarks.tpu_ablation --model gpt2-medium --topology v5e-256
 """
@@ -25,14 +26,16 @@ import xla_strategies as xs
 from benchmarks.tpu_aot import _batch, abstract_state
 from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.hardware.compiled_report import compiled_report
+from xla_strategies.passes.ir.text import print_graph
 from xla_strategies.passes.pipeline import without_pass
 
 RESULTS = Path(__file__).parent / "results" / "tpu_ablation.json"
 NOT_ABLATED = {"insert-reductions"}
 
 
-def compile_without(strategy: Any, workload: Any, disabled: str | None) -> dict[str, Any]:
-    """Our default step with pass `disabled` off (None: the whole default pipeline)."""
+def step_without(strategy: Any, workload: Any, disabled: str | None) -> tuple[Any, tuple]:
+    """Our default step with pass `disabled` off (None: the whole default pipeline), and
+    its abstract arguments."""
     tx = optax.adamw(1e-4)
     variables, opt_state = abstract_state(workload, tx)
     pipeline = strategy.pipeline(None)
@@ -50,6 +53,16 @@ def compile_without(strategy: Any, workload: Any, disabled: str | None) -> dict[
         strategy.replicate(opt_state),
         _batch(strategy, workload),
     )
+    return step, args
+
+
+def optimised_graph(step: Any, args: tuple) -> str:
+    """The IR text of the graph the passes leave, which alone decides the XLA program."""
+    return print_graph(step.executable(*args).graph)
+
+
+def compile_without(strategy: Any, step: Any, args: tuple, disabled: str | None) -> dict:
+    """One ablation's program compiled and read, or that it does not fit."""
     try:
         report = compiled_report(step.lower(*args).compile(), strategy)
     except xs.errors.OutOfMemoryError as exc:  # without a pass that makes it fit
@@ -77,6 +90,8 @@ def verdict(base: dict[str, Any], row: dict[str, Any]) -> str:
     better and where worse. It earns its place when the default is worse nowhere."""
     if "does_not_fit" in row:
         return "earns its place: without it the step does not fit"
+    if row.get("same_program"):
+        return "no effect on this cell (the same program)"
     better = [name for key, name in _JUDGED.items() if base[key] < row[key] * 0.999]
     worse = [name for key, name in _JUDGED.items() if base[key] > row[key] * 1.001]
     if not better and not worse:
@@ -119,8 +134,15 @@ def main() -> None:
         workload = WORKLOADS[args.model]()
         passes = [n for n in strategy.pipeline(None).enabled_names() if n not in NOT_ABLATED]
         rows = old[f"{workload.name} on {args.topology}"] = []
-        for disabled in tqdm([None, *passes], desc="compile", unit="program"):
-            rows.append(compile_without(strategy, workload, disabled))
+        default_graph = None
+        for disabled in tqdm([None, *passes], desc="ablate", unit="pipeline"):
+            step, step_args = step_without(strategy, workload, disabled)
+            graph = optimised_graph(step, step_args)
+            if disabled is not None and graph == default_graph:
+                rows.append({**rows[0], "without": disabled, "same_program": True})
+            else:
+                rows.append(compile_without(strategy, step, step_args, disabled))
+            default_graph = default_graph or graph
             tqdm.write(json.dumps(rows[-1]))
             # after every program: a run cut short keeps what it compiled
             RESULTS.write_text(json.dumps(old, indent=1) + "\n")
