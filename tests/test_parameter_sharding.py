@@ -51,27 +51,33 @@ def test_scanned_lm_with_clipped_adamw_matches_one_device(make_strategy, blocks)
         assert {s.data.shape for s in stack.addressable_shards} == {(3, 16 // blocks, 32)}
 
 
-def test_without_remat_the_backward_loop_gathers_again_instead_of_stacking_weights():
-    """Without nn.remat, autodiff stacks each layer's gathered weights as forward residuals
-    (the whole model on every replica until the backward pass); the backward loop gathers
-    them again from the blocks instead, and the numbers stay one device's."""
+def _mirrored_scanned_lm_matches_one_device(pipeline=None, **lm_options):
+    """The scanned LM (`lm_options`: `scanned_lm`'s) trained under `shard_parameters=True`
+    on `MirroredStrategy` in float64, checked against one device; its step's executable."""
     with jax.enable_x64(True):
         strategy = xs.MirroredStrategy()
-        params, make_step, batches = scanned_lm(np.float64, remat=False)
+        params, make_step, batches = scanned_lm(np.float64, **lm_options)
         tx = clipped_adamw()
         (p_on, s_on), step = train_on(
-            strategy, make_step(tx), params, tx, batches, shard_parameters=True
+            strategy, make_step(tx), params, tx, batches, shard_parameters=True, pipeline=pipeline
         )
         reference, _ = train_on(xs.OneDeviceStrategy(), make_step(tx), params, tx, batches)
         assert_close_to_scale((p_on, s_on), reference, 1e-12)
         batch = next(iter(strategy.experimental_distribute_dataset(batches)))
-        executable = step.executable(p_on, s_on, batch)
-        assert executable.pass_stats["shard-parameters"]["regathered_residuals"] >= 2
-        forward, backward = [n for n in executable.graph.nodes if n.op == "jax.scan"]
-        # no stacked output of the forward loop has a whole layer's kernel in it
-        kernels = {(3, 16, 32), (3, 32, 16)}
-        assert not kernels & {tuple(v.shape) for v in forward.outputs}
-        assert backward.regions[0].count_ops("all_gather") >= 1  # both kernels, one bucket
+        return step.executable(p_on, s_on, batch)
+
+
+def test_without_remat_the_backward_loop_gathers_again_instead_of_stacking_weights():
+    """Without nn.remat, autodiff stacks each layer's gathered weights as forward residuals
+    (the whole model on every replica until the backward pass); the backward loop gathers
+    them again from the blocks instead, and the numbers stay one device's."""
+    executable = _mirrored_scanned_lm_matches_one_device(remat=False)
+    assert executable.pass_stats["shard-parameters"]["regathered_residuals"] >= 2
+    forward, backward = [n for n in executable.graph.nodes if n.op == "jax.scan"]
+    # no stacked output of the forward loop has a whole layer's kernel in it
+    kernels = {(3, 16, 32), (3, 32, 16)}
+    assert not kernels & {tuple(v.shape) for v in forward.outputs}
+    assert backward.regions[0].count_ops("all_gather") >= 1  # both kernels, one bucket
 
 
 def test_a_remat_policy_that_keeps_the_matmuls_reaches_the_program_and_keeps_the_numbers():
@@ -79,44 +85,24 @@ def test_a_remat_policy_that_keeps_the_matmuls_reaches_the_program_and_keeps_the
     (every weight's matmul output kept for the backward pass): the layers' checkpoint
     region in the backward loop carries the policy through the passes, and the numbers stay
     one device's."""
-    with jax.enable_x64(True):
-        strategy = xs.MirroredStrategy()
-        policy = "dots_with_no_batch_dims_saveable"
-        params, make_step, batches = scanned_lm(np.float64, remat_policy=policy)
-        tx = clipped_adamw()
-        (p_on, s_on), step = train_on(
-            strategy, make_step(tx), params, tx, batches, shard_parameters=True
-        )
-        reference, _ = train_on(xs.OneDeviceStrategy(), make_step(tx), params, tx, batches)
-        assert_close_to_scale((p_on, s_on), reference, 1e-12)
-        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
-        graph = step.executable(p_on, s_on, batch).graph
-        _, backward = [n for n in graph.nodes if n.op == "jax.scan"]  # the recompute
-        remats = [n for n in backward.regions[0].nodes if n.op == "jax.remat2"]
-        assert [n.attrs.get("policy") for n in remats] == [policy]
+    policy = "dots_with_no_batch_dims_saveable"
+    executable = _mirrored_scanned_lm_matches_one_device(remat_policy=policy)
+    _, backward = [n for n in executable.graph.nodes if n.op == "jax.scan"]  # the recompute
+    remats = [n for n in backward.regions[0].nodes if n.op == "jax.remat2"]
+    assert [n.attrs.get("policy") for n in remats] == [policy]
 
 
 def test_prefetching_the_next_layer_keeps_the_numbers():
     """prefetch-all-gathers (on by itself only with a topology) forced on emulated devices:
     each loop gathers layer i+1 into a carry while layer i computes; same numbers."""
-    with jax.enable_x64(True):
-        strategy = xs.MirroredStrategy()
-        params, make_step, batches = scanned_lm(np.float64)
-        tx = clipped_adamw()
-        spec = xs.passes.DEFAULT_PIPELINE.replace(
-            "prefetch-all-gathers{mode=auto}", "prefetch-all-gathers{mode=on}"
-        )
-        (p_on, s_on), step = train_on(
-            strategy, make_step(tx), params, tx, batches, shard_parameters=True, pipeline=spec
-        )
-        reference, _ = train_on(xs.OneDeviceStrategy(), make_step(tx), params, tx, batches)
-        assert_close_to_scale((p_on, s_on), reference, 1e-12)
-        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
-        executable = step.executable(p_on, s_on, batch)
-        assert executable.pass_stats["prefetch-all-gathers"]["loops"] == 2  # forward, backward
-        loops = [n for n in executable.graph.nodes if n.op == "jax.scan"]
-        # each loop carries the gathered layer: more carries than the scan had
-        assert all(n.attrs["num_carry"] > 1 for n in loops)
+    spec = xs.passes.DEFAULT_PIPELINE.replace(
+        "prefetch-all-gathers{mode=auto}", "prefetch-all-gathers{mode=on}"
+    )
+    executable = _mirrored_scanned_lm_matches_one_device(pipeline=spec)
+    assert executable.pass_stats["prefetch-all-gathers"]["loops"] == 2  # forward, backward
+    loops = [n for n in executable.graph.nodes if n.op == "jax.scan"]
+    # each loop carries the gathered layer: more carries than the scan had
+    assert all(n.attrs["num_carry"] > 1 for n in loops)
 
 
 def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update():
