@@ -46,7 +46,7 @@ def step_without(strategy: Any, workload: Any, disabled: str | None) -> tuple[An
         axis_name="batch",
         donate_argnums=(0, 1),
         pipeline=pipeline,
-        name=f"{workload.name} (without {disabled})",
+        name=f"{workload.name} ablation",  # one name: the IR text of equal programs equal
     )
     args = (
         strategy.replicate(variables),
