@@ -85,6 +85,14 @@ _JUDGED = {
 }
 
 
+def _judged(base: dict[str, Any], row: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Where the default (with the pass) is better than `row` (without it), and where
+    worse, beyond 0.1 %."""
+    better = [name for key, name in _JUDGED.items() if base[key] < row[key] * 0.999]
+    worse = [name for key, name in _JUDGED.items() if base[key] > row[key] * 1.001]
+    return better, worse
+
+
 def verdict(base: dict[str, Any], row: dict[str, Any]) -> str:
     """What the pass this row leaves out does on the cell: where the default (with it) is
     better and where worse. It earns its place when the default is worse nowhere."""
@@ -92,14 +100,47 @@ def verdict(base: dict[str, Any], row: dict[str, Any]) -> str:
         return "earns its place: without it the step does not fit"
     if row.get("same_program"):
         return "no effect on this cell (the same program)"
-    better = [name for key, name in _JUDGED.items() if base[key] < row[key] * 0.999]
-    worse = [name for key, name in _JUDGED.items() if base[key] > row[key] * 1.001]
+    better, worse = _judged(base, row)
     if not better and not worse:
         return "no effect on this cell"
     said = (f"better in {', '.join(better)}" if better else "") + (
         f"{'; ' if better else ''}worse in {', '.join(worse)}" if worse else ""
     )
     return ("earns its place: " if not worse else "trade-off: ") + said
+
+
+_SHORT = {"memory": "mem", "bytes": "bytes", "synchronous bytes": "sync", "step": "step"}
+LEGEND = (
+    "`=` the same program as the default (its optimised graph is the default's: not "
+    "compiled); `0` compiled, no change beyond 0.1 %; `+X` the default is better in X "
+    "than the pipeline without the pass, `-X` worse (mem: memory per chip, bytes: "
+    "collective bytes, sync: synchronous bytes, step: estimated step); `fits` without "
+    "the pass the step does not fit the chip"
+)
+
+
+def short_verdict(base: dict[str, Any], row: dict[str, Any]) -> str:
+    """`verdict` in a word or two, for the summary's cells (`LEGEND`)."""
+    if "does_not_fit" in row:
+        return "fits"
+    if row.get("same_program"):
+        return "="
+    better, worse = _judged(base, row)
+    said = [f"+{_SHORT[b]}" for b in better] + [f"-{_SHORT[w]}" for w in worse]
+    return " ".join(said) or "0"
+
+
+def summary(cells: dict[str, list[dict[str, Any]]]) -> str:
+    """One line per ablated cell, one column per pass: what leaving it out does."""
+    passes = list(dict.fromkeys(r["without"] for rows in cells.values() for r in rows[1:]))
+    lines = [
+        f"| cell | {' | '.join(passes)} |",
+        "|---" * (len(passes) + 1) + "|",
+    ]
+    for name, rows in cells.items():
+        said = {r["without"]: short_verdict(rows[0], r) for r in rows[1:]}
+        lines.append(f"| {name} | {' | '.join(said.get(p, '') for p in passes)} |")
+    return "\n".join(lines) + "\n\n" + LEGEND
 
 
 def table(name: str, rows: list[dict[str, Any]]) -> str:
@@ -146,6 +187,7 @@ def main() -> None:
             tqdm.write(json.dumps(rows[-1]))
             # after every program: a run cut short keeps what it compiled
             RESULTS.write_text(json.dumps(old, indent=1) + "\n")
+    print(summary(old))
     print("\n\n".join(table(name, rows) for name, rows in old.items()))
 
 
