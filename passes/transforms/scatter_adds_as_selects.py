@@ -19,9 +19,11 @@ position. Scatters that clip their indices, write windows, or may add twice to a
 
 Where it pays is measured per TPU generation (`scatter_adds_as_selects` in
 `tpu_configs/`): with `reduce-scatters-before-loops`, Llama-2-7B under parameter sharding
-on v5e-256 takes 2.69 GiB per chip either way and 831.70 against 834.21 ms estimated; on
-v5p-512 it made the step larger (3.16 → 3.77 GiB), and Llama-2-70B's smaller there (both
-passes: 14.21 → 13.88 GiB), so one v5p slice leaves it off and `mode=on` is the user's.
+on v5e-256 takes 2.69 GiB per chip either way and 833.00 against 835.52 ms estimated, but
+with splash attention 2.80 against 2.67 GiB, so v5e leaves it off; on v5p-512 it made the
+step larger (3.16 → 3.77 GiB), and Llama-2-70B's smaller there (both passes: 14.21 →
+13.88 GiB), so one v5p slice leaves it off too. On v6e and across v5p slices it runs;
+`mode=on` is the user's elsewhere.
 
     Before:
       %20: f32[1,2048,32000] = jax.scatter-add(%19, %12, %18) {"dimension_numbers": [[0],
@@ -50,7 +52,7 @@ class ScatterAddsAsSelects(ModePass):
     """Options:
     mode: ``on`` rewrites every such scatter-add; ``auto`` only in a step whose state
         `shard-parameters` holds split, on a topology whose hardware file says it pays
-        (`scatter_adds_as_selects`: TPU v5e, v6e, v5p across slices).
+        (`scatter_adds_as_selects`: TPU v6e, v5p across slices).
     """
 
     name = "scatter-adds-as-selects"
@@ -82,8 +84,7 @@ class ScatterAddsAsSelects(ModePass):
 
 
 def _pays(ctx: PassContext) -> bool:
-    """Measured to shrink the step: under parameter sharding, on TPU v5e, v6e and v5p across
-    slices."""
+    """Measured to pay: under parameter sharding, on TPU v6e and v5p across slices."""
     return gathers_parameters(ctx) and getattr(ctx.topology, "scatter_adds_as_selects", False)
 
 

@@ -71,9 +71,9 @@ def test_scatters_that_clip_or_may_add_twice_to_a_row_stay(replacements, why):
 @pytest.mark.parametrize(
     ("topology", "stats", "runs"),
     [
-        ("v5e-256", SPLIT, True),
+        ("v5e-256", SPLIT, False),  # measured larger with splash attention, 2.67 → 2.80 GiB
         ("v6e-256", SPLIT, True),
-        ("v5e-256", {}, False),  # the state whole on every chip: not measured to pay
+        ("v6e-256", {}, False),  # the state whole on every chip: not measured to pay
         ("v5p-512", SPLIT, False),  # measured worse: XLA's allocator placed the peak worse
         ("2xv5p-512", SPLIT, True),  # measured better on two slices (`[multislice]`)
         (None, SPLIT, False),
