@@ -33,27 +33,30 @@ RESULTS = Path(__file__).parent / "results" / "tpu_ablation.json"
 NOT_ABLATED = {"insert-reductions"}
 
 
-def step_without(strategy: Any, workload: Any, disabled: str | None) -> tuple[Any, tuple]:
-    """Our default step with pass `disabled` off (None: the whole default pipeline), and
-    its abstract arguments."""
+def ablation_inputs(strategy: Any, workload: Any) -> tuple[Any, tuple]:
+    """The optimizer and the abstract arguments every ablation of a cell compiles with."""
     tx = optax.adamw(1e-4)
     variables, opt_state = abstract_state(workload, tx)
+    args = (
+        strategy.replicate(variables),
+        strategy.replicate(opt_state),
+        _batch(strategy, workload),
+    )
+    return tx, args
+
+
+def step_without(strategy: Any, workload: Any, tx: Any, disabled: str | None) -> Any:
+    """Our default step with pass `disabled` off (None: the whole default pipeline)."""
     pipeline = strategy.pipeline(None)
     if disabled is not None:
         pipeline = without_pass(pipeline, disabled)
-    step = strategy.compile(
+    return strategy.compile(
         workload.step(tx, "batch"),
         axis_name="batch",
         donate_argnums=(0, 1),
         pipeline=pipeline,
         name=f"{workload.name} ablation",  # one name: the IR text of equal programs equal
     )
-    args = (
-        strategy.replicate(variables),
-        strategy.replicate(opt_state),
-        _batch(strategy, workload),
-    )
-    return step, args
 
 
 def optimised_graph(step: Any, args: tuple) -> str:
@@ -175,15 +178,17 @@ def main() -> None:
         workload = WORKLOADS[args.model]()
         passes = [n for n in strategy.pipeline(None).enabled_names() if n not in NOT_ABLATED]
         rows = old[f"{workload.name} on {args.topology}"] = []
+        tx, step_args = ablation_inputs(strategy, workload)
         default_graph = None
         for disabled in tqdm([None, *passes], desc="ablate", unit="pipeline"):
-            step, step_args = step_without(strategy, workload, disabled)
+            step = step_without(strategy, workload, tx, disabled)
             graph = optimised_graph(step, step_args)
+            if disabled is None:
+                default_graph = graph
             if disabled is not None and graph == default_graph:
                 rows.append({**rows[0], "without": disabled, "same_program": True})
             else:
                 rows.append(compile_without(strategy, step, step_args, disabled))
-            default_graph = default_graph or graph
             tqdm.write(json.dumps(rows[-1]))
             # after every program: a run cut short keeps what it compiled
             RESULTS.write_text(json.dumps(old, indent=1) + "\n")
