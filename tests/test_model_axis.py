@@ -5,6 +5,8 @@ annotations users already write. Numbers in float64 on 8 CPU devices, against
 
 from __future__ import annotations
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import xla_strategies as xs
 from tests.helpers import bytes_on, lm_step
+from xla_strategies.cli import main as cli
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -361,7 +364,7 @@ def test_the_verifier_rejects_a_collective_over_the_model_axis():
         verify(graph, {"replica": 4})
 
 
-def test_the_compiled_report_tells_the_partitioners_collectives_from_the_replicas():
+def test_the_compiled_report_tells_the_partitioners_collectives_from_the_replicas(tmp_path, capsys):
     """A tensor-parallel step compiled by XLA's TPU compiler for v5e-16 with 4 chips per
     replica: collectives whose groups are one replica's 4 consecutive chips are XLA's
     partitioner's; the gradient reduction's groups take one chip of each replica."""
@@ -398,6 +401,20 @@ def test_the_compiled_report_tells_the_partitioners_collectives_from_the_replica
         for group in group_members(c.kind, f"replica_groups={c.replica_groups}", 16):
             assert len({d % 4 for d in group}) == 1 and len(group) == 4  # one chip of each
     assert "inside replicas" in summary_text(report, "step")
+    # the CLI reads the saved text as the step's report does, given the replica's size
+    path = tmp_path / "step.hlo.txt"
+    path.write_text(compiled.as_text())
+    read = ["report", str(path), "--topology", "v5e-16", "--json"]
+    assert cli.main([*read, "--logical-devices-per-replica", "4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [c["inside_replica"] for c in printed["collectives"]] == [
+        c.inside_replica for c in report.collectives
+    ]
+    assert printed["estimate"] == report.estimate
+    assert cli.main(read) == 0  # without it every chip is a replica: nothing inside one
+    assert not any(c["inside_replica"] for c in json.loads(capsys.readouterr().out)["collectives"])
+    assert cli.main([*read, "--logical-devices-per-replica", "3"]) == 1
+    assert "logical_devices_per_replica=3 does not divide" in capsys.readouterr().err
 
 
 def test_bf16_gradients_on_cpu_devices_compile_and_match_one_device():

@@ -108,8 +108,15 @@ def report(args: Namespace) -> int:
     text = Path(args.file).read_text(errors="replace")
     if "HloModule" not in text.split("\n", 1)[0]:
         raise ValueError(f"{args.file} is not HLO text: its first line is not an HloModule")
+    per_replica = args.logical_devices_per_replica
+    if per_replica < 1:
+        raise ValueError(f"--logical-devices-per-replica {per_replica} must be at least 1")
+    if per_replica > 1 and not args.topology:
+        raise ValueError("--logical-devices-per-replica needs --topology: the replicas' axis")
     topology = Topology.from_name(args.topology) if args.topology else None
-    found = hlo_report(text, topology)
+    if topology is not None:
+        topology = topology.split_model_axis(per_replica)
+    found = hlo_report(text, topology, per_replica)
     if args.json:
         print(json.dumps(found.to_json(), indent=1))
     else:

@@ -54,10 +54,20 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser(
         "report",
         help="read any compiled program's HLO text: its collectives and their cost",
-        usage="xla-strategies report FILE.hlo.txt --topology v5e-256 [--json]",
+        usage="xla-strategies report FILE.hlo.txt --topology v5e-256 "
+        "[--logical-devices-per-replica K] [--json]",
     )
     report.add_argument("file", help="HLO text after optimizations (compiled.as_text())")
     report.add_argument("--topology", help="the topology it was compiled for, e.g. v5e-256")
+    report.add_argument(
+        "--logical-devices-per-replica",
+        type=int,
+        default=1,
+        metavar="K",
+        help="devices each replica spans, neighbours on the topology's fastest axis (a "
+        "tensor-parallel program; default: 1). Collectives inside a replica are read as "
+        "the model axis's, as the step's own report reads them",
+    )
     report.add_argument("--json", action="store_true", help="print the report as JSON")
 
     show = commands.add_parser("show", help="show a dumped step's IR")
