@@ -59,6 +59,7 @@ bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_ablation
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_options --model llama2-7b --topology v5e-256 --variant d --sets none cf-all-reduce
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_collective_spellings --topology v5e-256 --options none async-permute
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_collective_spellings --collective all-gather --topology v5e-256
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_collective_spellings --collective all-gather --topology v5p-512
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_collective_spellings --collective all-gather --topology v6e-256
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.gpu_aot
