@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import xla_strategies as xs
+from benchmarks.results_rows import merge_rows
 from benchmarks.tpu_models import WORKLOADS, trained_params
 from benchmarks.tpu_table import markdown, row_text
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
@@ -382,13 +383,9 @@ def main() -> None:
 def record(rows: list[dict[str, Any]], results: Path) -> None:
     """Write `rows` into `results` in place of the same cells measured before, and print
     them and the whole table."""
-    old = json.loads(results.read_text()) if results.exists() else {"rows": []}
-    done = {_cell_key(r) for r in rows}
-    kept = [r for r in old["rows"] if _cell_key(r) not in done]
-    results.parent.mkdir(exist_ok=True)
-    results.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
+    merged = merge_rows(results, rows, _cell_key)
     print("\n".join(row_text(r) for r in rows))
-    print(markdown(kept + rows))
+    print(markdown(merged))
 
 
 def _cell_key(row: dict[str, Any]) -> tuple:

@@ -20,7 +20,6 @@ estimated step with its exposed communication.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import xla_strategies as xs
+from benchmarks.results_rows import merge_rows
 from xla_strategies.hardware.compiled_report import hlo_report
 
 RESULTS = Path(__file__).parent / "results" / "tpu_collective_spellings.json"
@@ -230,13 +230,8 @@ def _line(row: dict) -> str:
     )
 
 
-def record(rows: list[dict], results: Path) -> None:
-    """Keep `rows` in `results`, in place of the earlier rows of the same cells."""
-    key = lambda r: (r["topology"], r["collective"], r["layers"], r["spelling"], r["options"])  # noqa: E731
-    kept = json.loads(results.read_text())["rows"] if results.exists() else []
-    fresh = {key(r) for r in rows}
-    merged = [r for r in kept if key(r) not in fresh] + rows
-    results.write_text(json.dumps({"rows": merged}, indent=1) + "\n")
+def _cell_key(row: dict) -> tuple:
+    return row["topology"], row["collective"], row["layers"], row["spelling"], row["options"]
 
 
 def main() -> None:
@@ -252,7 +247,7 @@ def main() -> None:
     if args.layers < 1:
         parser.error(f"--layers {args.layers} must be at least 1")
     rows = measure(args.topology, args.collective, args.layers, args.spellings, args.options)
-    record(rows, RESULTS)
+    merge_rows(RESULTS, rows, _cell_key)
     print(f"wrote {RESULTS}")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.results_rows import merge_rows
 from benchmarks.tpu_aot import TENSOR_PARALLEL, _our_step, compile_only_strategy
 from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.hardware.compiled_report import Memory, hlo_report
@@ -128,10 +129,7 @@ def main() -> None:
     parser.add_argument("--hlo-dir", type=Path, help="write each compiled HLO text here")
     args = parser.parse_args()
     rows = measure(args.model, args.topology, args.variant, args.sets, args.hlo_dir)
-    old = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
-    done = {(r["model"], r["topology"], r["variant"], r["set"]) for r in rows}
-    kept = [r for r in old if (r["model"], r["topology"], r["variant"], r["set"]) not in done]
-    RESULTS.write_text(json.dumps({"rows": kept + rows}, indent=1) + "\n")
+    merge_rows(RESULTS, rows, lambda r: (r["model"], r["topology"], r["variant"], r["set"]))
 
 
 if __name__ == "__main__":
