@@ -198,10 +198,15 @@ class Strategy(MeshLayout):
         self._compile_defaults = {**self._compile_defaults, **options}
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Run `fn` once on every replica; per-replica outputs come back stacked."""
-        if fn not in self._compiled_runs:
-            self._compiled_runs[fn] = CompiledStep(self, fn)
-        return self._compiled_runs[fn](*args, **(kwargs or {}))
+        """Run `fn` once on every replica; per-replica outputs come back stacked. `fn` is
+        compiled as `strategy.compile(fn)` would compile it, with the compile defaults
+        (`set_compile_defaults`) in force at the call: tf.distribute's custom loop, which
+        sums gradients, asks for `gradient_reduction=ReduceOp.SUM` there."""
+        defaults, step = self._compiled_runs.get(fn, (None, None))
+        if step is None or defaults != self._compile_defaults:
+            step = self.compile(fn)
+            self._compiled_runs[fn] = (dict(self._compile_defaults), step)
+        return step(*args, **(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine per-replica values across replicas, and along `axis` of each if given."""
