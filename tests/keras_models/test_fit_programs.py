@@ -57,15 +57,32 @@ class MCDropout(keras.layers.Dropout):
         return super().call(inputs, training=True)
 
 
-def test_monte_carlo_dropout_in_predict_draws_a_mask_per_replica():
-    """Monte-Carlo dropout in a functional model, then predict. Each replica's rows get
-    their own masks, and the seed state advances as single-device Keras advances it."""
+class MCBlock(keras.layers.Layer):
+    """Monte-Carlo dropout inside a layer of the user's own, as users write it there."""
+
+    def __init__(self, rate, **kwargs):
+        super().__init__(**kwargs)
+        self.dropout = keras.layers.Dropout(rate)
+
+    def call(self, inputs):
+        return self.dropout(inputs, training=True)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "uncompiled"])
+@pytest.mark.parametrize("layer", [MCDropout, MCBlock])
+def test_monte_carlo_dropout_in_predict_draws_a_mask_per_replica(layer, compiled):
+    """Monte-Carlo dropout in a functional model built in the scope, then predict, with
+    the model compiled or not (Keras predicts with either). Each replica's rows get their
+    own masks, and the seed state advances as single-device Keras advances it."""
     rows, features = 64, 16
 
     def model():
         keras.utils.set_random_seed(5)
         inputs = keras.Input((features,))
-        return keras.Model(inputs, MCDropout(0.5)(inputs))
+        net = keras.Model(inputs, layer(0.5)(inputs))
+        if compiled:
+            net.compile(loss="mse")
+        return net
 
     x = np.ones((rows, features), "float32")
     single = model()
@@ -73,13 +90,14 @@ def test_monte_carlo_dropout_in_predict_draws_a_mask_per_replica():
     strategy = xs.MirroredStrategy()
     with strategy.scope():
         ours = model()
+    assert ours.distribute_strategy is strategy  # predicted on its replicas, not one device
     kept = ours.predict(x, batch_size=rows, verbose=0) != 0
     assert 0.3 < kept.mean() < 0.7
     blocks = kept.reshape(R, rows // R, features)
     assert len({block.tobytes() for block in blocks}) == R, "replicas drew the same mask"
     seed_state = [v for v in ours.non_trainable_variables if "seed_generator" in v.path]
     expected = [v for v in single.non_trainable_variables if "seed_generator" in v.path]
-    assert [np.asarray(v.value).tolist() for v in seed_state] == [
+    assert seed_state and [np.asarray(v.value).tolist() for v in seed_state] == [
         np.asarray(v.value).tolist() for v in expected
     ]
 

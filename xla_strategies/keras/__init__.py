@@ -1,27 +1,28 @@
 """Keras 3 (JAX backend): `model.fit`, `evaluate` and `predict` through a strategy.
 
-As in tf.distribute, a model built and compiled inside `strategy.scope()` belongs to that
-strategy, wherever `fit` is called later:
+As in tf.distribute, a model built (or compiled) inside `strategy.scope()` belongs to that
+strategy, wherever `fit`, `evaluate` or `predict` is called later:
 
     with strategy.scope():
         model = keras.Sequential([...])
         model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     model.fit(x, y, batch_size=64, epochs=3)   # data-parallel over the strategy's replicas
 
-Inside the scope, `keras.Model.compile` is wrapped (once for all threads, removed when the
-last scope exits; a model compiled in a thread with no scope is left alone); each model
-compiled there gets its train, test and predict functions from
-`xla_strategies.keras.trainer`, which compiles Keras' own stateless `train_step`,
-`test_step` and `predict_step` with `strategy.compile`. Keras itself is not changed.
-A strategy's `layout_map` (Keras' own `LayoutMap`) lays out, over the strategy's model
-axis, the variables of models built in the scope (`xla_strategies.keras.layout_map`).
-Keras is imported only when it is already imported by the program: the scope never
-imports it.
+Inside the scope, `keras.Model.compile` and Keras' `Trainer.__init__` are wrapped (once for
+all threads, removed when the last scope exits; a model built and compiled in a thread with
+no scope is left alone); each model built or compiled there gets its train, test and
+predict functions from `xla_strategies.keras.trainer`, which compiles Keras' own
+stateless `train_step`, `test_step` and `predict_step` with `strategy.compile`. Keras
+itself is not changed. A strategy's `layout_map` (Keras' own `LayoutMap`) lays out, over
+the strategy's model axis, the variables of models built in the scope
+(`xla_strategies.keras.layout_map`). Keras is imported only when it is already imported by
+the program: the scope never imports it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -54,8 +55,12 @@ def models_compiled_in(strategy: Strategy) -> Iterator[None]:
         # Keras defines it: `keras.saving.load_model` compiles a loaded model only if its
         # class's `compile` is that one (otherwise it counts as a user's override)
         owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+        # and every model built here belongs to it too, compiled or not: Keras predicts
+        # with an uncompiled model, which would otherwise run on one device
+        trainer = next(c for c in keras.Model.__mro__ if c.__name__ == "Trainer")
         with (
             patched(owner, "compile", _attaching),
+            patched(trainer, "__init__", _attaching),
             accepting_synchronized(keras),
             layout_map_scope(keras, strategy),
         ):
@@ -65,17 +70,18 @@ def models_compiled_in(strategy: Strategy) -> Iterator[None]:
 
 
 def _attaching(original: Callable[..., Any]) -> Callable[..., Any]:
-    """`compile` that also gives the model to the innermost strategy of the calling
-    thread's scopes, if it has any."""
+    """A model method (`compile`, `__init__`) that also gives the model to the innermost
+    strategy of the calling thread's scopes, if it has any."""
     from xla_strategies.keras.trainer import attach
 
-    def compile(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    @functools.wraps(original)
+    def attaching(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         original(model, *args, **kwargs)
         strategies = getattr(_local, "strategies", None)
         if strategies:
             attach(model, strategies[-1])
 
-    return compile
+    return attaching
 
 
 def _backend(keras) -> str:  # noqa: ANN001

@@ -161,25 +161,28 @@ class _Trainer:
     def _train_step(self, state: Any, data: Any) -> Any:
         model = self.model
         seeds = _seed_states(model.non_trainable_variables)
-        state = (state[0], _offset_seeds(state[1], seeds, +1), *state[2:])
         with replica_losses(model), global_moments(sys.modules["keras"]):
-            _, new_state = type(model).train_step(model, state, data)
-        trainable, non_trainable, optimizer, metrics = new_state
-        non_trainable = _offset_seeds(non_trainable, seeds, -1)
+            _, new_state = type(model).train_step(model, _offset_state(state, seeds, +1), data)
+        trainable, non_trainable, optimizer, metrics = _offset_state(new_state, seeds, -1)
         non_trainable = _reduce(model.non_trainable_variables, state[1], non_trainable)
         metrics = _reduce(model.metrics_variables, state[3], metrics)
         return _logs(model, metrics), (trainable, non_trainable, optimizer, metrics)
 
     def _test_step(self, state: Any, data: Any) -> Any:
         model = self.model
+        seeds = _seed_states(model.non_trainable_variables)  # Monte-Carlo dropout draws
         with replica_losses(model):
-            _, (trainable, non_trainable, metrics) = type(model).test_step(model, state, data)
+            _, new_state = type(model).test_step(model, _offset_state(state, seeds, +1), data)
+        trainable, non_trainable, metrics = _offset_state(new_state, seeds, -1)
         metrics = _reduce(model.metrics_variables, state[2], metrics)
         return _logs(model, metrics), (trainable, non_trainable, metrics)
 
     def _predict_step(self, state: Any, data: Any) -> Any:
-        outputs, non_trainable = type(self.model).predict_step(self.model, state, data)
-        return outputs, (state[0], non_trainable)
+        model = self.model
+        seeds = _seed_states(model.non_trainable_variables)  # Monte-Carlo dropout draws
+        offset = _offset_state(state, seeds, +1)
+        outputs, non_trainable = type(model).predict_step(model, offset, data)
+        return outputs, (state[0], _offset_seeds(non_trainable, seeds, -1))
 
 
 # Added to a seed state's first word times the replica id: an odd constant (the 32-bit
@@ -190,6 +193,14 @@ _REPLICA_SEED_STRIDE = 0x9E3779B9
 def _seed_states(variables: Sequence[Any]) -> list[int]:
     """The positions of Keras `SeedGenerator` states (what Dropout draws its masks from)."""
     return [i for i, v in enumerate(variables) if v.path.endswith("seed_generator_state")]
+
+
+def _offset_state(state: Sequence[Any], positions: list[int], sign: int) -> tuple[Any, ...]:
+    """A step's state groups with the seed states of its non-trainable variables (the
+    second group in every Keras step's state) offset as `_offset_seeds` does. Every step
+    draws per replica, not only training: a layer that calls `Dropout(...)(x, training=True)`
+    (Monte-Carlo dropout) draws in `evaluate` and `predict` too."""
+    return (state[0], _offset_seeds(state[1], positions, sign), *state[2:])
 
 
 def _offset_seeds(values: Sequence[Any], positions: list[int], sign: int) -> list[Any]:
