@@ -70,6 +70,35 @@ def test_a_layout_map_naming_other_axes_is_an_error():
         xs.MirroredStrategy(layout_map=layout_map)
 
 
+def test_an_output_entry_naming_the_batch_axis_is_what_the_replicas_do():
+    """Keras' distribution guide lays a layer's output out with the batch axis first
+    (`layout_map["d2/output"] = ("data", None)`): the replicas split the batch already, so
+    the entry is accepted and `fit` trains as on one device. Past the batch dimension an
+    output may name the model axis only."""
+    x, y = _data()
+    single = _model()
+    single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    device_mesh = keras.distribution.DeviceMesh((4, 2), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    for pattern, layout in _layout_map().items():
+        layout_map[pattern] = layout.axes
+    layout_map["up/output"] = ("data", "model")
+    layout_map["down/output"] = ("data", None)
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2, layout_map=layout_map)
+    with strategy.scope():
+        model = _model()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), single.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+    wrong = keras.distribution.LayoutMap(device_mesh)
+    wrong["up/output"] = (None, "data")
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2, layout_map=wrong)
+    with pytest.raises(ValueError, match=r"past an output's batch dimension"):
+        with strategy.scope():
+            _model()
+
+
 def test_a_scope_that_fails_to_open_leaves_no_mesh_behind():
     import jax
 

@@ -4,9 +4,11 @@ A Keras user lays a model's variables out with `keras.distribution.LayoutMap` (v
 path patterns -> axes of a `DeviceMesh`). Given to a strategy (`layout_map=`), it applies
 to the variables of Keras models built inside `strategy.scope()`: there Keras'
 `ModelParallel` distribution is active on the strategy's own mesh, so each variable is
-created split over the model axis as the map says, and compiled steps keep it so. Only
-the model axis may be named: the replicas are the strategy's, and state split across
-them is `compile(shard_parameters=True)`.
+created split over the model axis as the map says, and compiled steps keep it so. A
+variable's entry may name only the model axis: the replicas are the strategy's, and state
+split across them is `compile(shard_parameters=True)`. A layer output's entry
+(`"<layer>/output"`) may also name the batch axis in its first dimension, which the
+replicas already split.
 """
 
 from __future__ import annotations
@@ -42,12 +44,25 @@ def layout_map_scope(keras: Any, strategy: Any) -> Iterator[None]:
 
 
 def _model_axes(pattern: str, layout: Any) -> tuple[str | None, ...]:
+    """The layout a replica gives what `pattern` names. A layer output's entry (Keras
+    keys them `<layer path>/output`) may name the batch axis in its first dimension, as
+    Keras' distribution guide writes it (`("data", None)`): the replicas split the batch
+    already, so inside one replica that dimension is whole."""
     axes = tuple(getattr(layout, "axes", layout))
+    if pattern.rstrip("$").endswith("output") and axes and axes[0] not in (None, MODEL_AXIS):
+        axes = (None, *axes[1:])
     other = [a for a in axes if a not in (None, MODEL_AXIS)]
-    if other:
+    if not other:
+        return axes
+    if pattern.rstrip("$").endswith("output"):
         raise ValueError(
-            f"layout_map[{pattern!r}] = {axes} names the axes {other}; a layout here names "
-            f"{MODEL_AXIS!r} (the devices of one replica) or None. To split variables "
-            "across the replicas too, compile the step with shard_parameters=True"
+            f"layout_map[{pattern!r}] = {axes} names the axes {other} past an output's "
+            f"batch dimension; inside a replica the other dimensions can be split over "
+            f"{MODEL_AXIS!r} (the devices of one replica) only"
         )
-    return axes
+    raise ValueError(
+        f"layout_map[{pattern!r}] = {axes} names the axes {other}; a variable's layout here "
+        f"names {MODEL_AXIS!r} (the devices of one replica) or None, since every replica "
+        "holds the whole variable. To hold variables split across the replicas too, "
+        "compile the step with shard_parameters=True"
+    )
