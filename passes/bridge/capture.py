@@ -40,6 +40,7 @@ from xla_strategies.passes.bridge.equations import (
     user_source,
 )
 from xla_strategies.passes.bridge.layouts import manual_over, replica_spec
+from xla_strategies.passes.bridge.loop_carries import varying_loop_carries
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
@@ -48,7 +49,6 @@ from xla_strategies.passes.bridge.trace_hooks import (
     pallas_kernels_per_replica,
     summing_custom_vjp_cotangents,
     tagging_autodiff_reductions,
-    varying_loop_carries,
 )
 from xla_strategies.passes.ir.graph import (
     Graph,

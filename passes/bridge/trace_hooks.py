@@ -2,6 +2,7 @@
 
 - pvary's transpose rule runs in the named scope `AUTODIFF_SCOPE`, so the importer tells
   autodiff's reductions from the ones the user wrote;
+- (`loop_carries`) a loop carry that comes out of the body varying goes in varying;
 - primitives whose JAX wrapper binds operands of different varying axes without casting
   them have their operands cast to varying first;
 - a Pallas kernel (splash attention, any `pallas_call`) runs on each replica's values:
@@ -20,7 +21,6 @@ Each is installed for the trace, reference-counted across threads, and restored 
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 import threading
 from collections.abc import Callable
@@ -90,7 +90,7 @@ def marking_gradient_scales() -> Any:
             # the cotangent takes the output's type (a Python 1.0 seed becomes per-replica)
             seed_axes = set().union(
                 *(set(varying_axes(a)) for a in out_avals),
-                *(_vma(c) for c in jax.tree.leaves(out_ct)),
+                *(vma(c) for c in jax.tree.leaves(out_ct)),
             )
             return rebuild(jax.tree.map(lambda g: _mark(g, seed_axes), grads))
 
@@ -104,7 +104,7 @@ def marking_gradient_scales() -> Any:
         _capturing.depth -= 1
 
 
-def _vma(x: Any) -> set[str]:
+def vma(x: Any) -> set[str]:
     """The mesh axes over which `x` differs across replicas (none for a Python number)."""
     return set(varying_axes(jax.typeof(x)))
 
@@ -114,52 +114,11 @@ def _mark(grad: Any, seed_axes: set[str]) -> Any:
     is its primal's); a placeholder for an unwanted gradient is passed through."""
     if not isinstance(grad, jax.Array | jax.core.Tracer):
         return grad
-    axes = seed_axes - _vma(grad)
+    axes = seed_axes - vma(grad)
     if not axes or not jax.numpy.issubdtype(grad.dtype, jax.numpy.inexact):
         return grad
     with jax.named_scope(f"{GRADIENT_SCOPE}({','.join(sorted(axes))})"):
         return grad * np.ones((), grad.dtype)
-
-
-# A loop's carry argument: (keyword, position) per loop function of `jax.lax`.
-_LOOP_CARRIES = {"scan": ("init", 1), "while_loop": ("init_val", 2), "fori_loop": ("init_val", 3)}
-
-
-@contextlib.contextmanager
-def varying_loop_carries() -> Any:
-    """While a step is traced, a loop whose carry starts the same on every replica and
-    comes out varying (an RNN's zero state fed this replica's inputs) is traced again with
-    its initial carry made varying. pmap code never had to say so; JAX's varying-axes check
-    would reject it (`pcast(..., to='varying')` is what its error asks for)."""
-    with contextlib.ExitStack() as stack:
-        for name, (keyword, position) in _LOOP_CARRIES.items():
-            retrying = functools.partial(_retrying, keyword=keyword, position=position)
-            stack.enter_context(patched(jax.lax, name, retrying))
-        yield
-
-
-def _retrying(loop: Callable[..., Any], keyword: str, position: int) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return loop(*args, **kwargs)
-        except TypeError as exc:
-            if "carry input and carry output must have equal types" not in str(exc):
-                raise
-        if keyword in kwargs:
-            kwargs = {**kwargs, keyword: _varying(kwargs[keyword])}
-        else:
-            args = (*args[:position], _varying(args[position]), *args[position + 1 :])
-        return loop(*args, **kwargs)
-
-    return run
-
-
-def _varying(tree: Any) -> Any:
-    """Every array of `tree` varying over all of the mesh's manual (replica) axes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = frozenset(getattr(mesh, "manual_axes", mesh.axis_names))
-
-    return jax.tree.map(lambda leaf: _varying_over(leaf, axes), tree)
 
 
 # Primitives whose `jax.lax` wrapper binds constants beside a varying operand without
@@ -184,15 +143,16 @@ def matching_operand_types() -> Any:
 
 def _casting_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
     def cast_then_bind(*operands: Any, **params: Any) -> Any:
-        axes = frozenset().union(*(_vma(x) for x in operands))
-        cast = [_varying_over(x, axes) for x in operands]
+        axes = frozenset().union(*(vma(x) for x in operands))
+        cast = [varying_over(x, axes) for x in operands]
         return bind(*cast, **params)
 
     return cast_then_bind
 
 
-def _varying_over(x: Any, axes: frozenset[str]) -> Any:
-    missing = tuple(sorted(axes - _vma(x)))
+def varying_over(x: Any, axes: frozenset[str] | set[str]) -> Any:
+    """`x` made varying over `axes` too (a `pcast`); `x` itself when it already is."""
+    missing = tuple(sorted(axes - vma(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -230,7 +190,7 @@ def pallas_kernels_per_replica(axes: tuple[str, ...]) -> Any:
 
     def casting_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
         def cast_then_bind(*operands: Any, **params: Any) -> Any:
-            return bind(*(_varying_over(x, replicas) for x in operands), **params)
+            return bind(*(varying_over(x, replicas) for x in operands), **params)
 
         return cast_then_bind
 
@@ -289,7 +249,7 @@ def _summed_like(cotangents: Any, in_tree: Any, in_avals: Any) -> Any:
 def _summed_to(primal: Any, cotangent: Any) -> Any:
     if not isinstance(cotangent, jax.Array | jax.core.Tracer):
         return cotangent  # None, a symbolic zero
-    extra = _vma(cotangent) - set(varying_axes(primal))
+    extra = vma(cotangent) - set(varying_axes(primal))
     if not extra:
         return cotangent
     with jax.named_scope(AUTODIFF_SCOPE):
