@@ -34,6 +34,7 @@ from xla_strategies.runtime.distributed_dataset import DistributedDataset, Distr
 from xla_strategies.runtime.input_options import InputContext, InputOptions, InputReplicationMode
 from xla_strategies.runtime.parameter_server.coordinator import ClusterCoordinator, RemoteValue
 from xla_strategies.runtime.preemption import PREEMPTION_EXIT_CODE, PreemptionCheckpointHandler
+from xla_strategies.step import numerics as debugging  # tf.debugging's check_numerics
 from xla_strategies.step.compiled_step import CompiledStep
 from xla_strategies.strategies import partitioners
 from xla_strategies.strategies.central_storage import CentralStorageStrategy
@@ -51,6 +52,7 @@ __all__ = [
     "ClusterCoordinator",
     "ParameterServerStrategy",
     "RemoteValue",
+    "debugging",
     "errors",
     "partitioners",
     "CheckpointError",

@@ -34,7 +34,7 @@ from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
 from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
-from xla_strategies.step import in_place_state, replica_rng_streams
+from xla_strategies.step import in_place_state, numerics, replica_rng_streams
 from xla_strategies.step.argument_declarations import declared_arguments
 from xla_strategies.step.arguments import Outputs, Signature, argument_paths, flatten_arguments
 from xla_strategies.step.compile_program import LoweredStep
@@ -138,6 +138,7 @@ class CompiledStep:
         self.compiler_options = option_values(compiler_options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
         self._compiled = 0  # programs built, the evicted included
+        self._calls = 0  # for errors that name the call (numerics)
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
@@ -161,6 +162,13 @@ class CompiledStep:
                 "the executable, or xla-strategies aot for a summary of it"
             )
         executable = self._executable(signature)
+        self._calls += 1
+        if numerics.checks_inputs():
+            numerics.check_arrays(
+                flat,
+                lambda i: f"{self.name} argument {argument_paths(signature)[i]}",
+                lambda: f"before call {self._calls} of {self.name} ran",
+            )
         pacer = CPU_PACER if self.strategy.devices_share_host_cores else None
         if pacer is not None:
             pacer.before_dispatch()
@@ -173,6 +181,12 @@ class CompiledStep:
         if pacer is not None:
             pacer.after_dispatch(outs)
         outputs = executable.outputs
+        if numerics.checks_outputs():
+            numerics.check_arrays(
+                outs,
+                lambda i: f"{self.name} {outputs.names[i]}",
+                lambda: f"made by call {self._calls} of {self.name}",
+            )
         in_place_state.write_back(outputs.written, outputs.in_place(outs), args, kwargs)
         return outputs.join(outs)
 
