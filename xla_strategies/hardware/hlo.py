@@ -11,6 +11,7 @@ import functools
 import math
 import re
 from collections import Counter
+from typing import Any
 
 import numpy as np
 
@@ -189,16 +190,52 @@ def computations(hlo_text: str) -> tuple[dict[str, list[Op]], str | None]:
     callers read what it returns and never change it."""
     found: dict[str, list[Op]] = {}
     entry = current = None
-    for line in hlo_text.splitlines():
+    opened = 0  # the line the open computation started on
+    for number, line in enumerate(hlo_text.splitlines(), 1):
         header = _HEADER.match(line)
         if header:
             current = found.setdefault(header.group(1), [])
             entry = header.group(1) if line.startswith("ENTRY") else entry
+            opened = number
             continue
-        op = _OP.match(line) if current is not None else None
-        if op:
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        op = _OP.match(line)
+        if op and op.group(2).strip():
             current.append(op.groups())  # type: ignore[arg-type]
+        elif _INSTRUCTION_LIKE.match(line):  # no opcode, or no result type to size
+            raise HloReadError(f"line {number}: cannot read this instruction: {excerpt(line)}")
+    _check_whole(found, entry, current, opened)
     return found, entry
+
+
+# a line that starts as an instruction does (`%name =`, `ROOT %name =`)
+_INSTRUCTION_LIKE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=")
+
+
+def _check_whole(found: dict[str, list[Op]], entry: str | None, current: Any, opened: int) -> None:
+    """Raise HloReadError for text that is not a whole HLO module: one that ends inside a
+    computation (a truncated file) or has no entry computation. Reading what is there
+    would report a partial program's collectives as the whole's."""
+    if current is not None:
+        raise HloReadError(
+            f"the HLO text ends inside the computation that starts on line {opened} (no "
+            "closing '}'): the file is truncated"
+        )
+    if entry is None:
+        what = "no computation" if not found else "no ENTRY computation"
+        raise HloReadError(f"the HLO text has {what}: it is not a whole compiled module")
+
+
+def excerpt(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters, saying how much was left out: error messages
+    quote what they could not read, never a whole 10 MB line."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def executions(comps: dict[str, list[Op]], entry: str | None) -> dict[str, int]:
