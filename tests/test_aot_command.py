@@ -104,3 +104,54 @@ def _alive(pid: int) -> bool:
         Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
     )
     return state not in ("Z", "X")  # a zombie has ended
+
+
+def test_aot_says_when_the_script_compiled_nothing_at_all(tmp_path):
+    done = _aot(tmp_path / "aot", "python", "-c", "print('no step here')")
+    assert done.returncode == 1
+    assert "the script compiled no TPU step; for v5e-4 it must build" in done.stderr, done.stderr
+    assert "not a directory" not in done.stderr
+
+
+def test_aot_says_what_the_script_is_doing_while_it_waits(tmp_path):
+    command = _aot_command(tmp_path / "aot", "python", "-c", "import time; time.sleep(4)")
+    command[command.index("--timeout") : command.index("--timeout")] = ["--progress-every", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "xla-strategies aot: still running after 1 s of --timeout 240 s" in done.stderr
+    assert "last: no step has started compiling yet" in done.stderr, done.stderr
+
+
+def test_sigkill_to_aot_ends_the_users_script_too(tmp_path):
+    """A SIGKILL cannot be caught: the kernel ends the script when aot dies."""
+    marker = tmp_path / "pid"
+    script = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    aot = subprocess.Popen(
+        _aot_command(tmp_path / "aot", "python", "-c", script),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline and aot.poll() is None, "the script never started"
+        time.sleep(0.2)
+    script_pid = int(marker.read_text())
+    aot.kill()
+    aot.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while _alive(script_pid):
+        assert time.monotonic() < deadline, "the user's script outlived a SIGKILLed aot"
+        time.sleep(0.2)
+
+
+def test_python_dash_m_runs_the_command_line_by_either_name():
+    for module in ("xla_strategies", "xla_strategies.cli"):
+        done = subprocess.run(
+            [sys.executable, "-m", module, "report", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "--logical-devices-per-replica" in done.stdout

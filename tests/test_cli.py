@@ -182,3 +182,74 @@ def test_show_and_ledger_name_the_damaged_file(tmp_path, capsys):
     assert main(["ledger", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert f"{ledger}: pass record 0 lacks" in err and "'totals'" in err
+
+
+_HLO = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %n = f32[8]{0} negate(f32[8]{0} %ar)
+}
+"""
+
+
+def test_report_fails_on_a_truncated_hlo_file_instead_of_reporting_nothing(tmp_path, capsys):
+    whole, cut = tmp_path / "whole.hlo.txt", tmp_path / "cut.hlo.txt"
+    whole.write_text(_HLO)
+    cut.write_text(_HLO[: _HLO.index("  ROOT %n")])
+    assert main(["report", str(whole)]) == 0
+    assert "all-reduce x1 (32 B)" in capsys.readouterr().out
+    assert main(["report", str(cut)]) == 1
+    err = capsys.readouterr().err
+    assert "ends inside the computation that starts on line 9" in err and "truncated" in err
+    garbled = tmp_path / "garbled.hlo.txt"
+    garbled.write_text(_HLO.replace("  %ar = f32[8]{0} all-reduce", "  %ar = all-reduce"))
+    assert main(["report", str(garbled)]) == 1
+    assert "line 11: cannot read this instruction: " in capsys.readouterr().err
+
+
+def _deep_ir(depth: int) -> str:
+    lines = ["func @step(%0: f32[4]) {"]
+    for i in range(depth):
+        operand = "%0" if i == 0 else f"%r{i - 1}"
+        lines += [f"%v{i}: f32[4] = jax.cond({operand}) {{}}", f"region (%r{i}: f32[4]) {{"]
+    for i in reversed(range(depth)):
+        lines += [f"return %r{i}", "}"]
+    return "\n".join([*lines, "return %v0", "}"]) + "\n"
+
+
+def test_hostile_inputs_are_one_line_errors_not_tracebacks(tmp_path, capsys):
+    cases = {
+        "a directory": (["report", str(tmp_path)], "Is a directory"),
+        "nested regions": (["opt", "DEEP"], "nests too deeply to read"),
+        "an empty axis": (["opt", "GOLDEN", "--mesh", "x=0"], "size of at least 1"),
+        "an --out that cannot be made": (
+            ["aot", "--topology", "v5e-4", "--out", "FILE/aot", "--", "true"],
+            "Not a directory",
+        ),
+    }
+    deep = tmp_path / "deep.ir"
+    deep.write_text(_deep_ir(3000))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for name, (argv, expected) in cases.items():
+        argv = [
+            a.replace("DEEP", str(deep))
+            .replace("GOLDEN", str(GOLDEN / "two_level.ir"))
+            .replace("FILE", str(a_file))
+            for a in argv
+        ]
+        assert main(argv) == 1, name
+        err = capsys.readouterr().err
+        assert err.startswith("xla-strategies ") and expected in err, (name, err)
+    garbage = tmp_path / "garbage.ir"
+    garbage.write_text("func @step(%0: f32[4]) {\n  %1: f32[4] = " + "x" * 10_000_000 + "\n}\n")
+    assert main(["opt", str(garbage)]) == 1
+    assert len(capsys.readouterr().err) < 2_000  # a bounded excerpt, not the 10 MB line

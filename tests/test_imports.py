@@ -31,6 +31,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "cli": _BELOW_FRONTENDS | {"demo"},
     "demo": _BELOW_FRONTENDS,
     "": _BELOW_FRONTENDS | {"keras", "torch", "experimental", "cli", "demo"},
+    "__main__": {"cli"},  # `python -m xla_strategies`
 }
 
 

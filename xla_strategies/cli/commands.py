@@ -20,7 +20,7 @@ from xla_strategies.passes.dump import IRPrinter
 from xla_strategies.passes.ir.render import to_dot, to_json_text
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
 from xla_strategies.step import dumping
-from xla_strategies.step.dump_reader import select_step, steps
+from xla_strategies.step.dump_reader import DumpError, select_step, steps
 
 
 def dump(args: Namespace) -> int:
@@ -54,12 +54,24 @@ def aot(args: Namespace) -> int:
     env = {AOT_TOPOLOGY: topology.name, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     out = Path(args.out)
     started = time.time()
+    if args.progress_every <= 0:
+        raise ValueError(f"--progress-every {args.progress_every:g} must be more than 0 s")
     returncode = _run_dumped(
-        "aot", args.command, out, env, stop_after_compile=True, timeout=args.timeout
+        "aot",
+        args.command,
+        out,
+        env,
+        stop_after_compile=True,
+        timeout=args.timeout,
+        progress_every=args.progress_every,
     )
     if returncode != 0:
         return returncode  # a previous run's summaries in --out are not this run's
-    fresh = [s for s in steps(out) if _written_since(s.directory / "summary.txt", started)]
+    try:
+        dumped = steps(out)
+    except DumpError:  # a script that compiled nothing left no dump
+        dumped = []
+    fresh = [s for s in dumped if _written_since(s.directory / "summary.txt", started)]
     on_target = [s for s in fresh if _platform(s.directory) == kind]
     for step in on_target:
         print((step.directory / "summary.txt").read_text(), end="")
@@ -131,9 +143,11 @@ def _run_dumped(
     env: dict[str, str],
     stop_after_compile: bool,
     timeout: float | None = None,
+    progress_every: float | None = None,
 ) -> int:
     """Run `command` with dumping to `out` and `env` on; its exit code. The script ends
-    with this command: a SIGTERM or SIGINT to it, or `timeout` seconds, end the script."""
+    with this command: a SIGTERM or SIGINT to it, or `timeout` seconds, end the script.
+    Every `progress_every` seconds a line says what the script is doing."""
     command = command[1:] if command and command[0] == "--" else list(command)
     if not command:
         raise SystemExit(f"{name}: give the command to run after --, e.g. -- python train.py")
@@ -142,7 +156,11 @@ def _run_dumped(
         env[dumping.STOP_AFTER_COMPILE] = "1"
         if runs_in_process(command):  # it stops by raising; this runner exits cleanly
             command = [sys.executable, "-m", "xla_strategies.cli.run_until_compiled", *command]
-    returncode = _run_owned(command, env, timeout)
+    (out / dumping.PROGRESS_FILE).unlink(missing_ok=True)  # an earlier run's
+    heartbeat = None
+    if progress_every is not None:
+        heartbeat = (progress_every, lambda elapsed: _heartbeat(name, out, elapsed, timeout))
+    returncode = _run_owned(command, env, timeout, heartbeat)
     if returncode is None:
         print(
             f"xla-strategies {name}: the script did not finish within --timeout {timeout:g} s "
@@ -159,11 +177,36 @@ def _run_dumped(
     return returncode
 
 
-def _run_owned(command: list[str], env: dict[str, str], timeout: float | None) -> int | None:
+def _heartbeat(name: str, out: Path, elapsed: float, timeout: float | None) -> None:
+    try:
+        phase = (out / dumping.PROGRESS_FILE).read_text().strip()
+    except OSError:
+        phase = "no step has started compiling yet"
+    bound = f" of --timeout {timeout:g} s" if timeout is not None else ""
+    print(
+        f"xla-strategies {name}: still running after {elapsed:.0f} s{bound}; last: {phase}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _run_owned(
+    command: list[str],
+    env: dict[str, str],
+    timeout: float | None,
+    heartbeat: tuple[float, Any] | None = None,
+) -> int | None:
     """Run `command` in a process group of its own and wait; None after `timeout` s. A
     SIGTERM or SIGINT to this process ends the group too (SIGKILL 10 s later if it is still
-    there), then exits with 128 + the signal, so nothing is orphaned."""
-    child = subprocess.Popen(command, env=env, start_new_session=True)
+    there), then exits with 128 + the signal, so nothing is orphaned; on Linux the script
+    is also killed when this process dies of a SIGKILL. `heartbeat`, `(seconds, call)`:
+    `call(elapsed)` every that many seconds while the script runs."""
+    child = subprocess.Popen(
+        command, env=env, start_new_session=True, preexec_fn=_dies_with(os.getpid())
+    )
+    every, beat = heartbeat if heartbeat is not None else (float("inf"), None)
+    started = time.monotonic()
+    next_beat = started + every
     signalled: list[int] = []
 
     def end_group(signum: int, _frame: Any) -> None:
@@ -176,6 +219,9 @@ def _run_owned(command: list[str], env: dict[str, str], timeout: float | None) -
     try:
         while (returncode := _poll(child, 0.2)) is None:
             now = time.monotonic()
+            if beat is not None and now >= next_beat:
+                beat(now - started)
+                next_beat = now + every
             if signalled and killed_at is None:
                 killed_at = now + 10
             if deadline is not None and now > deadline and killed_at is None:
@@ -189,6 +235,23 @@ def _run_owned(command: list[str], env: dict[str, str], timeout: float | None) -
     if signalled:
         raise SystemExit(128 + signalled[0])
     return None if killed_at is not None else returncode
+
+
+def _dies_with(parent: int) -> Any:
+    """A `preexec_fn` that has the kernel SIGKILL the script when `parent` (this process)
+    dies, however it dies (`prctl(PR_SET_PDEATHSIG)`; Linux only, elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before the line above ran
+            os._exit(1)
+
+    return arm
 
 
 def _poll(child: subprocess.Popen, seconds: float) -> int | None:
@@ -271,8 +334,16 @@ def opt(args: Namespace) -> int:
 def _mesh_from(spec: str | None, graph) -> dict[str, int]:  # noqa: ANN001
     """`--mesh x=4,y=4`; by default every axis the IR names, with 8 participants."""
     if spec:
-        pairs = [item.split("=") for item in spec.split(",") if item]
-        return {name: int(size) for name, size in pairs}
+        mesh = {}
+        for item in filter(None, spec.split(",")):
+            name, _, size = item.partition("=")
+            if not name or not size.isdigit() or int(size) < 1:
+                raise ValueError(
+                    f"--mesh {spec!r}: each axis is NAME=SIZE with a size of at least 1 "
+                    f"(e.g. x=4,y=4), not {item!r}"
+                )
+            mesh[name] = int(size)
+        return mesh
     axes = {a for n in graph.walk() for a in n.attrs.get("axes", [])} if graph else set()
     axes |= {a for v in graph.inputs for a in v.varying_axes}
     return dict.fromkeys(sorted(axes), 8)

@@ -47,7 +47,16 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=3600.0,
-        help="seconds before the script is stopped (default: 3600)",
+        help="seconds before the script is ended, SIGTERM then SIGKILL 10 s later, and "
+        "aot fails (default: 3600); while it waits, aot says what the script "
+        "is doing (--progress-every)",
+    )
+    aot.add_argument(
+        "--progress-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between the lines that say what the script is doing (default: 30)",
     )
     aot.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
@@ -113,10 +122,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except IRParseError as exc:  # `opt` names its input file; `show` reads dump files
         where = getattr(args, "file", None)
         prefix = f"{where}:" if where else f"xla-strategies {args.command_name}: "
-        print(f"{prefix}{exc}", file=sys.stderr)
-    except (DumpError, PipelineSpecError, FileNotFoundError, ValueError) as exc:
-        print(f"xla-strategies {args.command_name}: {exc}", file=sys.stderr)
+        print(f"{prefix}{_bounded(exc)}", file=sys.stderr)
+    except (DumpError, PipelineSpecError, OSError, ValueError) as exc:
+        # OSError: a missing or unreadable input, a directory given as one, an --out that
+        # cannot be written
+        print(f"xla-strategies {args.command_name}: {_bounded(exc)}", file=sys.stderr)
+    except RecursionError:
+        print(
+            f"xla-strategies {args.command_name}: the input nests too deeply to read (JSON "
+            "or IR regions nested past Python's recursion limit)",
+            file=sys.stderr,
+        )
     return 1
+
+
+def _bounded(exc: BaseException, limit: int = 300) -> str:
+    """The error's text with every line cut to `limit` characters: errors quote what they
+    could not read, and a garbage input can be one 10 MB line."""
+    return "\n".join(
+        line if len(line) <= limit else f"{line[:limit]}... ({len(line) - limit} more characters)"
+        for line in str(exc).splitlines()
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -35,6 +36,9 @@ from xla_strategies.passes.pipeline import PassPipeline, PassTimer
 from xla_strategies.step.compile_program import compile_lowered
 
 DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
+#: The last progress line of the steps dumped to a directory, in that directory: what the
+#: command line that runs the script shows while it waits.
+PROGRESS_FILE = ".progress"
 PIPELINE, STOP_AFTER_COMPILE = "XLA_STRATEGIES_PIPELINE", "XLA_STRATEGIES_STOP_AFTER_COMPILE"
 
 
@@ -82,6 +86,10 @@ class StepDumper:
         """One line on stderr while a long dump or `aot` compile runs (silent otherwise)."""
         if self.directory is not None or self.options.stop_after_compile:
             print(f"xla-strategies: {self.name}: {message}", file=sys.stderr, flush=True)
+        if self.options.directory is not None:
+            with contextlib.suppress(OSError):  # a heartbeat's detail, never a failure
+                self.options.directory.mkdir(parents=True, exist_ok=True)
+                (self.options.directory / PROGRESS_FILE).write_text(f"{self.name}: {message}")
 
     def write(self, graph: Graph, run: Any, arrays: Sequence[Any]) -> None:
         """The ledger, timeline, StableHLO and compiled HLO, when dumping to a directory."""

@@ -1,0 +1,7 @@
+"""`python -m xla_strategies ...`: the `xla-strategies` command line."""
+
+import sys
+
+from xla_strategies.cli.main import main
+
+sys.exit(main())
