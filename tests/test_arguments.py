@@ -224,3 +224,26 @@ def test_one_array_passed_as_two_pieces_of_state_is_donated_once(mirrored):
     np.testing.assert_allclose(np.asarray(slow), 1.0)
     np.testing.assert_allclose(np.asarray(new), 0.9)
     assert params.is_deleted()
+
+
+def test_a_batch_leaf_of_python_objects_is_named_by_its_path(mirrored):
+    batch = {"x": np.ones((16, 3), np.float32), "ids": np.array(["a"] * 16, dtype=object)}
+    with pytest.raises(TypeError, match=r"dataset element 0\['ids'\] is a numpy array of dtype"):
+        list(mirrored.experimental_distribute_dataset([batch]))
+    step = mirrored.compile(lambda p, b: p + b["x"].sum())
+    with pytest.raises(TypeError, match=r"argument args\[1\]\['ids'\] is a numpy array of dtype"):
+        step(mirrored.replicate(np.zeros((), np.float32)), batch)
+
+
+def test_saving_a_donated_state_names_the_deleted_leaf(mirrored, tmp_path):
+    @mirrored.compile(donate_argnums=0)
+    def step(params):
+        return jax.tree.map(lambda w: w + 1, params)
+
+    params = mirrored.replicate({"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)})
+    new = step(params)
+    with xs.CheckpointManager(tmp_path, mirrored, async_save=False) as manager:
+        with pytest.raises(ValueError, match=r"save\(state\)\['b'\] was deleted: it was donated"):
+            manager.save(1, params)
+        manager.save(1, new)  # the returned value saves
+        assert manager.all_steps() == [1]

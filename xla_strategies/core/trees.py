@@ -25,16 +25,35 @@ def is_foreign_array(leaf: Any) -> bool:
 def as_array(leaf: Any, where: str | Callable[[], str]) -> Any:
     """Return `leaf` as an array (jax.Array kept as is); raise TypeError naming `where`
     (a string, or a function making it, so hot paths format it only on error)."""
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(
+            f"{_named(where)} was deleted: it was donated to a compiled step "
+            "(donate_argnums or donate_argnames), which gave its buffer to the value it "
+            "returned; use that returned value"
+        )
+    if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype.kind in _NOT_NUMERIC:
+        raise TypeError(
+            f"{_named(where)} is a numpy array of dtype {leaf.dtype}; arrays passed to "
+            "replicas hold numbers or bools (convert it, or keep it out of the batch)"
+        )
     if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
         return leaf
     if isinstance(leaf, bool | int | float | complex) or is_foreign_array(leaf):
         return np.asarray(leaf)
-    where = where() if callable(where) else where
+    where = _named(where)
     raise TypeError(
         f"{where} is a {type(leaf).__name__}, not an array; only arrays (jax.Array, "
         "numpy arrays, array-likes such as torch CPU tensors, or Python numbers) can be "
         "passed to replicas"
     )
+
+
+# numpy dtype kinds JAX cannot hold: Python objects, strings, bytes, raw records
+_NOT_NUMERIC = frozenset("OUSV")
+
+
+def _named(where: str | Callable[[], str]) -> str:
+    return where() if callable(where) else where
 
 
 def is_function_leaf(leaf: Any) -> bool:

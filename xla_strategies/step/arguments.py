@@ -29,7 +29,7 @@ import numpy as np
 
 from xla_strategies.core.layout import Layout
 from xla_strategies.core.state_types import is_state_type
-from xla_strategies.core.trees import arg_path, is_foreign_array
+from xla_strategies.core.trees import arg_path, as_array, is_foreign_array
 
 if TYPE_CHECKING:
     from xla_strategies.step.in_place_state import WrittenState
@@ -139,6 +139,8 @@ def flatten_arguments(
             )
         if is_foreign_array(leaf):  # read on the host, then placed like a numpy array
             leaf = np.asarray(leaf)
+        if isinstance(leaf, np.ndarray):  # of numbers: an object array's error names it
+            as_array(leaf, lambda i=index: where(_leaf_path(args, kwargs, i)))
         if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract: lowered, never run
             layout = layout_of(leaf)
             spec = ArraySpec(
