@@ -247,3 +247,18 @@ def test_saving_a_donated_state_names_the_deleted_leaf(mirrored, tmp_path):
             manager.save(1, params)
         manager.save(1, new)  # the returned value saves
         assert manager.all_steps() == [1]
+
+
+def test_a_compiled_step_called_from_a_traced_function_says_what_to_do(mirrored):
+    inner = mirrored.compile(lambda w, x: w * x.mean())
+    w = mirrored.replicate(np.ones(3, np.float32))
+    _, batch = _batch(mirrored, cols=2)
+    nested = "was called from inside a traced function .* cannot be traced into another"
+    with pytest.raises(TypeError, match=nested):
+        jax.jit(lambda w, x: inner(w, x))(w, batch)
+    with pytest.raises(TypeError, match=nested):
+        mirrored.compile(lambda w, x: inner(w, x))(w, batch)
+    run_inside = mirrored.compile(lambda w, x: mirrored.run(lambda a, b: a * b.mean(), (w, x)))
+    with pytest.raises(RuntimeError, match="strategy.run was called inside a compiled step"):
+        run_inside(w, batch)
+    assert inner(w, batch).shape == (R, 3)  # called outside, it runs: one row per replica

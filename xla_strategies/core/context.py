@@ -185,5 +185,10 @@ def get_replica_context() -> ReplicaContext | None:
     return None if _stack("strategies") else _DEFAULT_REPLICA_CONTEXT
 
 
+def in_compiled_step() -> bool:
+    """Whether this thread is tracing a compiled step (inside its replica context)."""
+    return bool(_stack("replicas"))
+
+
 def in_cross_replica_context() -> bool:
     return bool(_stack("strategies")) and not _stack("replicas")

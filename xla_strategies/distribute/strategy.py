@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from xla_strategies.core.context import user_scope
+from xla_strategies.core.context import in_compiled_step, user_scope
 from xla_strategies.core.layout import (
     Layout,
 )
@@ -202,6 +202,12 @@ class Strategy(MeshLayout):
         compiled as `strategy.compile(fn)` would compile it, with the compile defaults
         (`set_compile_defaults`) in force at the call: tf.distribute's custom loop, which
         sums gradients, asks for `gradient_reduction=ReduceOp.SUM` there."""
+        if in_compiled_step():
+            raise RuntimeError(
+                "strategy.run was called inside a compiled step, which already runs on every "
+                "replica: call the function directly there (tf.distribute's run, too, is "
+                "called in the cross-replica context)"
+            )
         defaults, step = self._compiled_runs.get(fn, (None, None))
         if step is None or defaults != self._compile_defaults:
             step = self.compile(fn)
