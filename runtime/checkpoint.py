@@ -18,10 +18,18 @@ into a stacked target of the same replica count it comes back exactly; into a mi
 target, or under another replica count, every replica gets the mean of the saved
 replicas' values: the aggregated value tf.distribute saves for a `SyncOnRead` variable.
 
+One process writes a directory: a second writer is refused, naming the first's host and
+process id (`checkpoint_lock`); an evaluator restores beside it with `read_only=True`,
+which never deletes or cleans anything. A listed step always restores: deletion renames a
+step out of the list before removing it, and a step found incomplete is set aside with a
+warning (`checkpoint_steps`). A failed background save is raised, and its threads are let
+go so that the process can still exit (`checkpoint_threads`).
+
 Nothing is lost or changed silently. Saving a step at or before the latest checkpoint (a
 run that went back) is an error unless `overwrite=True` deletes the later steps. A restore
-into a target of another dtype is an error naming the leaf. A damaged checkpoint is a
-`CheckpointError` naming its step and the newest earlier step that reads back whole.
+into a target of another dtype or shape is an error naming the leaf (the checkpoint is
+whole). A damaged checkpoint is a `CheckpointError` naming its step and the newest earlier
+step that reads back whole; damage is never reported as another structure.
 Functions a state holds as leaves (an equinox module's activations) are not saved; they
 come from the restore target.
 """
@@ -32,6 +40,7 @@ import contextlib
 import errno
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,9 +50,12 @@ import jax.numpy as jnp
 
 from xla_strategies.core.layout import Layout, fold_stacked
 from xla_strategies.core.trees import map_arrays, with_functions_of, without_functions
+from xla_strategies.runtime import checkpoint_steps, checkpoint_threads
+from xla_strategies.runtime.checkpoint_lock import WriterLock
 from xla_strategies.runtime.checkpoint_tree import (
     CheckpointError,
     check_dtypes,
+    check_shapes,
     check_structure,
     normalized,
 )
@@ -68,6 +80,11 @@ class CheckpointManager:
             where the number of files is what costs, turn it on. Either format restores.
         compression: zstd the arrays. Off by default: weights hardly compress (11% on
             random float32) and it costs a core while the step runs.
+        read_only: only restore (an evaluator beside the trainer): take no lock, create,
+            delete and clean nothing, and list only whole steps, read afresh each time.
+
+    Raises:
+        CheckpointError: another process writes `directory` (unless `read_only`).
     """
 
     def __init__(
@@ -79,6 +96,7 @@ class CheckpointManager:
         async_save: bool = True,
         ocdbt: bool = False,
         compression: bool = False,
+        read_only: bool = False,
     ) -> None:
         import orbax.checkpoint as ocp
 
@@ -89,13 +107,22 @@ class CheckpointManager:
             )
         self.directory = Path(directory).absolute()
         self.strategy = strategy
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=async_save,
-            create=True,
-            cleanup_tmp_directories=True,  # what an interrupted save left behind
-        )
+        self.read_only = read_only
+        self._lock = self._take_directory() if not read_only else None
+        self._verdicts: dict[tuple[int, int], str | None] = {}  # a reader's checks of steps
+        self._before_save = checkpoint_threads.running()
+        if read_only:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                save_interval_steps=save_interval_steps,
+                enable_async_checkpointing=async_save,
+                create=True,
+                # only the lock's holder cleans: no other writer can have a save in flight
+                cleanup_tmp_directories=self._lock is not None,
+                todelete_subdir=checkpoint_steps.DELETING,  # unlisted before removed
+            )
         self._ocp = ocp
         handlers = {
             "state": ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_compression=compression),
@@ -105,6 +132,17 @@ class CheckpointManager:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
+
+    def _take_directory(self) -> WriterLock | None:
+        """The writer's lock, and the clean-up of what a crashed writer left (deleted
+        steps not yet removed, incomplete steps). In a multi-process run the primary
+        process locks and cleans; the others write their shards beside it."""
+        if jax.process_index() != 0:
+            return None
+        lock = WriterLock(self.directory)
+        checkpoint_steps.remove_deleted(self.directory)
+        checkpoint_steps.set_aside_incomplete(self.directory)
+        return lock
 
     def save(
         self,
@@ -122,6 +160,11 @@ class CheckpointManager:
         either keep the other run's checkpoint or leave `latest_step()` naming it. With
         `overwrite=True` the checkpoints from `step` on are deleted first, so the new run's
         is the latest."""
+        if self.read_only:
+            raise CheckpointError(
+                f"cannot save step {step} in {self.directory}: this manager was opened "
+                "with read_only=True"
+            )
         self._make_room_for(step, overwrite)
         if not (force or self._manager.should_save(step)):
             return False  # a training loop calls this every step: skip the work too
@@ -134,8 +177,11 @@ class CheckpointManager:
         if dataset_iterator is not None:
             items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
         self.wait_until_finished()  # a failure of the previous save is reported as such
+        self._before_save = checkpoint_threads.running()
         with self._refused_writes(f"could not save step {step}"):
-            return self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
+            saved = self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
+        self._remove_deleted()  # what max_to_keep renamed away, once a sync save is done
+        return saved
 
     def _make_room_for(self, step: int, overwrite: bool) -> None:
         """Refuse, or with `overwrite` delete, the checkpoints at `step` and after it."""
@@ -149,22 +195,30 @@ class CheckpointManager:
                 f"delete them and save this run's step {step}, or save to another directory"
             )
         self.wait_until_finished()
-        for stale in later:
-            self._manager.delete(stale)
+        for stale in sorted(later, reverse=True):  # a crash keeps the older steps listed
+            self._manager.delete(stale)  # renamed out of the list at once, then removed
+        self._remove_deleted()
         self._manager.reload()  # orbax's cached step list and its next-save bookkeeping
 
     def wait_until_finished(self) -> None:
         """Block until a background save has been committed (or raise its error)."""
         with self._refused_writes("a background save failed"):
             self._manager.wait_until_finished()
+        self._remove_deleted()
+
+    def _remove_deleted(self) -> None:
+        if self._lock is not None:
+            checkpoint_steps.remove_deleted(self.directory)
 
     @contextlib.contextmanager
     def _refused_writes(self, what: str) -> Iterator[None]:
-        """Raise a write the OS refused as a `CheckpointError`; other errors as they are."""
+        """Raise a write the OS refused as a `CheckpointError`; other errors as they are.
+        Either way the failed save's threads are let go, so the process can exit."""
         try:
             yield
-        except (OSError, ValueError) as exc:
-            error = self._write_error(what, exc)
+        except BaseException as exc:
+            checkpoint_threads.release(self._before_save)
+            error = self._write_error(what, exc) if isinstance(exc, OSError | ValueError) else None
             if error is None:
                 raise
             raise error from exc
@@ -198,10 +252,35 @@ class CheckpointManager:
         return {"stacked": stacked, "replicas": self.strategy.num_replicas_in_sync}
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """The checkpoints' steps, oldest first. A read-only manager reads them afresh
+        each time (the writer beside it saves and deletes) and leaves out a step found
+        incomplete, with a warning; a writer set such steps aside when it opened."""
+        if not self.read_only:
+            return sorted(self._manager.all_steps())
+        # the names on disk, not orbax's reload, which fails on a step deleted mid-read
+        return [s for s in sorted(checkpoint_steps.step_dirs(self.directory)) if self._whole(s)]
+
+    def _whole(self, step: int) -> bool:
+        """Whether step `step` is whole, warning once of one that is not (cached per
+        directory: a step's directory is replaced, never changed, once committed)."""
+        path = self.directory / str(step)
+        try:
+            key = (step, path.stat().st_ino)
+        except OSError:
+            return False  # deleted since it was listed
+        if key not in self._verdicts:
+            self._verdicts[key] = checkpoint_steps.incomplete_reason(path)
+            if self._verdicts[key] is not None:
+                warnings.warn(
+                    f"checkpoint step {step} at {path} is incomplete "
+                    f"({self._verdicts[key]}); it is not listed",
+                    stacklevel=3,
+                )
+        return self._verdicts[key] is None
 
     def restore(
         self, step: int | None = None, target: Any = None, dataset_iterator: Any = None
@@ -215,18 +294,42 @@ class CheckpointManager:
         return with_functions_of(target, data)
 
     def _restore_data(self, step: int | None, target: Any, dataset_iterator: Any) -> Any:
-        """`restore` of a target without function leaves."""
-        step = self.latest_step() if step is None else step
+        """`restore` of a target without function leaves. A read-only manager whose step
+        the writer deleted while it was read restores the new latest step instead (when
+        asked for the latest), or says the step was deleted."""
+        for _ in range(_READ_ATTEMPTS):
+            chosen = self.latest_step() if step is None else step
+            try:
+                return self._restore_step(chosen, target, dataset_iterator)
+            except CheckpointError as exc:
+                if not self.read_only or chosen is None or chosen in self.all_steps():
+                    raise
+                if step is not None:
+                    raise CheckpointError(
+                        f"checkpoint step {step} in {self.directory} was deleted while it was "
+                        f"read, by the writer's max_to_keep or an overwrite (steps now: "
+                        f"{self.all_steps()})"
+                    ) from exc
+        raise CheckpointError(
+            f"the latest checkpoint in {self.directory} was deleted while it was read, "
+            f"{_READ_ATTEMPTS} times: the writer's max_to_keep is too small to restore beside it"
+        )
+
+    def _restore_step(self, step: int | None, target: Any, dataset_iterator: Any) -> Any:
+        """`restore` of one step."""
         if step is None or step not in self.all_steps():
             known = ", ".join(map(str, self.all_steps())) or "none"
             raise CheckpointError(
                 f"no checkpoint {'' if step is None else step} in {self.directory} (steps: {known})"
             )
         map_arrays(lambda a, _: a, target, "target")  # a bad target is the caller's error
+        reason = checkpoint_steps.incomplete_reason(self.directory / str(step))
+        if reason is not None:  # damage, never reported as another structure
+            raise self._damaged(step, target, reason)
         try:
             saved = self._manager.item_metadata(step)["state"]
         except Exception as exc:  # orbax and TensorStore raise many kinds for a damaged file
-            raise self._damaged(step, target, exc) from exc
+            raise self._damaged(step, target, _first_line(exc)) from exc
         check_structure(saved, target, self.directory / str(step))
         check_dtypes(saved, target, self.directory / str(step))
         try:
@@ -234,7 +337,7 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as exc:
-            raise self._damaged(step, target, exc) from exc
+            raise self._damaged(step, target, _first_line(exc)) from exc
 
     def _read(self, step: int, target: Any, dataset_iterator: Any) -> Any:
         """Checkpoint `step`'s arrays read into `target`'s shapes, dtypes and placement."""
@@ -243,6 +346,8 @@ class CheckpointManager:
             map_arrays(lambda a, _: a, target, "target")
         )
         plans = [self._plan(path, leaf, layout) for path, leaf in leaves]
+        reads = {normalized(p): plan[0].shape for (p, _), plan in zip(leaves, plans, strict=True)}
+        check_shapes(self._manager.item_metadata(step)["state"], reads, self.directory / str(step))
         abstract = jax.tree_util.tree_unflatten(treedef, [plan[0] for plan in plans])
         restore_args = self._ocp.checkpoint_utils.construct_restore_args(abstract)
         items = {"state": self._ocp.args.PyTreeRestore(abstract, restore_args=restore_args)}
@@ -300,11 +405,13 @@ class CheckpointManager:
         )
         return restored["layout"] or {}
 
-    def _damaged(self, step: int, target: Any, exc: Exception) -> CheckpointError:
+    def _damaged(self, step: int, target: Any, why: str) -> CheckpointError:
         """The error for a checkpoint that could not be read: which step, and the newest
         earlier step that reads back whole into the same target (read in full to know)."""
         intact = None
         for earlier in sorted((s for s in self.all_steps() if s < step), reverse=True):
+            if checkpoint_steps.incomplete_reason(self.directory / str(earlier)) is not None:
+                continue
             try:
                 saved = self._manager.item_metadata(earlier)["state"]
                 check_structure(saved, target, self.directory / str(earlier))
@@ -321,14 +428,28 @@ class CheckpointManager:
         )
         return CheckpointError(
             f"checkpoint step {step} at {self.directory / str(step)} is damaged or incomplete "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); {advice}"
+            f"({why}); {advice}"
         )
 
     def close(self) -> None:
-        self._manager.close()
+        """Finish the background save, and let the next writer in."""
+        try:
+            self._manager.close()
+            self._remove_deleted()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+# How often a read-only manager restores the newest step when the writer deletes it mid-read.
+_READ_ATTEMPTS = 3
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -1,6 +1,6 @@
 """A checkpoint's saved tree against the target it is restored into: the leaf paths
 both name, and the checks that refuse a restore which would lose or change data (another
-structure, another dtype)."""
+structure, another dtype, another shape)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,21 @@ def check_dtypes(saved: Any, target: Any, where: Path) -> None:
                 f"checkpoint {where} holds {'/'.join(normalized(path))} as {have}, "
                 f"the target as {want}; restore into a {have} target "
                 f"and cast it yourself if that is what you want"
+            )
+
+
+def check_shapes(saved: Any, wanted: dict[tuple[str, ...], tuple[int, ...]], where: Path) -> None:
+    """Name a leaf whose saved shape differs from the shape the restore reads (`wanted`,
+    by leaf path): the checkpoint is whole, the target is another model's."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(_plain(saved), is_leaf=_is_array)[0]:
+        have = getattr(leaf, "shape", None)
+        want = wanted.get(normalized(path))
+        if have is not None and want is not None and tuple(have) != tuple(want):
+            name = "/".join(normalized(path))
+            raise CheckpointError(
+                f"checkpoint {where} holds {name} with shape {tuple(have)}, the target with "
+                f"shape {tuple(want)}; the checkpoint is whole: restore into a target of the "
+                f"saved shape (the model it was saved from)"
             )
 
 

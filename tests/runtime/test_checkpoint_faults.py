@@ -44,8 +44,37 @@ def test_a_restore_into_another_dtype_is_an_error_naming_the_leaf(tmp_path):
             manager.restore(target=target)
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate"])
-def test_a_damaged_checkpoint_names_its_step_and_the_newest_intact_one(tmp_path, damage):
+@pytest.mark.parametrize("shape", [(32, 16), (128, 16), (16, 64)])
+def test_a_restore_into_another_shape_names_the_leaf_and_says_the_checkpoint_is_whole(
+    tmp_path, shape
+):
+    saved = {"w": np.ones((64, 16), np.float32), "b": np.ones(16, np.float32)}
+    with _manager(tmp_path) as manager:
+        manager.save(1, _state(1.0) | saved)
+        manager.save(2, _state(2.0) | saved)
+        target = _state(0.0) | saved | {"w": np.zeros(shape, np.float32)}
+        with pytest.raises(CheckpointError) as caught:
+            manager.restore(target=target)
+        assert "damaged" not in str(caught.value)
+        assert f"holds w with shape (64, 16), the target with shape {shape}" in str(caught.value)
+        assert "the checkpoint is whole" in str(caught.value)
+        restored = manager.restore(target=_state(0.0) | saved)  # it is whole indeed
+    np.testing.assert_array_equal(restored["w"], saved["w"])
+
+
+def test_a_leaf_nested_one_level_deeper_is_another_structure_not_damage(tmp_path):
+    with _manager(tmp_path) as manager:
+        manager.save(2, _state(2.0))
+        for target in (
+            {"w": {"kernel": _state(0.0)["w"]}, "b": _state(0.0)["b"]},
+            {"w": [_state(0.0)["w"]], "b": _state(0.0)["b"]},
+        ):
+            with pytest.raises(CheckpointError, match=r"structure differs") as caught:
+                manager.restore(target=target)
+            assert "damaged" not in str(caught.value)
+
+
+def _damage_step_2(tmp_path, damage: str) -> None:
     with _manager(tmp_path) as manager:
         manager.save(1, _state(1.0))
         manager.save(2, _state(2.0))
@@ -56,11 +85,28 @@ def test_a_damaged_checkpoint_names_its_step_and_the_newest_intact_one(tmp_path,
         victim.unlink()
     else:
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+
+
+def test_a_damaged_checkpoint_names_its_step_and_the_newest_intact_one(tmp_path):
+    _damage_step_2(tmp_path, "truncate")
     with _manager(tmp_path) as manager:
         with pytest.raises(CheckpointError, match=r"step 2 .* damaged.*restore\(step=1"):
             manager.restore(target=_state(0.0))
         restored = manager.restore(step=1, target=_state(0.0))
     np.testing.assert_array_equal(restored["w"], _state(1.0)["w"])
+
+
+def test_a_checkpoint_missing_a_file_is_set_aside_and_the_previous_is_the_latest(tmp_path):
+    """A missing file is what a deletion cut short leaves: the next writer sets the step
+    aside with a warning, and it is never listed."""
+    _damage_step_2(tmp_path, "delete")
+    with pytest.warns(UserWarning, match=r"step 2 .* incomplete \(its array 'w' is missing"):
+        manager = _manager(tmp_path)
+    with manager:
+        assert manager.all_steps() == [1]
+        restored = manager.restore(target=_state(0.0))
+    np.testing.assert_array_equal(restored["w"], _state(1.0)["w"])
+    assert (tmp_path / "incomplete_steps" / "2").is_dir()
 
 
 def test_an_equinox_module_saves_its_arrays_and_restores_into_the_module(tmp_path):
