@@ -290,3 +290,20 @@ def test_a_slice_is_compiled_as_the_torus_it_is():
     report = compiled_report(step.lower(*state, batch).compile(), strategy)
     gathers = [c for c in report.collectives if c.kind == "all-gather"]
     assert gathers and all("3DAllGather" in (c.algorithm or "") for c in gathers)
+
+
+def test_a_batch_it_cannot_split_names_the_argument_and_the_sizes():
+    """Another strategy's batch, and a batch whose rows do not divide over the chips: the
+    errors name the argument (`args[2]`) and the sizes, not shard_map's body."""
+    strategy = xs.TPUStrategy("v5e-16", compile_only=True)
+    step = strategy.compile(lambda w, x, y: w - 0.1 * jnp.mean(x) * w + y.sum())
+    w = strategy.replicate(np.ones(4, np.float32))
+    x = jax.ShapeDtypeStruct((32, 4), jnp.float32, sharding=strategy.split_sharding())
+    (mirrored_batch,) = xs.MirroredStrategy().experimental_distribute_dataset(
+        [np.ones((32, 4), np.float32)]
+    )
+    with pytest.raises(ValueError, match=r"argument args\[2\]: an array of shape \(32, 4\) is "):
+        step.lower(w, x, mirrored_batch)
+    odd = jax.ShapeDtypeStruct((24, 4), jnp.float32, sharding=strategy.split_sharding())
+    with pytest.raises(ValueError, match=r"argument args\[2\] has 24 rows: .* multiple of 16"):
+        step.lower(w, x, odd)

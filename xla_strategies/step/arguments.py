@@ -141,8 +141,8 @@ def flatten_arguments(
             leaf = np.asarray(leaf)
         if isinstance(leaf, np.ndarray):  # of numbers: an object array's error names it
             as_array(leaf, lambda i=index: where(_leaf_path(args, kwargs, i)))
+        layout = _layout(layout_of, leaf, lambda i=index: where(_leaf_path(args, kwargs, i)))
         if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract: lowered, never run
-            layout = layout_of(leaf)
             spec = ArraySpec(
                 leaf.shape,
                 _dtype_name(leaf.dtype),
@@ -158,13 +158,35 @@ def flatten_arguments(
         # A Python number is weakly typed, and one out of range fails, as under jax.jit.
         array = jnp.asarray(leaf) if number else leaf
         array, impl = _unwrap_key(array)
-        layout = layout_of(leaf)
         # a numpy int64 runs as int32 without x64, as the array the step hands back for it
         dtype = jax.dtypes.canonicalize_dtype(array.dtype) if impl is None else array.dtype
         dim = model_dim_of(leaf)
         specs.append(ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number, dim))
         arrays.append(array)
     return arrays, Signature(treedef, tuple(specs))
+
+
+def _layout(layout_of: Callable[[Any], Layout], leaf: Any, where: Callable[[], str]) -> Layout:
+    """`layout_of(leaf)`, its refusal (another strategy's batch) naming the argument."""
+    try:
+        return layout_of(leaf)
+    except ValueError as exc:
+        raise ValueError(f"{where()}: {exc}") from None
+
+
+def check_split_rows(signature: Signature, replicas: int, names: Callable[[], list[str]]) -> None:
+    """Raise ValueError naming each batch (split) argument whose rows do not divide over
+    `replicas`, with its size: shard_map's own error names none of them."""
+    uneven = [
+        f"{name} has {spec.shape[0]} rows"
+        for spec, name in zip(signature.arrays, names(), strict=True)
+        if spec.layout is Layout.SPLIT and spec.shape and spec.shape[0] % replicas
+    ]
+    if uneven:
+        raise ValueError(
+            f"{', '.join(uneven)}: a batch is split on its first dimension over the "
+            f"{replicas} replicas, so its rows must be a multiple of {replicas}"
+        )
 
 
 def _state_numbers_strong(tree: Any) -> Any:

@@ -36,7 +36,13 @@ from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
 from xla_strategies.step import in_place_state, numerics, replica_rng_streams
 from xla_strategies.step.argument_declarations import declared_arguments
-from xla_strategies.step.arguments import Outputs, Signature, argument_paths, flatten_arguments
+from xla_strategies.step.arguments import (
+    Outputs,
+    Signature,
+    argument_paths,
+    check_split_rows,
+    flatten_arguments,
+)
 from xla_strategies.step.compile_program import LoweredStep
 from xla_strategies.step.compiler_options import option_values, step_compiler_options
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
@@ -259,6 +265,11 @@ class CompiledStep:
         used, so a value that changes every call (a static one) cannot grow it forever."""
         cached = self._cache.get(signature)
         if cached is None:
+            check_split_rows(
+                signature,
+                self.strategy.num_replicas_in_sync,
+                lambda: [f"{self.name} argument {p}" for p in argument_paths(signature)],
+            )
             cached = self._cache[signature] = self._build(signature)
             self._compiled += 1
             if len(self._cache) > 1:  # the last one used before this one
