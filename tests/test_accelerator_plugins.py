@@ -1,6 +1,6 @@
 """With libtpu installed (the `[tpu]` extra) on a machine without TPU chips, importing the
 library and starting JAX prints none of libtpu's start-up errors, and TPU topology
-compiles still load libtpu."""
+compiles still load libtpu, quietly too."""
 
 import os
 import subprocess
@@ -24,7 +24,13 @@ TOPOLOGY_COMPILE = (
 def _environment(**env: str) -> dict[str, str]:
     """This process's environment as a user's shell has it: no test settings, and no
     libtpu lock sharing that an earlier import here set."""
-    dropped = ("JAX_PLATFORMS", "XLA_FLAGS", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+    dropped = (
+        "JAX_PLATFORMS",
+        "XLA_FLAGS",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD",
+        "TPU_ACCELERATOR_TYPE",
+        "TPU_WORKER_HOSTNAMES",
+    )
     return {**{k: v for k, v in os.environ.items() if k not in dropped}, **env}
 
 
@@ -53,10 +59,20 @@ def test_asking_for_the_tpu_backend_without_chips_says_why():
     assert "this machine has no TPU chips" in done.stderr
 
 
-def test_a_topology_compile_still_loads_libtpu():
+def test_a_topology_compile_still_loads_libtpu_and_prints_none_of_its_start_up_errors():
     done = _run(TOPOLOGY_COMPILE)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["4", "tpu"]
+    assert not [
+        line for line in done.stderr.splitlines() if any(w in line for w in LIBTPU_START_UP)
+    ], done.stderr
+    strategy = _run(
+        "import xla_strategies as xs\n"
+        "print(xs.TPUStrategy('v5e-16', compile_only=True).num_replicas_in_sync)\n"
+    )
+    assert strategy.stdout.split() == ["16"], strategy.stderr
+    assert "Failed to find host bounds" not in strategy.stderr, strategy.stderr
+    assert "unexpected worker hostname" not in strategy.stderr, strategy.stderr
 
 
 def test_a_topology_compile_runs_beside_another_process_holding_libtpu():
