@@ -5,6 +5,7 @@ directory, readers beside it, and kills during deletions and overwrites. Real pr
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -22,7 +23,7 @@ from tests.workers.checkpoint_writer import REFUSED_STATUS, state, tag_of
 
 ROOT = Path(__file__).parents[2]
 LEAVES, SIZE = 16, 1024
-KILLS, KILLS_SLOW = 3, 20
+KILLS, KILLS_SLOW = 2, 20
 KILLED_LEAVES = 64  # many files, so that a deletion takes long enough to be killed in
 
 
@@ -113,11 +114,10 @@ def _kill_at_random(tmp_path: Path, mode: str, seed: int, *argv: str) -> list[in
     return _every_listed_step_restores(tmp_path, KILLED_LEAVES)
 
 
-def _kill_cases() -> list:
-    """`KILLS` seeds for `make test`, and more for `make test-slow` (the `repeat` ids)."""
+def _kill_cases(fast: int = KILLS, total: int = KILLS_SLOW, word: str = "kill") -> list:
+    """`fast` seeds for `make test`, and more for `make test-slow` (the `repeat` ids)."""
     return [
-        pytest.param(seed, id=f"{'kill' if seed < KILLS else 'repeat'}{seed}")
-        for seed in range(KILLS_SLOW)
+        pytest.param(seed, id=f"{word if seed < fast else 'repeat'}{seed}") for seed in range(total)
     ]
 
 
@@ -169,3 +169,38 @@ def test_a_read_only_manager_refuses_to_save(tmp_path):
         with pytest.raises(xs.CheckpointError, match=r"read_only=True"):
             reader.save(1, state(1.0, 1, 4))
     assert not any(tmp_path.iterdir())
+
+
+EXIT_SECONDS = 60  # a JAX process's start-up on a busy 2-core machine, and its exit
+
+
+@pytest.mark.parametrize("variant", ["race-clean-up", "beside", "close-first"])
+@pytest.mark.parametrize("seed", _kill_cases(1, 10, "run"))
+def test_a_retried_save_after_a_full_disk_commits_and_the_process_exits(tmp_path, variant, seed):
+    """After a refused asynchronous save, a second manager is opened on the directory
+    and the step is retried: the second manager is refused while the first is open, the
+    retry commits, and the process exits. `race-clean-up`: the retry's clean-up of the
+    failed save fails as when another process removed it first; before the failed save's
+    threads were let go, the process never exited."""
+    argv = [str(tmp_path)] + ([f"--{variant}"] if variant != "beside" else [])
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.workers.disk_full_retry", *argv],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=EXIT_SECONDS,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    print(f"{variant}: exited after {time.monotonic() - started:.1f} s")
+    stages = {r["stage"]: r for r in map(json.loads, done.stdout.splitlines()[:-1])}
+    assert "EFBIG" in stages["refused"]["error"]
+    assert "the latest complete checkpoint is still step 1" in stages["refused"]["error"]
+    if variant == "close-first":
+        assert stages["second"]["error"] is None
+    else:
+        assert "is locked by process" in stages["second"]["error"]
+    if variant == "race-clean-up":
+        assert "ENOENT" in stages["raced"]["error"]
+    assert stages["retried"] == {"stage": "retried", "latest": 2, "intact": True}
