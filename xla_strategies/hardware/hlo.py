@@ -28,6 +28,9 @@ OPERAND = re.compile(r"%([\w.\-]+)")
 
 #: One instruction: its name, result types, opcode, and the rest of its line.
 Op = tuple[str, str, str, str]
+#: A fusion, and XLA:GPU's asynchronous one (`fusion-start`, whose `fusion-done` hands
+#: over its result): one instruction each, that runs its fused computation once.
+FUSIONS = frozenset({"fusion", "fusion-start"})
 
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -175,6 +178,34 @@ def operand_text(rest: str) -> str:
     return rest
 
 
+def tuple_elements(types: str) -> list[str]:
+    """The top-level elements of a tuple type, `(a, (b, c), d)`: a, (b, c) and d (commas
+    inside shapes, layouts and nested tuples do not split)."""
+    elements, depth, start = [], 0, 1
+    for at, char in enumerate(types):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 1:
+            elements.append(types[start:at].strip())
+            start = at + 1
+    elements.append(types[start : types.rindex(")")].strip())
+    return elements
+
+
+def started_result(opcode: str, types: str) -> str:
+    """The result type of an instruction, of an asynchronous start the result it starts:
+    XLA:GPU's `fusion-start` and `all-reduce-start`, and every other collective's start
+    but libtpu's `all-reduce-start`, return `(operands, result, context...)`."""
+    if not opcode.endswith("-start") or not types.startswith("("):
+        return types
+    if opcode == "all-reduce-start" and not types.startswith("(("):
+        return types  # libtpu's: the result alone (a tuple of results for several)
+    elements = tuple_elements(types)
+    return elements[1] if len(elements) > 1 else types
+
+
 def hlo_bytes(types: str) -> int:
     """The bytes of every array in an HLO type (`f32[8,4]`, a tuple of them)."""
     total = 0
@@ -245,7 +276,7 @@ def executions(comps: dict[str, list[Op]], entry: str | None) -> dict[str, int]:
     def visit(name: str, count: int) -> None:
         times[name] = times.get(name, 0) + count
         for _, _, opcode, rest in comps.get(name, []):
-            if opcode == "fusion":
+            if opcode in FUSIONS:
                 continue  # its instructions are the fusion's, counted as one op
             trips = trip_count(rest, comps) if opcode == "while" else 1
             for callee in CALLEE.findall(rest):

@@ -13,6 +13,7 @@ from xla_strategies.hardware.hlo import (
     ARRAY_TYPE,
     CALLEE,
     COLLECTIVES,
+    FUSIONS,
     OPERAND,
     Op,
     collective_kind,
@@ -25,6 +26,7 @@ from xla_strategies.hardware.hlo import (
     operand_text,
     participants,
     replica_groups,
+    started_result,
 )
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -109,7 +111,7 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
                     name=op_name,
                     computation=name,
                     times=times[name],
-                    nbytes=_result_bytes(inner_types, _returns_operands(opcode)),
+                    nbytes=_result_bytes(opcode if collective_kind(opcode) else kind, inner_types),
                     group_size=group_size(kind, inner_rest, everyone, op_name),
                     replica_groups=replica_groups(inner_rest),
                     algorithm=_algorithm(config),
@@ -166,7 +168,7 @@ def executed_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def _key(inner: tuple[str, str, str]) -> tuple[str, int]:
-    return inner[0], _result_bytes(inner[1], returns_operands=False)
+    return inner[0], _result_bytes(inner[0], inner[1])
 
 
 def _fused_compute(rest: str, comps: dict[str, list[Op]]) -> int:
@@ -208,43 +210,16 @@ def _between(ops: list[Op], start: int, start_name: str) -> list[Op]:
         name, _, opcode, rest = op
         if opcode.endswith("-done") and start_name in OPERAND.findall(operand_text(rest)):
             return between
-        if opcode not in _BOOKKEEPING | _TRANSFERS and not opcode.endswith(("-start", "-done")):
-            between.append(op)
+        waits = opcode.endswith(("-start", "-done")) and opcode not in FUSIONS
+        if opcode not in _BOOKKEEPING | _TRANSFERS and not waits:  # XLA:GPU's async fusions
+            between.append(op)  # compute
     return between
 
 
-def _returns_operands(opcode: str) -> bool:
-    """Whether the instruction is an asynchronous start that returns its operands with its
-    result: (operands, result, context words...), as `all-gather-start`,
-    `collective-permute-start` ((operand, result, u32[], u32[])) and libtpu's
-    `all-to-all-start` (((operands), result, u32[], u32[])) do. An `all-reduce-start`
-    returns its result alone, and so does a collective that a wrapper starts."""
-    return (
-        opcode.endswith("-start") and opcode != "all-reduce-start" and bool(collective_kind(opcode))
-    )
-
-
-def _result_bytes(types: str, returns_operands: bool) -> int:
-    """The bytes of a collective's result: of its type's second element where it returns
-    its operands first (`_returns_operands`)."""
-    elements = _tuple_elements(types) if returns_operands and types.startswith("(") else []
-    return hlo_bytes(elements[1] if len(elements) > 1 else types)
-
-
-def _tuple_elements(types: str) -> list[str]:
-    """The top-level elements of a tuple type, `(a, (b, c), d)`: a, (b, c) and d (commas
-    inside shapes, layouts and nested tuples do not split)."""
-    elements, depth, start = [], 0, 1
-    for at, char in enumerate(types):
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        elif char == "," and depth == 1:
-            elements.append(types[start:at].strip())
-            start = at + 1
-    elements.append(types[start : types.rindex(")")].strip())
-    return elements
+def _result_bytes(opcode: str, types: str) -> int:
+    """The bytes of the result of a collective instruction `opcode` (a wrapped one's own
+    opcode): of a start's result, not its operands' (`started_result`)."""
+    return hlo_bytes(started_result(opcode, types))
 
 
 def _algorithm(rest: str) -> str | None:

@@ -19,6 +19,7 @@ from typing import Any
 from xla_strategies.hardware.hlo import (
     ARRAY_TYPE,
     CALLEE,
+    FUSIONS,
     OPERAND,
     Op,
     computations,
@@ -112,7 +113,7 @@ def instruction_flops(op: Op, comps: dict[str, list[Op]], types: dict[str, str])
     """The matmul flops of one execution of `op` (a fusion's: its fused computation's), by
     element type; `types`: the result types of its computation's instructions."""
     _, op_types, opcode, rest = op
-    if opcode == "fusion":
+    if opcode in FUSIONS:
         found: Counter[str] = Counter()
         for callee in CALLEE.findall(rest):
             found.update(_computation_flops(callee, comps))

@@ -26,6 +26,7 @@ from typing import Any
 
 from xla_strategies.hardware.hlo import (
     CALLEE,
+    FUSIONS,
     OPERAND,
     Op,
     collective_kind,
@@ -33,6 +34,7 @@ from xla_strategies.hardware.hlo import (
     executions,
     hlo_bytes,
     operand_text,
+    started_result,
 )
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
 
@@ -108,7 +110,7 @@ def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
     operands = _operands(rest)
     if opcode in _DMA_DESTINATION:
         return _dma_bytes(opcode, types.get(operands[0], "") if operands else "", result)
-    if opcode != "fusion":
+    if opcode not in FUSIONS:
         read = [_in_hbm(types.get(o, "")) for o in operands]
         if opcode in _SLICING and read:  # reads the slice it takes
             read[0] = min(read[0], _in_hbm(result))
@@ -119,7 +121,7 @@ def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
     fused = comps.get(callee.group(1), []) if callee else []
     if any(collective_kind(op[2]) for op in fused):  # XLA's async collective fusions
         return 0
-    return _fusion_bytes(operands, result, fused, types, comps)
+    return _fusion_bytes(operands, started_result(opcode, result), fused, types, comps)
 
 
 def _dma_bytes(opcode: str, source: str, result: str) -> int:
