@@ -53,6 +53,9 @@ def test_aot_runs_python_dash_c_and_does_not_reprint_an_earlier_runs_summary(tmp
     assert first.returncode == 0, first.stderr[-3000:]
     assert "step <lambda> on v5e-4" in first.stdout
     assert "XLA compiling for v5e-4" in first.stderr  # progress while it compiles
+    # the releases that compiled it and the tuned XLA options baked into it, recorded
+    assert "compiler          jax " in first.stdout and "libtpu 0.0." in first.stdout
+    assert "estimate          uncalibrated: v5e's datasheet rates" in first.stdout
     failed = _aot(out, "python", "-c", "raise SystemExit(3)")
     assert failed.returncode == 3
     assert "memory per chip" not in failed.stdout, failed.stdout

@@ -16,10 +16,12 @@ cycle estimates gave BERT-large 23.7 ms of compute on v5e-256 where its matmuls 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from xla_strategies.core.layout import MODEL_AXIS
+from xla_strategies.hardware.calibration import Calibration, uncalibrated
 from xla_strategies.hardware.hlo import HloReadError
 from xla_strategies.hardware.hlo_collectives import Collective, collectives, total_cycles
 from xla_strategies.hardware.hlo_flops import hlo_flops, matmul_seconds, opaque_kernel_calls
@@ -77,6 +79,11 @@ class CompiledReport:
     #: calls per step of compiled kernels (Pallas) whose flops the HLO does not show: the
     #: compute estimate leaves them out
     opaque_kernels: int = 0
+    #: what the estimate was fitted to and its error band, or that it is uncalibrated
+    calibration: str = ""
+    #: the compiler that compiled it: JAX's, jaxlib's and libtpu's releases, and the XLA
+    #: options given to the compile (baked into the executable)
+    compiler: dict[str, Any] = field(default_factory=dict)
 
     def bytes_per_step(self, synchronous_only: bool = False) -> int:
         """The bytes the collectives move per step (loop bodies once per trip); only
@@ -102,17 +109,35 @@ class CompiledReport:
         return data
 
 
-def compiled_report(compiled: Any, strategy: Any) -> CompiledReport:
+def compiled_report(
+    compiled: Any, strategy: Any, options: Mapping[str, Any] | None = None
+) -> CompiledReport:
     """Read a step compiled for `strategy`'s devices: what `hlo_report` reads from its HLO
-    text (the one reader every program is measured by), and its memory from the
-    executable."""
+    text (the one reader every program is measured by), its memory from the executable,
+    and the compiler's releases with the XLA `options` it was given."""
     text = compiled.as_text()
     per_replica = getattr(strategy, "logical_devices_per_replica", 1)
     report = hlo_report(text, strategy.topology, per_replica)
     report.platform = strategy.devices[0].platform
     report.memory = Memory.of(compiled.memory_analysis())
     report.compile_seconds = float(getattr(compiled, "compile_seconds", 0.0))
+    report.compiler = compiler_versions(options)
     return report
+
+
+def compiler_versions(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The releases that compile here (libtpu's where installed) and the XLA `options` a
+    compile was given, as a report records them."""
+    from importlib import metadata
+
+    found: dict[str, Any] = {}
+    for package in ("jax", "jaxlib", "libtpu", "libtpu-nightly"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    found["options"] = {k: options[k] for k in sorted(options or {})}
+    return found
 
 
 def hlo_report(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> CompiledReport:
@@ -135,7 +160,16 @@ def hlo_report(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> Co
     )
     compute = roofline_seconds(hlo_text, topology)
     report.estimate = step_estimate(report, topology, total_cycles(hlo_text), compute)
+    report.calibration = calibration_label(topology)
     return report
+
+
+def calibration_label(topology: Any) -> str:
+    """What an estimate on `topology` was fitted to, or that it is uncalibrated."""
+    if topology is None:
+        return "no topology: communication and the step are not estimated"
+    calibration = getattr(topology, "calibration", None)
+    return calibration.describe() if calibration else uncalibrated(topology.hardware)
 
 
 def step_estimate(
@@ -161,11 +195,13 @@ def step_estimate(
             "step_s": None,
         }
     communication = exposed = 0.0
+    # the share of the compute beside an asynchronous collective that measured steps hide
+    hides = (getattr(topology, "calibration", None) or Calibration()).hidden_fraction
     for c in report.collectives:
         seconds = _collective_seconds(c, topology)
         hidden = 0.0
         if c.asynchronous and compute is not None and cycles:
-            hidden = compute * c.overlapped_cycles / cycles
+            hidden = compute * c.overlapped_cycles / cycles * hides
         communication += c.times * seconds
         exposed += c.times * max(0.0, seconds - hidden)
     step = None if compute is None else compute + exposed

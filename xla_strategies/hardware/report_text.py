@@ -44,6 +44,12 @@ def summary_text(report: CompiledReport, name: str) -> str:
             f"({bound}), communication {ms['communication_s']:.3f} ms, exposed "
             f"{ms['exposed_s']:.3f} ms ({share:.1%} of the step)"
         )
+    if report.calibration and est.get("communication_s") is not None:
+        lines.append(f"  estimate          {report.calibration}")
+    if report.compiler:
+        releases = ", ".join(f"{k} {v}" for k, v in report.compiler.items() if k != "options")
+        options = len(report.compiler.get("options", {}))
+        lines.append(f"  compiler          {releases}; {options} XLA option(s) given")
     if report.opaque_kernels:
         lines.append(
             f"  kernels           {report.opaque_kernels} call(s) per step of compiled kernels "

@@ -19,6 +19,7 @@ from importlib import resources
 from typing import Any
 
 from xla_strategies.core.layout import MODEL_AXIS
+from xla_strategies.hardware.calibration import Calibration
 from xla_strategies.passes.cost import model as cost_model
 from xla_strategies.passes.cost.model import AxisLink
 
@@ -117,6 +118,9 @@ class Topology:
     #: stay whole on every chip: measured to win there and to lose where the step gathers
     #: its parameters (`shard_parameters`)
     replicated_parameter_options: tuple[tuple[str, Any], ...] = ()
+    #: what the rates above were fitted to (`[calibration]`, already applied to them);
+    #: None: the datasheet's rates, uncalibrated
+    calibration: Calibration | None = None
 
     @classmethod
     def from_name(cls, name: str) -> Topology:
@@ -139,18 +143,18 @@ class Topology:
                     f"{name!r}: GPU nodes take a count prefix ('4x{found['hardware']}'), not a size"
                 )
             axes = _node_axes(config, count)
-        memory = config.get("memory_bandwidth_bytes_per_s")
-        flops = config.get("peak_bf16_flops_per_s")
+        calibration = Calibration.of(config, f"tpu_configs/{found['hardware']}.toml")
+        fitted = calibration or Calibration()
         return cls(
             name,
             found["hardware"],
-            tuple(axes),
-            memory,
-            flops,
+            tuple(replace(a, bandwidth=a.bandwidth * fitted.link_fraction) for a in axes),
+            _scaled(config.get("memory_bandwidth_bytes_per_s"), fitted.memory_fraction),
+            _scaled(config.get("peak_bf16_flops_per_s"), fitted.matmul_fraction),
             config.get("hbm_bytes"),
             _tile(config, "collective_block_tile"),
             bool(config.get("reduce_scatter_over_axes_is_all_reduce", False)),
-            config.get("peak_tf32_flops_per_s"),
+            _scaled(config.get("peak_tf32_flops_per_s"), fitted.matmul_fraction),
             compiler_options=tuple(sorted(config.get("compiler_options", {}).items())),
             loop_all_gathers_asynchronous=config.get("loop_all_gathers_asynchronous", True),
             bucket_layer_collectives=config.get("bucket_layer_collectives", True),
@@ -162,6 +166,7 @@ class Topology:
             replicated_parameter_options=tuple(
                 sorted(config.get("compiler_options_replicated_parameters", {}).items())
             ),
+            calibration=calibration,
         )
 
     @classmethod
@@ -188,13 +193,14 @@ class Topology:
         sizes = list(mesh_axes.values())
         if sizes[-1] > config["gpus_per_host"]:
             return None  # more GPUs on one axis than a node has: not this node's links
-        links = _node_axes(config, 2)[-len(sizes) :]  # (network, NVLink) or (NVLink,)
-        axes = tuple(
-            replace(link, name=name, size=size)
-            for link, (name, size) in zip(links, mesh_axes.items(), strict=True)
-        )
         nodes = sizes[0] if len(sizes) == 2 else 1
         base = cls.from_name(f"{nodes}x{hardware}" if nodes > 1 else hardware)
+        fraction = (base.calibration or Calibration()).link_fraction
+        links = _node_axes(config, 2)[-len(sizes) :]  # (network, NVLink) or (NVLink,)
+        axes = tuple(
+            replace(link, name=name, size=size, bandwidth=link.bandwidth * fraction)
+            for link, (name, size) in zip(links, mesh_axes.items(), strict=True)
+        )
         return replace(base, axes=axes)
 
     def split_model_axis(self, size: int) -> Topology:
@@ -275,6 +281,10 @@ class Topology:
     def __str__(self) -> str:
         shape = "x".join(f"{a.name}{a.size}" for a in self.axes)
         return f"{self.name} ({shape})"
+
+
+def _scaled(rate: float | None, fraction: float) -> float | None:
+    return None if rate is None else rate * fraction
 
 
 def _tile(config: dict[str, Any], key: str) -> tuple[int, int] | None:

@@ -398,17 +398,18 @@ class CompiledStep:
         seconds["verify"] = ctx.stats["verify_seconds"]  # part of the pipeline's time
         donated = donated_state(graph)
         strategy = self.strategy
+        compiler_options = step_compiler_options(
+            strategy.compiler_options(gathers_parameters(ctx)), self.compiler_options
+        )
         run = lower(
             graph,
             strategy.mesh,
             donated,
             strategy.stacked_mesh,
-            step_compiler_options(
-                strategy.compiler_options(gathers_parameters(ctx)), self.compiler_options
-            ),
+            compiler_options,
             strategy.sharded_mesh,
         )
-        dump.write(graph, run, signature.arrays)
+        dump.write(graph, run, signature.arrays, compiler_options)
         if options.stop_after_compile:
             raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
         shardings = input_shardings(graph, strategy.mesh, None, strategy.sharded_mesh)

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,13 @@ class StepDumper:
                 self.options.directory.mkdir(parents=True, exist_ok=True)
                 (self.options.directory / PROGRESS_FILE).write_text(f"{self.name}: {message}")
 
-    def write(self, graph: Graph, run: Any, arrays: Sequence[Any]) -> None:
+    def write(
+        self,
+        graph: Graph,
+        run: Any,
+        arrays: Sequence[Any],
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> None:
         """The ledger, timeline, StableHLO and compiled HLO, when dumping to a directory."""
         if self.directory is None:
             return
@@ -101,7 +107,15 @@ class StepDumper:
         )
         args = abstract([(a.shape, a.dtype) for a in arrays], shardings)
         write_artifacts(
-            self.directory, graph, run, args, self.ledger, strategy, self.name, self.progress
+            self.directory,
+            graph,
+            run,
+            args,
+            self.ledger,
+            strategy,
+            self.name,
+            self.progress,
+            compiler_options,
         )
 
 
@@ -130,6 +144,7 @@ def write_artifacts(
     strategy: Any,
     name: str,
     progress: Callable[[str], None] = lambda message: None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the ledger, the timeline, the StableHLO, XLA's compiled HLO of one step and
     what XLA says of it (`compiled_report.json`, `summary.txt`: memory per chip, the
@@ -147,7 +162,7 @@ def write_artifacts(
     compiled = compile_lowered(lowered.compile, strategy, name)
     progress(f"XLA compiled in {time.perf_counter() - start:.1f} s")
     (directory / "compiled.hlo.txt").write_text(compiled.as_text())
-    report = compiled_report(compiled, strategy)
+    report = compiled_report(compiled, strategy, compiler_options)
     (directory / "compiled_report.json").write_text(json.dumps(report.to_json(), indent=1))
     (directory / "summary.txt").write_text(summary_text(report, name) + "\n")
 

@@ -1,0 +1,73 @@
+"""The estimate says what it was fitted to: a hardware file's `[calibration]` scales the
+rates the report and the passes read alike, and a file without one is labelled
+uncalibrated in every report."""
+
+from __future__ import annotations
+
+import pytest
+
+from xla_strategies.hardware import topology as topology_module
+from xla_strategies.hardware.calibration import Calibration
+from xla_strategies.hardware.compiled_report import hlo_report
+from xla_strategies.hardware.topology import Topology
+
+_TABLE = {
+    "matmul_fraction": 0.5,
+    "memory_fraction": 0.8,
+    "link_fraction": 0.25,
+    "hidden_fraction": 0.9,
+    "fitted_to": ["a", "b"],
+    "checked_on": ["c"],
+    "error_band": 0.07,
+}
+
+
+def test_a_calibration_scales_every_rate_the_estimate_reads(monkeypatch):
+    raw = Topology.from_name("v5p-128")
+    config = {**topology_module.hardware_config("v5p"), "calibration": _TABLE}
+    monkeypatch.setattr(topology_module, "hardware_config", lambda name: config)
+    fitted = Topology.from_name("v5p-128")
+    assert fitted.peak_flops == pytest.approx(raw.peak_flops * 0.5)
+    assert fitted.memory_bandwidth == pytest.approx(raw.memory_bandwidth * 0.8)
+    assert [a.bandwidth for a in fitted.axes] == pytest.approx(
+        [a.bandwidth * 0.25 for a in raw.axes]
+    )
+    # the passes price a collective on the same links the report does
+    assert fitted.collective_time("all_reduce", 2**30) > 3 * raw.collective_time(
+        "all_reduce", 2**30
+    )
+    assert fitted.calibration.describe() == (
+        "calibrated against 2 measured steps, checked on 1 more, within ±7%"
+    )
+
+
+def test_a_calibration_must_name_its_steps_and_keep_fractions_in_range():
+    with pytest.raises(ValueError, match="fitted_to must name the measured steps"):
+        Calibration.of({"calibration": {**_TABLE, "fitted_to": []}}, "x.toml")
+    with pytest.raises(ValueError, match=r"every fraction must lie in \(0, 1\]"):
+        Calibration.of({"calibration": {**_TABLE, "link_fraction": 1.5}}, "x.toml")
+    with pytest.raises(ValueError, match=r"unknown keys \['matmul'\]"):
+        Calibration.of({"calibration": {**_TABLE, "matmul": 1}}, "x.toml")
+    assert Calibration.of({}, "x.toml") is None
+
+
+_HLO = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+"""
+
+
+@pytest.mark.parametrize("name", ["dgx-h100", "v5e-8"])
+def test_an_uncalibrated_estimate_says_so(name):
+    report = hlo_report(_HLO, Topology.from_name(name))
+    assert report.calibration.startswith("uncalibrated: ")
+    assert "never fitted to a measured step" in report.calibration
