@@ -37,27 +37,25 @@ come from the restore target.
 from __future__ import annotations
 
 import contextlib
-import errno
-import os
-import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 
-from xla_strategies.core.layout import Layout, fold_stacked
+from xla_strategies.core.layout import Layout
 from xla_strategies.core.trees import map_arrays, with_functions_of, without_functions
 from xla_strategies.runtime import checkpoint_steps, checkpoint_threads
 from xla_strategies.runtime.checkpoint_lock import WriterLock
+from xla_strategies.runtime.checkpoint_plan import restore_plan
 from xla_strategies.runtime.checkpoint_tree import (
     CheckpointError,
     check_dtypes,
     check_shapes,
     check_structure,
     normalized,
+    refused_write,
 )
 
 if TYPE_CHECKING:
@@ -68,7 +66,7 @@ class CheckpointManager:
     """Save and restore training state every `save_interval_steps`, keeping `max_to_keep`.
 
     Args:
-        directory: where the checkpoints live (created on the first save).
+        directory: where the checkpoints live (a writer creates it).
         strategy: the strategy whose arrays are saved and whose shardings restore uses.
         max_to_keep: how many recent checkpoints to keep.
         save_interval_steps: `save(step, ...)` writes only on multiples of this, the first
@@ -111,6 +109,7 @@ class CheckpointManager:
         self._lock = self._take_directory() if not read_only else None
         self._verdicts: dict[tuple[int, int], str | None] = {}  # a reader's checks of steps
         self._before_save = checkpoint_threads.running()
+        self._operation: str | None = None  # orbax's id of the latest save
         if read_only:
             options = ocp.CheckpointManagerOptions(read_only=True, create=False)
         else:
@@ -177,9 +176,10 @@ class CheckpointManager:
         if dataset_iterator is not None:
             items["input"] = self._ocp.args.JsonSave(dataset_iterator.get_state())
         self.wait_until_finished()  # a failure of the previous save is reported as such
-        self._before_save = checkpoint_threads.running()
+        self._before_save, self._operation = checkpoint_threads.running(), None
         with self._refused_writes(f"could not save step {step}"):
             saved = self._manager.save(step, args=self._ocp.args.Composite(**items), force=force)
+        self._operation = checkpoint_threads.current_operation()
         self._remove_deleted()  # what max_to_keep renamed away, once a sync save is done
         return saved
 
@@ -216,31 +216,13 @@ class CheckpointManager:
         Either way the failed save's threads are let go, so the process can exit."""
         try:
             yield
-        except BaseException as exc:
-            checkpoint_threads.release(self._before_save)
-            error = self._write_error(what, exc) if isinstance(exc, OSError | ValueError) else None
+        except Exception as exc:
+            operation = self._operation or checkpoint_threads.current_operation()
+            checkpoint_threads.release(self._before_save, operation)
+            error = refused_write(f"{what} in {self.directory}", exc, self.latest_step())
             if error is None:
                 raise
             raise error from exc
-
-    def _write_error(self, what: str, exc: Exception) -> CheckpointError | None:
-        """A failed write as a `CheckpointError` that says what the OS refused (tensorstore
-        reports it as a ValueError carrying the errno); None for other errors."""
-        code = getattr(exc, "errno", None)
-        if code is None:
-            found = re.search(r"os_error_code='(\d+)'", str(exc))
-            if found is None:
-                return None
-            code = int(found.group(1))
-        reason = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
-        if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            reason += " (the disk is full or a file size limit was reached)"
-        kept = self.latest_step()
-        return CheckpointError(
-            f"{what} in {self.directory}: the file system refused a write ({reason}); "
-            f"the latest complete checkpoint is still "
-            f"{'none' if kept is None else f'step {kept}'}\n{exc}"
-        )
 
     def _stacked_leaves(self, state: Any) -> dict[str, Any]:
         """The paths of the stacked per-replica leaves of `state`, and the replica count."""
@@ -345,7 +327,7 @@ class CheckpointManager:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(
             map_arrays(lambda a, _: a, target, "target")
         )
-        plans = [self._plan(path, leaf, layout) for path, leaf in leaves]
+        plans = [restore_plan(self.strategy, path, leaf, layout) for path, leaf in leaves]
         reads = {normalized(p): plan[0].shape for (p, _), plan in zip(leaves, plans, strict=True)}
         check_shapes(self._manager.item_metadata(step)["state"], reads, self.directory / str(step))
         abstract = jax.tree_util.tree_unflatten(treedef, [plan[0] for plan in plans])
@@ -360,40 +342,6 @@ class CheckpointManager:
         return jax.tree_util.tree_unflatten(
             treedef, [finish(v) for v, (_, finish) in zip(values, plans, strict=True)]
         )
-
-    def _plan(self, path: Any, leaf: Any, layout: dict[str, Any]) -> tuple[Any, Any]:
-        """How to restore one leaf: what to read (shape, dtype, sharding) and what to make
-        of it. A stacked leaf restores as it is into a stacked target of the saved replica
-        count; otherwise its replicas' mean is every replica's value."""
-        state = self.strategy.state_sharding()
-        keep = lambda value: value  # noqa: E731
-        if list(normalized(path)) not in layout.get("stacked", []):
-            # optimizer state a step holds sharded is read straight into its blocks
-            sharding = leaf.sharding if self.strategy.is_held_sharded(leaf) else state
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), keep
-        saved_replicas = layout["replicas"]
-        stacked = self.strategy.layout(leaf) is Layout.STACKED
-        per_replica = leaf.shape[1:] if stacked else leaf.shape
-        if stacked and leaf.shape[0] == saved_replicas:
-            sharding = self.strategy.stacked_sharding()
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), keep
-        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            raise CheckpointError(
-                f"{jax.tree_util.keystr(path)} was saved per replica ({saved_replicas} "
-                f"values of {leaf.dtype}), and integer values have no mean to restore "
-                f"into one value or another replica count; restore it into a stacked "
-                f"target under {saved_replicas} replicas"
-            )
-        target_sharding = self.strategy.stacked_sharding() if stacked else state
-
-        def aggregate(value: jax.Array) -> jax.Array:
-            mean = fold_stacked(value, jax.tree_util.keystr(path))
-            if stacked:
-                mean = jnp.broadcast_to(mean, leaf.shape)
-            return jax.device_put(mean, target_sharding)
-
-        raw = (saved_replicas, *per_replica)
-        return jax.ShapeDtypeStruct(raw, leaf.dtype, sharding=state), aggregate
 
     def _saved_layout(self, step: int) -> dict[str, Any]:
         """Which leaves checkpoint `step` holds stacked per replica (none for checkpoints

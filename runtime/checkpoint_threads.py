@@ -5,8 +5,9 @@ directory is created, the arrays are written, ...). When one of them fails early
 others wait on for a signal that never comes, as long as orbax's save timeout (ten
 minutes), and they are not daemon threads: the process could not exit. Measured with
 orbax 0.12: a retried save whose temporary directory another process's clean-up deleted
-left four such threads. Once the failure has been raised, each of them is cancelled and
-given the signals it waits for, so it returns without running its part.
+left four such threads. Once the failure has been raised, each thread of that save (by
+orbax's operation id) is cancelled and given the signals it waits for, so it returns
+without running its part.
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ def running() -> set[threading.Thread]:
     return set(threading.enumerate())
 
 
-def release(before: Iterable[threading.Thread]) -> None:
-    """Cancel and unblock the orbax signalling threads started since `before`."""
+def current_operation() -> str | None:
+    """Orbax's id of the latest save started in this process (None: an orbax without)."""
+    try:
+        from orbax.checkpoint._src.futures import synchronization
+    except ImportError:
+        return None
+    return synchronization.OperationIdGenerator.get_current_operation_id()
+
+
+def release(before: Iterable[threading.Thread], operation: str | None) -> None:
+    """Cancel and unblock the orbax signalling threads of save `operation` (any save,
+    when None) started since `before`; another manager's save goes on."""
     try:
         from orbax.checkpoint._src.futures import future
     except ImportError:  # an orbax without signalling threads: nothing waits on a signal
@@ -35,7 +46,10 @@ def release(before: Iterable[threading.Thread]) -> None:
     waiting = [
         t
         for t in threading.enumerate()
-        if t not in known and hasattr(t, "cancel") and hasattr(t, "_receive_signals")
+        if t not in known
+        and hasattr(t, "cancel")
+        and hasattr(t, "_receive_signals")
+        and operation in (None, getattr(t, "_operation_id", None))
     ]
     for thread in waiting:
         thread.cancel()

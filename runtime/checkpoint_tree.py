@@ -1,9 +1,12 @@
 """A checkpoint's saved tree against the target it is restored into: the leaf paths
 both name, and the checks that refuse a restore which would lose or change data (another
-structure, another dtype, another shape)."""
+structure, another dtype, another shape); and the error for a write the file system
+refused."""
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -101,3 +104,24 @@ def check_structure(saved: Any, target: Any, where: Path) -> None:
             else f"only in the target: {show(extra)}"
         )
         raise CheckpointError(f"the target's structure differs from checkpoint {where}; {detail}")
+
+
+def refused_write(what: str, exc: BaseException, kept: int | None) -> CheckpointError | None:
+    """A failed write as a `CheckpointError` that says what the OS refused (tensorstore
+    reports it as a ValueError carrying the errno) and which step is still the latest
+    (`kept`); None for other errors."""
+    if not isinstance(exc, OSError | ValueError):
+        return None
+    code = getattr(exc, "errno", None)
+    if code is None:
+        found = re.search(r"os_error_code='(\d+)'", str(exc))
+        if found is None:
+            return None
+        code = int(found.group(1))
+    reason = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        reason += " (the disk is full or a file size limit was reached)"
+    return CheckpointError(
+        f"{what}: the file system refused a write ({reason}); the latest complete "
+        f"checkpoint is still {'none' if kept is None else f'step {kept}'}\n{exc}"
+    )
