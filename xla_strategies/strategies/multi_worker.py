@@ -4,6 +4,9 @@ Each worker process runs the same script with its own `TF_CONFIG`. The strategy 
 `jax.distributed` (the coordinator is the chief, or worker 0), uses gloo collectives on CPU
 hosts, and lays the devices out as a ("host", "local") mesh so reductions can be
 decomposed per level. Per-host input goes through `distribute_datasets_from_function`.
+Before JAX's service starts, every worker checks in with worker 0 (`cluster_rendezvous`),
+so a worker that never starts, or a coordinator port in use, is an `UnavailableError` in
+every started worker within the timeout, not an abort.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import jax
 import numpy as np
 
 from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver, TFConfigClusterResolver
+from xla_strategies.core.errors import UnavailableError
 from xla_strategies.distribute.cross_device_ops import (
     CommunicationOptions,
     implementation_decomposes,
@@ -24,7 +28,7 @@ from xla_strategies.distribute.cross_device_ops import (
 from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes import CombineAllReduces, DecomposeAllReduces
-from xla_strategies.runtime import cluster_health
+from xla_strategies.runtime import cluster_health, cluster_rendezvous
 from xla_strategies.step.protocols import PipelineChanges, Setting
 from xla_strategies.strategies.gpu_nodes import compile_only_nodes
 
@@ -132,13 +136,22 @@ def _check_same_device_counts(devices: list) -> None:
 
 
 def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOptions) -> None:
-    """Start `jax.distributed` once per process, with gloo collectives on CPU hosts."""
+    """Start `jax.distributed` once per process, with gloo collectives on CPU hosts.
+
+    Raises:
+        UnavailableError: a worker did not start, or the coordinator's port is taken,
+            within `options.timeout_seconds` (300 s by default), in every process.
+    """
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # a dead peer must not abort the survivors (`cluster_health`)
     jax.config.update("jax_enable_recoverability", True)
     timeout = max(1, math.ceil(options.timeout_seconds)) if options.timeout_seconds else 300
+    # JAX ends the process from C++ on these start-up faults: meet every worker first
+    cluster_rendezvous.check_in(
+        resolver.coordinator_address, resolver.process_id, resolver.num_processes, timeout
+    )
     try:
         jax.distributed.initialize(
             coordinator_address=resolver.coordinator_address,
@@ -149,7 +162,7 @@ def _start_distributed(resolver: SimpleClusterResolver, options: CommunicationOp
             shutdown_timeout_seconds=timeout,
         )
     except Exception as exc:
-        raise RuntimeError(
+        raise UnavailableError(
             f"worker {resolver.process_id} of {resolver.num_processes} could not join the cluster "
             f"at {resolver.coordinator_address} (timeout {timeout} s): {str(exc).splitlines()[0]}"
         ) from exc
