@@ -48,8 +48,8 @@ def as_array(leaf: Any, where: str | Callable[[], str]) -> Any:
     )
 
 
-# numpy dtype kinds JAX cannot hold: Python objects, strings, bytes, raw records
-_NOT_NUMERIC = frozenset("OUSV")
+# numpy dtype kinds JAX cannot hold: Python objects, strings, bytes (not "V": bfloat16)
+_NOT_NUMERIC = frozenset("OUS")
 
 
 def _named(where: str | Callable[[], str]) -> str:
