@@ -262,3 +262,20 @@ def test_a_compiled_step_called_from_a_traced_function_says_what_to_do(mirrored)
     with pytest.raises(RuntimeError, match="strategy.run was called inside a compiled step"):
         run_inside(w, batch)
     assert inner(w, batch).shape == (R, 3)  # called outside, it runs: one row per replica
+
+
+def test_compile_options_are_one_typed_object_and_a_misspelling_names_the_closest(mirrored):
+    with pytest.raises(
+        TypeError, match=r"unknown option 'donate_argnum'; did you mean 'donate_argnums'"
+    ):
+        mirrored.compile(lambda w: w * 2, donate_argnum=0)
+    with pytest.raises(TypeError, match=r"unknown option 'shard_parameter'; did you mean"):
+        mirrored.set_compile_defaults(shard_parameter=True)
+    options = xs.CompileOptions(donate_argnums=0, name="doubled")
+    step = mirrored.compile(lambda w: w * 2, options=options)
+    assert step.name == "doubled" and step.options is options
+    w = mirrored.replicate(np.ones(3, np.float32))
+    np.testing.assert_allclose(np.asarray(step(w)), 2.0)
+    assert w.is_deleted()  # the typed option took effect: the argument was donated
+    with pytest.raises(TypeError, match="give options= or keywords, not both"):
+        mirrored.compile(lambda w: w, options=options, name="x")

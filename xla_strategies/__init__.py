@@ -35,6 +35,7 @@ from xla_strategies.runtime.input_options import InputContext, InputOptions, Inp
 from xla_strategies.runtime.parameter_server.coordinator import ClusterCoordinator, RemoteValue
 from xla_strategies.runtime.preemption import PREEMPTION_EXIT_CODE, PreemptionCheckpointHandler
 from xla_strategies.step import numerics as debugging  # tf.debugging's check_numerics
+from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.compiled_step import CompiledStep
 from xla_strategies.strategies import partitioners
 from xla_strategies.strategies.central_storage import CentralStorageStrategy
@@ -58,6 +59,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CommunicationOptions",
+    "CompileOptions",
     "CompiledStep",
     "CrossDeviceOps",
     "DistributedDataset",

@@ -52,6 +52,7 @@ from xla_strategies.runtime.distributed_dataset import (
     DistributedDatasetFromFunction,
 )
 from xla_strategies.runtime.input_options import InputContext, InputOptions
+from xla_strategies.step.compile_options import CompileOptions, defaults_of
 from xla_strategies.step.compiled_step import CompiledStep
 from xla_strategies.step.protocols import PipelineChanges, Setting
 from xla_strategies.step.step_pipeline import PipelineOptions, step_pipeline
@@ -157,45 +158,33 @@ class Strategy(MeshLayout):
         """The correct copy of a step output that only one replica holds (`rooted`)."""
         raise NotImplementedError(f"{type(self).__name__} produces no rooted outputs")
 
-    def compile(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+    def compile(
+        self,
+        fn: Callable[..., Any] | None = None,
+        options: CompileOptions | None = None,
+        **keywords: Any,
+    ) -> Any:
         """Compile a per-replica step; use as `@strategy.compile` or `@strategy.compile(...)`.
 
-        Options: `gradient_reduction` (ReduceOp.MEAN or SUM), `mirrored_outputs` (a pytree
-        prefix of bools over the outputs), `pipeline` (a spec string or `PassPipeline`),
-        `shard_weight_updates` (True: each replica updates its block of the weights and
-        keeps its block of the optimizer state; False: never; None, the default: the
-        topology's cost model decides), `shard_parameters` (True: the parameters and
-        optimizer state are held split across the replicas between steps and gathered
-        where used, layer by layer under a scan; implies weight-update sharding; None: on
-        where the replicated state does not fit the chip), `static_argnums`,
-        `static_argnames`, `axis_name`, `donate_argnums`, `donate_argnames` (as `jax.jit`:
-        those arguments' buffers are given to their new values, which the step returns;
-        nothing else is donated), `compiler_options` (as `jax.jit`: XLA option names to
-        values, which win over the strategy's own, such as a TPU generation's tuned flags),
-        `name`. Options given to `set_compile_defaults` apply where a call does not give
-        them.
+        The options are `CompileOptions`' fields, given as keywords (`donate_argnums=(0,
+        1)`) or as one `options=CompileOptions(...)`; each is documented there. Options
+        given to `set_compile_defaults` apply where a call does not give them.
         """
-        options = {**self._compile_defaults, **options}
+        if options is None:
+            options = CompileOptions.of({**self._compile_defaults, **keywords})
+        elif keywords:
+            raise TypeError(f"give options= or keywords, not both (got {sorted(keywords)})")
         if fn is None:
-            return lambda f: CompiledStep(self, f, **options)
-        return CompiledStep(self, fn, **options)
+            return lambda f: CompiledStep(self, f, options)
+        return CompiledStep(self, fn, options)
 
-    #: Sharding options a strategy's steps take by default (`set_compile_defaults`).
-    _DEFAULTABLE = frozenset({"shard_parameters", "shard_weight_updates", "gradient_reduction"})
-
-    def set_compile_defaults(self, **options: Any) -> None:
+    def set_compile_defaults(self, **keywords: Any) -> None:
         """Options every step this strategy compiles takes unless it gives its own: the
         way to ask for them where the library compiles the step (Keras' `fit`, `evaluate`
-        and `predict` under `strategy.scope()`), e.g.
+        and `predict` under `strategy.scope()`, `strategy.run`), e.g.
         `strategy.set_compile_defaults(shard_parameters=True)`. Only
-        `shard_parameters`, `shard_weight_updates` and `gradient_reduction` can be set."""
-        unknown = sorted(set(options) - self._DEFAULTABLE)
-        if unknown:
-            raise TypeError(
-                f"set_compile_defaults takes {sorted(self._DEFAULTABLE)}, not {unknown}: "
-                "the others belong to one step (pass them to strategy.compile)"
-            )
-        self._compile_defaults = {**self._compile_defaults, **options}
+        `CompileOptions.DEFAULTABLE` can be set."""
+        self._compile_defaults = {**self._compile_defaults, **defaults_of(keywords)}
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Run `fn` once on every replica; per-replica outputs come back stacked. `fn` is

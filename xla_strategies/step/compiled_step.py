@@ -12,7 +12,7 @@ import functools
 import time
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
 from xla_strategies.core.layout import Layout, replica_axes
-from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.core.trees import copy_to
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
@@ -30,7 +29,6 @@ from xla_strategies.passes.bridge.layouts import input_shardings, mark_model_dim
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
-from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
 from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
@@ -43,6 +41,7 @@ from xla_strategies.step.arguments import (
     check_split_rows,
     flatten_arguments,
 )
+from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.compile_program import LoweredStep
 from xla_strategies.step.compiler_options import option_values, step_compiler_options
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
@@ -92,56 +91,43 @@ class CompiledStep:
         self,
         strategy: StepStrategy,
         fn: Callable[..., Any],
-        *,
-        gradient_reduction: ReduceOp | str | None = None,
-        mirrored_outputs: Any = None,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
-        axis_name: str | None = None,
-        pipeline: str | PassPipeline | None = None,
-        shard_weight_updates: bool | None = None,
-        shard_parameters: bool | None = None,
-        donate_argnums: int | Sequence[int] = (),
-        donate_argnames: str | Sequence[str] = (),
-        compiler_options: Mapping[str, Any] | None = None,
-        name: str | None = None,
+        options: CompileOptions | None = None,
+        **keywords: Any,
     ) -> None:
+        """`options`, or the same as keywords (`CompileOptions`' fields)."""
         if not callable(fn):
             raise TypeError(f"strategy.compile needs a function, got a {type(fn).__name__}")
-        op = (
-            None
-            if gradient_reduction is None
-            else ReduceOp.of(gradient_reduction, "gradient_reduction")
-        )
-        if op not in (None, ReduceOp.MEAN, ReduceOp.SUM):
-            raise ValueError(
-                f"gradient_reduction must be ReduceOp.MEAN or ReduceOp.SUM, got {op.name}"
-            )
-        if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
-            raise TypeError(f"axis_name must be a non-empty string, got {axis_name!r}")
-        check_sharding_options(strategy, shard_weight_updates, shard_parameters)
+        if options is None:
+            options = CompileOptions.of(keywords)
+        elif keywords:
+            raise TypeError(f"give options= or keywords, not both (got {sorted(keywords)})")
+        check_sharding_options(strategy, options.shard_weight_updates, options.shard_parameters)
+        self.options = options
         self.strategy = strategy
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", "step")
-        self.gradient_reduction = op
-        self.mirrored_outputs = mirrored_outputs
+        self.name = options.name or getattr(fn, "__name__", "step")
+        self.gradient_reduction = options.gradient_reduction
+        self.mirrored_outputs = options.mirrored_outputs
         self.static_argnums, self.static_argnames = declared_arguments(
-            fn, static_argnums, static_argnames, "static"
+            fn, options.static_argnums, options.static_argnames, "static"
         )
         self.declared_state = DeclaredState(
-            *declared_arguments(fn, donate_argnums, donate_argnames, "donate")
+            *declared_arguments(fn, options.donate_argnums, options.donate_argnames, "donate")
         )
         both = (self.declared_state.donate_argnums & self.static_argnums) | (
             self.declared_state.donate_argnames & self.static_argnames
         )
         if both:
             raise ValueError(f"arguments {sorted(map(str, both))} are both static and donated")
-        self.axis_name = axis_name
+        self.axis_name = options.axis_name
         self.pipeline_options = PipelineOptions(
-            pipeline, op, shard_weight_updates, shard_parameters
+            options.pipeline,
+            options.gradient_reduction,
+            options.shard_weight_updates,
+            options.shard_parameters,
         )
         self.pipeline = step_pipeline(strategy, self.pipeline_options)
-        self.compiler_options = option_values(compiler_options)
+        self.compiler_options = option_values(options.compiler_options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
         self._compiled = 0  # programs built, the evicted included
         self._calls = 0  # for errors that name the call (numerics)
