@@ -22,7 +22,12 @@ class PassContext:
             topology and without this, the hardware is simply unknown.
         devices_per_replica: the devices one replica spans (the model axis's size, which
             `mesh_axes` leaves out: passes only ever reduce over replica axes).
-        stats: counters and timings passes and instruments record, keyed by pass name.
+        parameters_split: set by `shard-parameters`: the step holds its parameters split
+            between steps and gathers them where used. Later passes and the strategy's
+            choice of XLA options read it.
+        stats: diagnostics for the dump, keyed by pass name: counters, timings and the
+            decisions passes took. Nothing decides by reading it; a fact a later pass
+            needs is a typed field above.
         remarks: human-readable notes passes leave for the dump (why a rewrite did not fire).
     """
 
@@ -30,6 +35,7 @@ class PassContext:
     topology: Any = None
     synchronous_collectives: bool = False
     devices_per_replica: int = 1
+    parameters_split: bool = False
     stats: dict[str, Any] = field(default_factory=dict)
     remarks: list[str] = field(default_factory=list)
 

@@ -41,7 +41,6 @@ from typing import Any
 from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
 
 # scatter modes under which an index out of range adds nothing (a promise of none is kept)
 _DROPPING_MODES = frozenset({"FILL_OR_DROP", "PROMISE_IN_BOUNDS"})
@@ -85,7 +84,7 @@ class ScatterAddsAsSelects(ModePass):
 
 def _pays(ctx: PassContext) -> bool:
     """Measured to pay: under parameter sharding, on TPU v6e and v5p across slices."""
-    return gathers_parameters(ctx) and getattr(ctx.topology, "scatter_adds_as_selects", False)
+    return ctx.parameters_split and getattr(ctx.topology, "scatter_adds_as_selects", False)
 
 
 def one_hot_attrs(node: Node) -> dict[str, Any] | None:

@@ -87,6 +87,7 @@ class ShardParameters(ModePass):
         splitter.stats["regathered_residuals"] = regather_residuals(graph, self.name)
         splitter.shard_regions(graph)
         ctx.stats[self.name] = {**splitter.stats, "decision": decision, "axes": splitter.axes}
+        ctx.parameters_split = splitter.stats["split_state"] > 0
         across = [a for a in ctx.mesh_axes if a not in splitter.axes and ctx.mesh_axes[a] > 1]
         if across:
             ctx.remarks.append(
@@ -306,9 +307,3 @@ def _region_dim(node: Node, positions: list[int], dim: int) -> int | None:
 
 def _type(value: Value) -> str:
     return (f"{value.name} " if value.name else "") + format_type(value)
-
-
-def gathers_parameters(ctx: PassContext) -> bool:
-    """Whether the pipeline left the step's parameters split, gathered where used (what
-    `shard-parameters` recorded in `ctx`)."""
-    return ctx.stats.get(ShardParameters.name, {}).get("split_state", 0) > 0

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
 
 # floating types whose out-of-range lookups fill with NaN, which casts to NaN
 _FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -55,7 +54,7 @@ class SinkCastsBelowLookups(ModePass):
     name = "sink-casts-below-lookups"
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
-        if self.mode == "auto" and not gathers_parameters(ctx):
+        if self.mode == "auto" and not ctx.parameters_split:
             return self.stays_off(
                 ctx,
                 {"sunk": 0, "reason": "state whole"},

@@ -31,7 +31,7 @@ func @step(%0: f32[8,512]{replica}, %1: i32[8,1]{replica}, %2: f32[8]{replica}) 
 ON = DEFAULT_PIPELINE.replace(
     "scatter-adds-as-selects{mode=auto}", "scatter-adds-as-selects{mode=on}"
 )
-SPLIT = {"shard-parameters": {"split_state": 3}}
+SPLIT = True  # shard-parameters left the parameters split
 
 
 def test_one_element_per_row_becomes_a_one_hot_add():
@@ -69,19 +69,21 @@ def test_scatters_that_clip_or_may_add_twice_to_a_row_stay(replacements, why):
 
 
 @pytest.mark.parametrize(
-    ("topology", "stats", "runs"),
+    ("topology", "split", "runs"),
     [
         ("v5e-256", SPLIT, False),  # measured larger with splash attention, 2.67 → 2.80 GiB
         ("v6e-256", SPLIT, True),
-        ("v6e-256", {}, False),  # the state whole on every chip: not measured to pay
+        ("v6e-256", False, False),  # the state whole on every chip: not measured to pay
         ("v5p-512", SPLIT, False),  # measured worse: XLA's allocator placed the peak worse
         ("2xv5p-512", SPLIT, True),  # measured better on two slices (`[multislice]`)
         (None, SPLIT, False),
     ],
 )
-def test_auto_mode_runs_where_the_hardware_file_says_it_pays(topology, stats, runs):
+def test_auto_mode_runs_where_the_hardware_file_says_it_pays(topology, split, runs):
     where = {"topology": Topology.from_name(topology)} if topology else {}
-    changed, _, ctx = run_pass(ScatterAddsAsSelects(), LABEL_GRADIENT, MESH, stats=stats, **where)
+    changed, _, ctx = run_pass(
+        ScatterAddsAsSelects(), LABEL_GRADIENT, MESH, parameters_split=split, **where
+    )
     assert changed == runs
     assert runs or any("mode=auto}: off" in r for r in ctx.remarks)
 

@@ -78,8 +78,7 @@ def test_auto_mode_leaves_a_step_whose_state_is_whole_alone():
     assert not changed and "jax.gather(%2, %1)" in after
     assert ctx.stats["sink-casts-below-lookups"] == {"sunk": 0, "reason": "state whole"}
     assert any("mode=auto}: off: the step's state is whole" in r for r in ctx.remarks)
-    split = {"shard-parameters": {"split_state": 3}}
-    changed, _, _ = run_pass(SinkCastsBelowLookups(), _loss(), MESH, stats=split)
+    changed, _, _ = run_pass(SinkCastsBelowLookups(), _loss(), MESH, parameters_split=True)
     assert changed
 
 

@@ -29,7 +29,6 @@ from xla_strategies.passes.bridge.layouts import input_shardings, mark_model_dim
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
-from xla_strategies.passes.transforms.shard_parameters import gathers_parameters
 from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
 from xla_strategies.step import in_place_state, numerics, replica_rng_streams
@@ -385,7 +384,7 @@ class CompiledStep:
         donated = donated_state(graph)
         strategy = self.strategy
         compiler_options = step_compiler_options(
-            strategy.compiler_options(gathers_parameters(ctx)), self.compiler_options
+            strategy.compiler_options(ctx.parameters_split), self.compiler_options
         )
         run = lower(
             graph,
