@@ -100,6 +100,7 @@ SLOW_TESTS = (
     # that deletes; the repeats that show the rate is zero run here
     "tests/runtime/test_checkpoint_processes.py::test_a_kill_during_max_to_keep_deletion_never_leaves_a_listed_damaged_step[repeat",
     "tests/runtime/test_checkpoint_processes.py::test_a_kill_during_an_overwrite_leaves_the_latest_step_whole[repeat",
+    "tests/runtime/test_checkpoint_processes.py::test_a_kill_during_asynchronous_saves_with_max_to_keep_never_leaves_a_listed_damaged_step[repeat",
     "tests/runtime/test_checkpoint_processes.py::test_a_retried_save_after_a_full_disk_commits_and_the_process_exits[repeat",
     "tests/runtime/test_checkpoint_processes.py::test_a_retried_save_after_a_full_disk_commits_and_the_process_exits[run0-beside]",
     "tests/runtime/test_checkpoint_processes.py::test_a_retried_save_after_a_full_disk_commits_and_the_process_exits[run0-close-first]",

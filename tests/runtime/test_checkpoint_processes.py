@@ -137,6 +137,16 @@ def test_a_kill_during_max_to_keep_deletion_never_leaves_a_listed_damaged_step(t
     assert len(steps) in (1, 2), steps  # the new step may be committed before the old goes
 
 
+@pytest.mark.parametrize("seed", _kill_cases(1))
+def test_a_kill_during_asynchronous_saves_with_max_to_keep_never_leaves_a_listed_damaged_step(
+    tmp_path, seed
+):
+    """Orbax deletes the old step in its background thread, after the new one commits."""
+    argv = ["--steps", "200", "--max-to-keep", "1", "--leaves", str(KILLED_LEAVES)]
+    steps = _kill_at_random(tmp_path, "write", seed, *argv, "--async-save")
+    assert len(steps) in (1, 2), steps
+
+
 @pytest.mark.parametrize("seed", _kill_cases())
 def test_a_kill_during_an_overwrite_leaves_the_latest_step_whole(tmp_path, seed):
     steps = _kill_at_random(
