@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from xla_strategies.passes.ir.graph import Graph
+
+if TYPE_CHECKING:
+    from xla_strategies.passes.cost.topology_like import TopologyLike
 
 
 @dataclass
@@ -32,7 +35,7 @@ class PassContext:
     """
 
     mesh_axes: Mapping[str, int]
-    topology: Any = None
+    topology: TopologyLike | None = None
     synchronous_collectives: bool = False
     devices_per_replica: int = 1
     parameters_split: bool = False

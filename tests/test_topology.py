@@ -165,3 +165,11 @@ def test_an_unknown_or_oversized_gpu_mesh_has_no_topology():
     assert Topology.for_gpu_mesh("NVIDIA H100 PCIe", {"replica": 8}) is None  # other links
     assert Topology.for_gpu_mesh("NVIDIA H100 80GB HBM3", {"replica": 16}) is None
     assert xs.MirroredStrategy().topology is None  # emulated CPU devices: unknown
+
+
+@pytest.mark.parametrize("name", ["v5e-256", "2xv5p-512", "dgx-h100", "2xdgx-h100"])
+def test_every_topology_is_what_the_passes_read(name):
+    from xla_strategies.passes.cost.topology_like import TopologyLike
+
+    assert isinstance(Topology.from_name(name), TopologyLike)
+    assert isinstance(Topology.from_name(name).split_model_axis(2), TopologyLike)

@@ -8,7 +8,7 @@ estimated time on the strategy's topology; totals; and what changed since the pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.timeline import collective_seconds, step_estimate
@@ -16,8 +16,11 @@ from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.walk import collectives_per_step, payload_bytes
 from xla_strategies.passes.pipeline import Instrument
 
+if TYPE_CHECKING:
+    from xla_strategies.passes.cost.topology_like import TopologyLike
 
-def collectives(graph: Graph, topology: Any = None) -> list[dict[str, Any]]:
+
+def collectives(graph: Graph, topology: TopologyLike | None = None) -> list[dict[str, Any]]:
     """One entry per collective node, in schedule order."""
     entries = []
     for node, trips in collectives_per_step(graph):
@@ -57,7 +60,7 @@ def totals(entries: list[dict[str, Any]]) -> dict[str, Any]:
 class LedgerRecorder(Instrument):
     """Records the ledger after capture and after every pass."""
 
-    topology: Any = None
+    topology: TopologyLike | None = None
     passes: list[dict[str, Any]] = field(default_factory=list)
 
     def before_pipeline(self, graph: Graph, ctx: PassContext) -> None:
@@ -94,5 +97,5 @@ class LedgerRecorder(Instrument):
         )
 
     def to_json(self) -> dict[str, Any]:
-        name = getattr(self.topology, "name", None)
+        name = self.topology.name if self.topology is not None else None
         return {"topology": name, "passes": self.passes}

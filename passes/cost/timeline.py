@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xla_strategies.passes.cost.fusion import fused_bytes, fuses_into_neighbours
 from xla_strategies.passes.cost.model import OPS
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.ir.walk import regions_per_step, walk_per_step
+
+if TYPE_CHECKING:
+    from xla_strategies.passes.cost.topology_like import TopologyLike
 
 # Rough device rates for compute estimates on unknown hardware (no topology, or one whose
 # file gives no rate); a topology's own peak flops and memory bandwidth win.
@@ -29,7 +32,9 @@ _COMPUTE, _COLLECTIVES = 1, 2
 _FREE = frozenset({"pvary", "pinvariant", "constant", "after"})
 
 
-def compute_seconds(node: Node, topology: Any = None, moved: int | None = None) -> float:
+def compute_seconds(
+    node: Node, topology: TopologyLike | None = None, moved: int | None = None
+) -> float:
     """Estimated seconds of one run of `node` (no regions): a roofline of flops and bytes,
     at the topology's peak flops and memory bandwidth where it knows them. A replica that
     spans several devices (the topology's model axis) splits its work among them.
@@ -46,9 +51,12 @@ def compute_seconds(node: Node, topology: Any = None, moved: int | None = None) 
         return 0.0
     if moved is None:
         moved = 0 if fuses_into_neighbours(node) else _operand_and_result_bytes(node)
-    peak = getattr(topology, "peak_flops", None) or FLOPS_PER_S
-    bandwidth = getattr(topology, "memory_bandwidth", None) or BYTES_PER_S
-    devices = getattr(topology, "model_axis_size", 1)
+    if topology is None:  # unknown hardware: the fallback rates, one device a replica
+        peak, bandwidth, devices = FLOPS_PER_S, BYTES_PER_S, 1
+    else:
+        peak = topology.peak_flops or FLOPS_PER_S
+        bandwidth = topology.memory_bandwidth or BYTES_PER_S
+        devices = topology.model_axis_size
     return max(flops / peak, moved / bandwidth) / devices
 
 
@@ -94,7 +102,9 @@ def _real_taps(
     )
 
 
-def compute_estimate(graph: Graph, topology: Any = None, whole_step: bool = True) -> float:
+def compute_estimate(
+    graph: Graph, topology: TopologyLike | None = None, whole_step: bool = True
+) -> float:
     """Estimated compute seconds of one run of `graph`: the timeline's compute track, each
     region's nodes as often as they run (`walk_per_step`). Collectives aside, so it needs
     no mesh axes of the topology, only its rates. `whole_step`: `graph` is a step, not a
@@ -112,7 +122,7 @@ def compute_estimate(graph: Graph, topology: Any = None, whole_step: bool = True
 
 
 class _Timeline:
-    def __init__(self, topology: Any) -> None:
+    def __init__(self, topology: TopologyLike | None) -> None:
         self.topology = topology
         self.events: list[dict[str, Any]] = []
         self.ready: dict[Value, float] = {}
@@ -191,14 +201,14 @@ def _event(name: str, track: int, start: float, end: float, args: dict | None = 
     }
 
 
-def _laid_out(graph: Graph, topology: Any) -> tuple[_Timeline, dict[str, float]]:
+def _laid_out(graph: Graph, topology: TopologyLike | None) -> tuple[_Timeline, dict[str, float]]:
     timeline = _Timeline(topology)
     end = max(timeline.run(graph, 0.0, whole_step=True), timeline.network_free)
     exposed = max(0.0, end - timeline.busy)
     return timeline, {"step_s": end, "compute_s": timeline.busy, "exposed_s": exposed}
 
 
-def collective_seconds(node: Node, topology: Any) -> float | None:
+def collective_seconds(node: Node, topology: TopologyLike | None) -> float | None:
     """The cost model's time for one run of collective `node`, priced on the whole tensor
     it moves; None without a topology, or for an op the model does not price."""
     if topology is None or node.op not in OPS:
@@ -206,14 +216,14 @@ def collective_seconds(node: Node, topology: Any) -> float | None:
     return topology.collective_time(node.op, node.whole_bytes, tuple(node.attrs["axes"]))
 
 
-def step_estimate(graph: Graph, topology: Any = None) -> dict[str, float]:
+def step_estimate(graph: Graph, topology: TopologyLike | None = None) -> dict[str, float]:
     """The estimated step: its length, the compute in it, and the **exposed
     communication**, the collective time no compute overlaps (the step minus its compute:
     what the compute track spends waiting for collectives, and collectives after it)."""
     return _laid_out(graph, topology)[1]
 
 
-def chrome_trace(graph: Graph, topology: Any = None) -> dict[str, Any]:
+def chrome_trace(graph: Graph, topology: TopologyLike | None = None) -> dict[str, Any]:
     """The estimated schedule of one step of `graph`, as Chrome trace JSON: compute and
     collectives on tracks of their own, and the step estimate in its metadata."""
     timeline, estimate = _laid_out(graph, topology)

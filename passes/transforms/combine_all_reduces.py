@@ -127,8 +127,9 @@ class CombineAllReduces(Pass):
             COMBINABLE if not spans else tuple(k for k in COMBINABLE if k not in BLOCK_COLLECTIVES)
         )
         apart = not spans and _leaves_layer_collectives(ctx)
-        block_tile = getattr(ctx.topology, "collective_block_tile", None)
-        flat_tile = getattr(ctx.topology, "flat_buffer_tile", None)
+        topology = ctx.topology  # none: unknown hardware, whose blocks need no tiles
+        block_tile = topology.collective_block_tile if topology is not None else None
+        flat_tile = topology.flat_buffer_tile if topology is not None else None
         unbucketed = _layer_loop_regions(graph) if apart else set()
         left_apart = 0
         for region in graph.graphs():

@@ -48,7 +48,8 @@ class ReduceScattersBeforeLoops(ModePass):
     name = "reduce-scatters-before-loops"
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
-        if self.mode == "auto" and not getattr(ctx.topology, "reduce_scatters_before_loops", False):
+        measured = ctx.topology is not None and ctx.topology.reduce_scatters_before_loops
+        if self.mode == "auto" and not measured:
             return self.stays_off(
                 ctx,
                 {"held": 0, "reason": "not measured to pay here"},

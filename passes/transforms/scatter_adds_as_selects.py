@@ -84,7 +84,9 @@ class ScatterAddsAsSelects(ModePass):
 
 def _pays(ctx: PassContext) -> bool:
     """Measured to pay: under parameter sharding, on TPU v6e and v5p across slices."""
-    return ctx.parameters_split and getattr(ctx.topology, "scatter_adds_as_selects", False)
+    return (
+        ctx.parameters_split and ctx.topology is not None and ctx.topology.scatter_adds_as_selects
+    )
 
 
 def one_hot_attrs(node: Node) -> dict[str, Any] | None:

@@ -30,7 +30,7 @@ hide nothing) it hoists, as the default pipeline always did. Call-once regions
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xla_strategies.passes.base import Pass, PassContext
 from xla_strategies.passes.cost.decisions import pipelined_exposure
@@ -40,6 +40,9 @@ from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.ir.walk import payload_bytes, regions_per_step
 from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
+
+if TYPE_CHECKING:
+    from xla_strategies.passes.cost.topology_like import TopologyLike
 
 CHOICES = ("hoist", "pipeline")
 
@@ -124,7 +127,7 @@ def _is_loop(node: Node) -> bool:
     return node.has(Trait.COUNTED_LOOP) or node.has(Trait.WHILE_LOOP)
 
 
-def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
+def readiness(loop: Node, topology: TopologyLike | None = None) -> list[Readiness]:
     """The all-reduces directly in `loop`'s body (the last region: a while loop's body
     follows its condition), each with when its operand is ready in the iteration, at the
     topology's compute rates."""
@@ -140,7 +143,7 @@ def readiness(loop: Node, topology: Any = None) -> list[Readiness]:
     return found
 
 
-def _node_compute(node: Node, topology: Any, moved: dict[Node, int]) -> float:
+def _node_compute(node: Node, topology: TopologyLike | None, moved: dict[Node, int]) -> float:
     """Estimated compute seconds of one run of `node`, nested regions included (`moved`:
     the bytes nodes move as XLA fuses them, `fused_bytes`)."""
     if node.is_collective:

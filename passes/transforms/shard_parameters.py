@@ -106,7 +106,7 @@ def _memory_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
     """On when the replicated state and its gradients would take more than
     `STATE_SHARE_OF_HBM` of a chip's memory; the figures go in the stats and a remark."""
     where = f"{ShardParameters.name}{{mode=auto}}"
-    hbm = getattr(ctx.topology, "hbm_bytes", None)
+    hbm = ctx.topology.hbm_bytes if ctx.topology is not None else None
     if hbm is None:
         ctx.remarks.append(
             f"{where}: off: no chip memory size (no topology, or one without hbm_bytes); "

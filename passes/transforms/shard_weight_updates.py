@@ -164,7 +164,7 @@ def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
 def _tile_elements(ctx: PassContext) -> int:
     """The elements of one tile per replica: fewer, and a block is mostly padding
     (`collective_block_tile`: XLA's TPU compiler pads each block to [16, 128])."""
-    tile = getattr(ctx.topology, "collective_block_tile", None)
+    tile = ctx.topology.collective_block_tile if ctx.topology is not None else None
     return math.prod(tile) * ctx.num_replicas if tile else 0
 
 

@@ -138,12 +138,13 @@ def test_a_convolution_costs_the_flops_xla_counts(features, window, stride, grou
     the flops the estimate prices equal XLA's own cost analysis of that convolution
     compiled alone, padding and a strided convolution's zeros left out. Undeclared, they
     cost only their bytes."""
-    import types
+    import dataclasses
 
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
+    from xla_strategies.hardware.topology import Topology
     from xla_strategies.passes.cost.timeline import compute_seconds
 
     layer = nn.Conv(features, (window, window), stride, feature_group_count=groups)
@@ -154,7 +155,10 @@ def test_a_convolution_costs_the_flops_xla_counts(features, window, stride, grou
         return jax.grad(lambda p, x: layer.apply(p, x).sum(), argnums=(0, 1))(params, images)
 
     graph = xs.OneDeviceStrategy("cpu:0").compile(gradients).executable(params, images).graph
-    flops_only = types.SimpleNamespace(peak_flops=1.0, memory_bandwidth=float("inf"))
+    # a topology whose time is flops alone, one flop a second
+    flops_only = dataclasses.replace(
+        Topology.from_name("v5e-8"), peak_flops=1.0, memory_bandwidth=float("inf")
+    )
     ours = [
         compute_seconds(node, flops_only)
         for region in graph.graphs()
