@@ -156,7 +156,7 @@ def sharded_update(shapes: list[tuple[int, ...]], itemsize: int, topology: str) 
     from xla_strategies.hardware.topology import Topology
     from xla_strategies.passes.cost import decisions
     from xla_strategies.passes.cost import model as cost_model
-    from xla_strategies.passes.transforms.blocks import shard_dimension
+    from xla_strategies.passes.rewrites.blocks import shard_dimension
 
     top = Topology.from_name(topology)
     links, chips = top.axis_links(), top.num_devices

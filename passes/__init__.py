@@ -1,8 +1,8 @@
 """The compiler: IR, pass pipeline, JAX capture and lowering, one file per pass.
 
-The passes are listed once, in `registry.py` (`PASSES`, in run order); each is public here
-under its class name (`xs.passes.CombineAllReduces`), with `PASS_REGISTRY` (spec name ->
-class) and `DEFAULT_PIPELINE`.
+The passes are listed in `registry.py` (`PASSES`, in run order); each is public here under
+its class name (`xs.passes.CombineAllReduces`), with `PASS_REGISTRY` (spec name -> class)
+and `DEFAULT_PIPELINE`. A new pass goes into both lists (`tests/test_imports.py` checks).
 """
 
 from xla_strategies.passes.base import Pass, PassContext
@@ -15,10 +15,28 @@ from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.text import IRParseError, parse, print_graph
 from xla_strategies.passes.ir.verifier import VerificationError, verify
 from xla_strategies.passes.pipeline import PassPipeline, PipelineSpecError
-from xla_strategies.passes.registry import DEFAULT_PIPELINE, PASS_ORDER, PASS_REGISTRY, PASSES
+from xla_strategies.passes.registry import (
+    DEFAULT_PIPELINE,
+    PASS_ORDER,
+    PASS_REGISTRY,
+    PASSES,
+    CombineAllReduces,
+    DecomposeAllReduces,
+    FoldInvariantReductions,
+    HoistAllReduces,
+    InsertReductions,
+    PrefetchAllGathers,
+    ReassociateAllReduces,
+    ReduceScattersBeforeLoops,
+    ReduceToOneDevice,
+    ScatterAddsAsSelects,
+    ScheduleAllReduces,
+    ShardParameters,
+    ShardWeightUpdates,
+    SinkCastsBelowLookups,
+    SplitStackedAllReduces,
+)
 from xla_strategies.passes.transforms.insert_reductions import MirroredOutputError
-
-globals().update({cls.__name__: cls for cls in PASSES})
 
 __all__ = [
     "DEFAULT_PIPELINE",
@@ -38,5 +56,19 @@ __all__ = [
     "parse",
     "print_graph",
     "verify",
-    *(cls.__name__ for cls in PASSES),
+    "CombineAllReduces",
+    "DecomposeAllReduces",
+    "FoldInvariantReductions",
+    "HoistAllReduces",
+    "InsertReductions",
+    "PrefetchAllGathers",
+    "ReassociateAllReduces",
+    "ReduceScattersBeforeLoops",
+    "ReduceToOneDevice",
+    "ScatterAddsAsSelects",
+    "ScheduleAllReduces",
+    "ShardParameters",
+    "ShardWeightUpdates",
+    "SinkCastsBelowLookups",
+    "SplitStackedAllReduces",
 ]

@@ -118,6 +118,17 @@ class ModePass(Pass):
         return False
 
 
+class Instrument:
+    """Hooks around each pass of a pipeline (`PassPipeline.instruments`): a timer, the IR
+    dumper and printer, the collective ledger. All methods are optional."""
+
+    def before_pipeline(self, graph: Graph, ctx: PassContext) -> None: ...
+
+    def after_pass(
+        self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float
+    ) -> None: ...
+
+
 def _format_option(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

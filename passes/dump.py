@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Instrument, Pass, PassContext
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.text import print_graph
-from xla_strategies.passes.pipeline import Instrument
 
 
 def dump_header(pass_name: str) -> str:

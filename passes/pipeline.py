@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Instrument, Pass, PassContext
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.verifier import VerificationError, verify
 from xla_strategies.passes.registry import PASS_ORDER, PASS_REGISTRY
@@ -25,16 +25,6 @@ from xla_strategies.passes.registry import PASS_ORDER, PASS_REGISTRY
 
 class PipelineSpecError(ValueError):
     """A pipeline spec string names an unknown pass or option, or is malformed."""
-
-
-class Instrument:
-    """Hooks around each pass of a pipeline. All methods are optional."""
-
-    def before_pipeline(self, graph: Graph, ctx: PassContext) -> None: ...
-
-    def after_pass(
-        self, pass_: Pass, graph: Graph, ctx: PassContext, changed: bool, seconds: float
-    ) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -163,3 +163,10 @@ def test_every_strategy_is_what_the_lower_layers_read():
         assert isinstance(strategy, StrategyLike), type(strategy).__name__
         assert isinstance(strategy, StepStrategy), type(strategy).__name__
     assert not isinstance(object(), StrategyLike)
+
+
+def test_every_pass_is_exported_by_name():
+    import xla_strategies.passes as passes
+
+    for cls in passes.PASSES:
+        assert cls.__name__ in passes.__all__ and getattr(passes, cls.__name__) is cls

@@ -1,5 +1,5 @@
 """An embedding table held split on its features is looked up, and its gradient summed,
-where it lies (`passes/transforms/lookup_blocks.py`): token ids gathered, a local
+where it lies (`passes/rewrites/lookup_blocks.py`): token ids gathered, a local
 gather and an all-to-all forward; an all-to-all and a local scatter-add backward. The
 numbers are one device's."""
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from xla_strategies.passes.base import Pass, PassContext
+from xla_strategies.passes.base import Instrument, Pass, PassContext
 from xla_strategies.passes.cost.timeline import collective_seconds, step_estimate
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.walk import collectives_per_step, payload_bytes
-from xla_strategies.passes.pipeline import Instrument
 
 if TYPE_CHECKING:
     from xla_strategies.passes.cost.topology_like import TopologyLike

@@ -1,2 +1,1 @@
-"""The passes, one file each, with the helpers that only passes use (block rewrites,
-gather prologues)."""
+"""The passes, one file each; what they share lives in `passes/rewrites/`."""

@@ -53,7 +53,7 @@ from xla_strategies.passes.cost.decisions import bucket_bytes
 from xla_strategies.passes.cost.model import SLOW_LEVELS
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.bucket_lowering import Bucket, combine, combine_blocks
+from xla_strategies.passes.rewrites.bucket_lowering import Bucket, combine, combine_blocks
 
 # Without a topology (CPU, plain MirroredStrategy): chosen from the sweep in
 # benchmarks/README.md ("Bucket threshold sweep").

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, NewNodes, Node, Value
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.gather_prologue import clone, drop_dead, gather_prologue
+from xla_strategies.passes.rewrites.gather_prologue import clone, drop_dead, gather_prologue
 
 
 @dataclass(frozen=True)

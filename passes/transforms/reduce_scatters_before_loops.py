@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.gather_prologue import ancestors
+from xla_strategies.passes.rewrites.gather_prologue import ancestors
 
 _LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
 

@@ -51,12 +51,12 @@ from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.block_axes import within_slice
-from xla_strategies.passes.transforms.block_sharder import DEFERRED, BlockSharder
-from xla_strategies.passes.transforms.blocks import block_value, shard_dimension
-from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
-from xla_strategies.passes.transforms.lookup_blocks import table_dims
-from xla_strategies.passes.transforms.regather_residuals import regather_residuals
+from xla_strategies.passes.rewrites.block_axes import within_slice
+from xla_strategies.passes.rewrites.block_sharder import DEFERRED, BlockSharder
+from xla_strategies.passes.rewrites.blocks import block_value, shard_dimension
+from xla_strategies.passes.rewrites.held_state import require_state, warn_if_nothing_held
+from xla_strategies.passes.rewrites.lookup_blocks import table_dims
+from xla_strategies.passes.rewrites.regather_residuals import regather_residuals
 
 # In auto mode, shard when the replicated state and its gradients take more than this
 # share of a chip's memory: the rest is for activations and XLA's temporaries.

@@ -49,13 +49,13 @@ from typing import Any
 from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.cost.decisions import runs_as_all_reduce, weight_update_estimates
 from xla_strategies.passes.ir.graph import Graph, Node
-from xla_strategies.passes.transforms.block_axes import block_order
-from xla_strategies.passes.transforms.block_sharder import (
+from xla_strategies.passes.rewrites.block_axes import block_order
+from xla_strategies.passes.rewrites.block_sharder import (
     DEFERRED,
     BlockSharder,
     is_gradient_reduction,
 )
-from xla_strategies.passes.transforms.held_state import require_state, warn_if_nothing_held
+from xla_strategies.passes.rewrites.held_state import require_state, warn_if_nothing_held
 
 
 @dataclass(frozen=True)

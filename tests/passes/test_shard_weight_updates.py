@@ -11,7 +11,7 @@ import pytest
 from tests.filecheck import filecheck
 from tests.passes.pass_testing import MESH, run_pass
 from xla_strategies.passes import PassContext, ShardWeightUpdates, parse
-from xla_strategies.passes.transforms.blocks import block_shape, shard_dimension
+from xla_strategies.passes.rewrites.blocks import block_shape, shard_dimension
 
 # SGD with momentum: weights %0 (read by the forward pass), momentum %1, a batch %2
 MOMENTUM = """\
@@ -301,7 +301,7 @@ def test_the_update_is_priced_as_xla_fuses_it_without_the_backward_pass():
     weight once. A reduction inside the backward pass (BatchNorm's global-batch statistics)
     reaches the rest of the backward, which is not the update: counting it made ResNet-50's
     replicated update 54 ms on v5e-256 instead of about 1 ms."""
-    from xla_strategies.passes.transforms.block_sharder import is_gradient_reduction
+    from xla_strategies.passes.rewrites.block_sharder import is_gradient_reduction
     from xla_strategies.passes.transforms.shard_weight_updates import _update_bytes
 
     graph = parse(
@@ -326,7 +326,7 @@ func @step(%0: f32[1024]{replica}, %1: f32[1024]) {
 def test_the_sharded_update_gathers_the_weights_bytes_not_the_gradients():
     """bf16 gradients of f32 weights: the new weights gathered back are twice the bytes
     reduced (GPT-2 medium on v5e-256: 2.357 ms sharded before, 3.496 ms now)."""
-    from xla_strategies.passes.transforms.block_sharder import is_gradient_reduction
+    from xla_strategies.passes.rewrites.block_sharder import is_gradient_reduction
     from xla_strategies.passes.transforms.shard_weight_updates import _weight_bytes
 
     graph = parse(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.gather_prologue import ancestors, clone, derived, drop_dead
+from xla_strategies.passes.rewrites.gather_prologue import ancestors, clone, derived, drop_dead
 
 
 def regather_residuals(graph: Graph, created_by: str) -> int:

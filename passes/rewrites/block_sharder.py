@@ -20,7 +20,7 @@ from typing import Any
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait, dimension_reduction, result_shape_param
-from xla_strategies.passes.transforms.blocks import (
+from xla_strategies.passes.rewrites.blocks import (
     DEFERRED,
     block_value,
     divides,
@@ -29,8 +29,8 @@ from xla_strategies.passes.transforms.blocks import (
     sinks_to_blocks,
     unit_reshape_dim,
 )
-from xla_strategies.passes.transforms.branch_blocks import shard_branches
-from xla_strategies.passes.transforms.lookup_blocks import (
+from xla_strategies.passes.rewrites.branch_blocks import shard_branches
+from xla_strategies.passes.rewrites.lookup_blocks import (
     scatter_lookup_gradient,
     shard_lookup,
     type_for_lookups,

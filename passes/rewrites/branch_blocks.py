@@ -11,7 +11,7 @@ any other output as a block gathers it before returning.
 from __future__ import annotations
 
 from xla_strategies.passes.ir.graph import Graph, Node, Value
-from xla_strategies.passes.transforms.blocks import DEFERRED, BlockRewriter
+from xla_strategies.passes.rewrites.blocks import DEFERRED, BlockRewriter
 
 
 def shard_branches(sharder: BlockRewriter, node: Node) -> bool:

@@ -41,7 +41,7 @@ import numpy as np
 from xla_strategies.passes.ir.graph import Node, Value
 from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
-from xla_strategies.passes.transforms.blocks import BlockRewriter, divides
+from xla_strategies.passes.rewrites.blocks import BlockRewriter, divides
 
 
 class LookupRewriter(BlockRewriter, Protocol):
