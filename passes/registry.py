@@ -54,7 +54,9 @@ PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
 # decides), merge the parts of tied weights, shard the weight update where the cost model
 # says it pays, bucket what is left, then let layer loops gather their next layer's
 # parameters while the current one computes, and across TPU slices reduce small stacked
-# statistics row by row; last, in a step whose state is held split, look up before casting.
+# statistics row by row; in a step whose state is held split, look up before casting, take
+# the loss's label gradient as a select, and have layer loops wait for the reduce-scatters
+# before them (the last three where the hardware file says they were measured to pay).
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"

@@ -45,7 +45,8 @@ def lower(
     replica, squeezed before the graph sees them), and varying outputs come back stacked.
     Stacked values live on `stacked_mesh` (the same devices under reserved axis names), so
     their sharding tells them apart from a split batch; values the graph holds sharded
-    (weight-update sharding) live on `sharded_mesh` for the same reason.
+    (optimizer state under weight-update sharding, parameters under parameter sharding)
+    live on `sharded_mesh` for the same reason.
     """
     io = graph.io
     in_specs = tuple(

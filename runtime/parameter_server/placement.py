@@ -76,10 +76,3 @@ class Placement:
             leaves.append(np.concatenate(chunks) if shape else chunks[0])
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def elements_per_ps(self) -> list[int]:
-        totals = [0] * self.num_ps
-        for p in self.pieces:
-            shape = self.shapes[p.leaf]
-            row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
-            totals[p.ps] += (p.stop - p.start) * row if shape else 1
-        return totals

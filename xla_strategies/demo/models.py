@@ -108,12 +108,6 @@ class TransformerLM(nnx.Module):
         return self.embed.attend(self.ln(run_blocks(x, self.blocks)))
 
 
-def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, Any]:
-    """(graphdef, params as a plain dict pytree)."""
-    graphdef, state = nnx.split(model, nnx.Param)
-    return graphdef, nnx.to_pure_dict(state)
-
-
 def lm_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable[..., Any]:
     """A per-replica train step for `TransformerLM`: returns params, opt_state, per-token loss."""
 

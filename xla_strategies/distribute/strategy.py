@@ -11,8 +11,9 @@ run. Values are plain `jax.Array`s and their sharding says what they are (`Layou
   reserved prefix `STACKED_PREFIX`. A stacked value of shape `[R, ...]` and a batch of R rows
   therefore never look alike, whatever their shapes.
 
-Mirrored state that weight-update sharding holds split across the replicas between steps
-(optimizer state) lives on `strategy.sharded_mesh`, under the prefix `SHARDED_PREFIX`. It is
+Mirrored state that a step holds split across the replicas between steps (the optimizer
+state under weight-update sharding; the parameters too under parameter sharding) lives on
+`strategy.sharded_mesh`, under the prefix `SHARDED_PREFIX`. It is
 still one mirrored value of its logical shape: a step takes it as it is, and anything else
 reads it whole.
 

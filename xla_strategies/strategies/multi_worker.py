@@ -110,10 +110,6 @@ class MultiWorkerMirroredStrategy(Strategy):
             return None
         return topology.split_model_axis(self.logical_devices_per_replica)
 
-    @property
-    def worker_index(self) -> int:
-        return jax.process_index()
-
     def __repr__(self) -> str:
         if self.compile_only:
             return super().__repr__()
