@@ -380,9 +380,10 @@ class CheckpointManager:
         )
 
     def close(self) -> None:
-        """Finish the background save, and let the next writer in."""
+        """Finish the background save (raising its error), and let the next writer in."""
         try:
-            self._manager.close()
+            with self._refused_writes("a background save failed"):
+                self._manager.close()
             self._remove_deleted()
         finally:
             if self._lock is not None:
