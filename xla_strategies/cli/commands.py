@@ -51,7 +51,11 @@ def aot(args: Namespace) -> int:
             f"--topology {args.topology!r} is neither a TPU slice nor GPU nodes "
             "(e.g. v5e-256, dgx-h100, 2xdgx-h100)"
         )
-    env = {AOT_TOPOLOGY: topology.name, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env = {
+        AOT_TOPOLOGY: topology.name,
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+        dumping.SELECT_BY_COMPILING: "1",  # the compiler decides what the model cannot
+    }
     out = Path(args.out)
     started = time.time()
     if args.progress_every <= 0:

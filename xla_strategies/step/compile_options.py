@@ -44,6 +44,11 @@ class CompileOptions:
             as `jax.jit`; nothing else is donated.
         donate_argnames: names of such arguments.
         compiler_options: XLA option names to values, winning over the strategy's own.
+        select_by_compiling: True: compile the pipeline's alternatives (the default one,
+            and one of only the passes that give reductions their meaning, as `jax.jit`
+            runs) and keep the best by what XLA says (`step.pipeline_choice`); False:
+            never; None: where `xla-strategies aot` asks for it, for a compile-only
+            strategy with a topology, unless the step names its own pipeline.
         name: the step's name in dumps and errors (default: the function's).
     """
 
@@ -58,6 +63,7 @@ class CompileOptions:
     donate_argnums: int | Sequence[int] = ()
     donate_argnames: str | Sequence[str] = ()
     compiler_options: Mapping[str, Any] | None = None
+    select_by_compiling: bool | None = None
     name: str | None = None
 
     #: the options `set_compile_defaults` takes: the ones the library's own compiles
@@ -76,7 +82,7 @@ class CompileOptions:
             not isinstance(self.axis_name, str) or not self.axis_name
         ):
             raise TypeError(f"axis_name must be a non-empty string, got {self.axis_name!r}")
-        for flag in ("shard_weight_updates", "shard_parameters"):
+        for flag in ("shard_weight_updates", "shard_parameters", "select_by_compiling"):
             if getattr(self, flag) not in (None, True, False):
                 raise TypeError(f"{flag} must be True, False or None, got {getattr(self, flag)!r}")
 

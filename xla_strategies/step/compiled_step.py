@@ -23,12 +23,15 @@ from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
 from xla_strategies.core.layout import Layout, replica_axes
 from xla_strategies.core.trees import copy_to
+from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
 from xla_strategies.passes.bridge.layouts import input_shardings, mark_model_dims, replica_spec
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
+from xla_strategies.passes.ir.text import print_graph
+from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
 from xla_strategies.step import in_place_state, numerics, replica_rng_streams
@@ -41,10 +44,11 @@ from xla_strategies.step.arguments import (
     flatten_arguments,
 )
 from xla_strategies.step.compile_options import CompileOptions
-from xla_strategies.step.compile_program import LoweredStep
+from xla_strategies.step.compile_program import LoweredStep, compile_lowered
 from xla_strategies.step.compiler_options import option_values, step_compiler_options
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
-from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDumper
+from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDumper, abstract
+from xla_strategies.step.pipeline_choice import Verdict, alternatives, choose, fingerprint
 from xla_strategies.step.recompiles import warn_if_recompiling
 from xla_strategies.step.state import DeclaredState, declared_outputs, donated_state, state_pairs
 from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
@@ -375,25 +379,22 @@ class CompiledStep:
         if options.pipeline:  # XLA_STRATEGIES_PIPELINE: the user's spec, by the same rule
             spec = dataclasses.replace(self.pipeline_options, spec=options.pipeline)
             pipeline = step_pipeline(self.strategy, spec)
+        remarks: list[str] = []
+        if self._selects_by_compiling(options):
+            verdict = self._select(signature, graph, pipeline)
+            pipeline = alternatives(pipeline)[verdict.chosen]
+            remarks.append(verdict.remark())
+            dump.progress(verdict.remark())
         start = time.perf_counter()
         ctx = self._pass_context()
+        ctx.remarks.extend(remarks)
         dump.instrument(pipeline).run(graph, ctx)
         seconds["pipeline"] = time.perf_counter() - start
         dump.progress(f"{len(pipeline.passes)} passes ran in {seconds['pipeline']:.1f} s")
         seconds["verify"] = ctx.stats["verify_seconds"]  # part of the pipeline's time
         donated = donated_state(graph)
         strategy = self.strategy
-        compiler_options = step_compiler_options(
-            strategy.compiler_options(ctx.parameters_split), self.compiler_options
-        )
-        run = lower(
-            graph,
-            strategy.mesh,
-            donated,
-            strategy.stacked_mesh,
-            compiler_options,
-            strategy.sharded_mesh,
-        )
+        run, compiler_options = self._lowered(graph, ctx)
         dump.write(graph, run, signature.arrays, compiler_options)
         if options.stop_after_compile:
             raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
@@ -404,6 +405,53 @@ class CompiledStep:
         )
         stats = (captured_stats, seconds, ctx.stats, ctx.remarks)
         return Executable(graph, run, outputs, donated, placements, *stats)
+
+
+    def _lowered(self, graph: Graph, ctx: PassContext) -> tuple[Any, dict[str, Any]]:
+        """The jitted program of a graph the passes ran on, and its XLA options."""
+        strategy = self.strategy
+        compiler_options = step_compiler_options(
+            strategy.compiler_options(ctx.parameters_split), self.compiler_options
+        )
+        run = lower(
+            graph,
+            strategy.mesh,
+            donated_state(graph),
+            strategy.stacked_mesh,
+            compiler_options,
+            strategy.sharded_mesh,
+        )
+        return run, compiler_options
+
+    def _selects_by_compiling(self, dump_options: DumpOptions) -> bool:
+        """`select_by_compiling`, or by default where `xla-strategies aot` asks for it
+        (`SELECT_BY_COMPILING`): for a compile-only strategy with a topology, whose
+        pipeline is the library's (not a spec the user wrote)."""
+        chosen = self.options.select_by_compiling
+        if chosen is not None:
+            return chosen
+        written = self.options.pipeline is not None or dump_options.pipeline is not None
+        judged = self.strategy.compile_only and self.strategy.topology is not None
+        return dump_options.select_by_compiling and judged and not written
+
+    def _select(self, signature: Signature, graph: Graph, pipeline: PassPipeline) -> Verdict:
+        """Compile the alternatives of `pipeline` for this step (`pipeline_choice`)."""
+        strategy = self.strategy
+
+        def compile_one(candidate: PassPipeline) -> Any:
+            fresh, _ = self._capture(signature)
+            ctx = self._pass_context()
+            candidate.run(fresh, ctx)
+            run, compiler_options = self._lowered(fresh, ctx)
+            shardings = input_shardings(
+                fresh, strategy.mesh, strategy.stacked_mesh, strategy.sharded_mesh
+            )
+            args = abstract([(a.shape, a.dtype) for a in signature.arrays], shardings)
+            compiled = compile_lowered(lambda: run.lower(*args).compile(), strategy, self.name)
+            return compiled_report(compiled, strategy, compiler_options)
+
+        key = fingerprint(print_graph(graph), strategy.topology, self.options)
+        return choose(alternatives(pipeline), compile_one, key)
 
 
 def _put(leaf: Any, sharding: NamedSharding, strategy: StepStrategy) -> Any:

@@ -9,6 +9,8 @@
     XLA_STRATEGIES_PIPELINE=SPEC          run SPEC instead of the strategy's pipeline
     XLA_STRATEGIES_STOP_AFTER_COMPILE=1   raise xs.errors.StoppedAfterCompile once the first
                                           step has compiled (`dump` turns it into exit 0)
+    XLA_STRATEGIES_SELECT_BY_COMPILING=1  compile-only steps compile their pipeline's
+                                          alternatives and keep the best (`aot` sets it)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
 #: command line that runs the script shows while it waits.
 PROGRESS_FILE = ".progress"
 PIPELINE, STOP_AFTER_COMPILE = "XLA_STRATEGIES_PIPELINE", "XLA_STRATEGIES_STOP_AFTER_COMPILE"
+SELECT_BY_COMPILING = "XLA_STRATEGIES_SELECT_BY_COMPILING"
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class DumpOptions:
     print_ir: str | None = None
     pipeline: str | None = None
     stop_after_compile: bool = False
+    select_by_compiling: bool = False
 
     @classmethod
     def from_env(cls) -> DumpOptions:
@@ -59,6 +63,7 @@ class DumpOptions:
             print_ir=print_ir,
             pipeline=os.environ.get(PIPELINE) or None,
             stop_after_compile=os.environ.get(STOP_AFTER_COMPILE, "") not in ("", "0"),
+            select_by_compiling=os.environ.get(SELECT_BY_COMPILING, "") not in ("", "0"),
         )
 
 

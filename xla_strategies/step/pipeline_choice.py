@@ -1,0 +1,176 @@
+"""Where the cost model cannot rank two pipelines, the compiler decides.
+
+A compile for a TPU slice or GPU nodes costs seconds to minutes; a training run, days. So a
+step compiled for a known topology can compile its pipeline's alternatives and keep the
+best by what XLA's compiler says of each. The alternatives:
+
+- `default`: the step's pipeline, every pass the cost model turned on included;
+- `replicated`: only the passes that give the reductions their meaning (as `jax.jit`'s data
+  parallelism runs: one reduction per gradient, XLA's own combiners and schedule).
+
+The rule is the guarantee the library gives: the default is kept where it fits and is at
+most the replicated program in memory per chip and in estimated step (within `SAME`, the
+rounding of a few instructions named differently); otherwise the replicated one is, unless
+only the default fits. A default that trades memory for a shorter step is not kept: the
+verdict says what it would have given.
+
+On with `compile(select_by_compiling=True)`, and by default under `xla-strategies aot`.
+The verdict is cached by the program's fingerprint (its captured IR, the topology, the
+options and the compiler's releases) under `XLA_STRATEGIES_CACHE` (default
+`~/.cache/xla_strategies`), so compiling the same step again pays for one compile. The dump
+and the step's remarks say what was compiled and why one won.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from xla_strategies.core.errors import OutOfMemoryError
+from xla_strategies.hardware.compiled_report import CompiledReport, compiler_versions
+from xla_strategies.passes.pipeline import PassPipeline
+
+CACHE = "XLA_STRATEGIES_CACHE"
+#: the passes that give a step's reductions their meaning (and where the state goes, for
+#: a strategy that keeps it on one device): never left out of an alternative
+MEANING = frozenset({"insert-reductions", "fold-invariant-reductions", "reduce-to-one-device"})
+#: the relative difference two programs' memory or estimated step may have and count as
+#: the same (programs that differ in their instructions' names and fusion boundaries)
+SAME = 1e-4
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What XLA's compiler said of one alternative."""
+
+    label: str
+    spec: str
+    fits: bool
+    memory_bytes: int | None
+    step_s: float | None
+
+    def at_most(self, other: Compiled) -> bool:
+        """Whether this program fits and is no worse than `other` in memory per chip and in
+        estimated step (each within `SAME`)."""
+        if not self.fits:
+            return False
+        pairs = ((self.memory_bytes, other.memory_bytes), (self.step_s, other.step_s))
+        return all(
+            mine is not None and theirs is not None and mine <= theirs * (1 + SAME)
+            for mine, theirs in pairs
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    chosen: str
+    compiled: tuple[Compiled, ...]
+    fingerprint: str
+    cached: bool = False
+
+    def remark(self) -> str:
+        seen = "; ".join(
+            f"{c.label} {_gib(c.memory_bytes)} GiB, {_ms(c.step_s)} ms"
+            + ("" if c.fits else " (does not fit)")
+            for c in self.compiled
+        )
+        source = " (the cached verdict)" if self.cached else ""
+        return (
+            f"select-by-compiling: compiled {seen}; kept {self.chosen}{source}: the "
+            "default where it fits and is at most the replicated program in memory and "
+            "estimated step, else the replicated one"
+        )
+
+
+def alternatives(pipeline: PassPipeline) -> dict[str, PassPipeline]:
+    """The pipelines to compile: the step's own, and the one of its passes that give the
+    reductions their meaning (none when that is the same pipeline)."""
+    meaning = tuple(p for p in pipeline.passes if p.name in MEANING)
+    found = {"default": pipeline}
+    if len(meaning) < len([p for p in pipeline.passes if p.name not in pipeline.disabled]):
+        found["replicated"] = PassPipeline(passes=meaning)
+    return found
+
+
+def fingerprint(captured_ir: str, topology: Any, options: Any) -> str:
+    """The cache key of a verdict: the program, where it compiles for, and with what."""
+    key = json.dumps(
+        [captured_ir, getattr(topology, "name", None), repr(options), compiler_versions()],
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def choose(
+    candidates: dict[str, PassPipeline],
+    compile_one: Callable[[PassPipeline], CompiledReport],
+    key: str,
+) -> Verdict:
+    """The best of `candidates`, compiled one by one with `compile_one` unless the cache
+    holds a verdict for `key`."""
+    cached = _read(key)
+    if cached is not None and cached.chosen in candidates:
+        return cached
+    compiled = []
+    for label, pipeline in candidates.items():
+        try:
+            report = compile_one(pipeline)
+        except OutOfMemoryError:  # XLA refused it: it does not fit
+            compiled.append(Compiled(label, pipeline.spec(), False, None, None))
+            continue
+        memory = report.memory.total_bytes if report.memory is not None else None
+        fits = report.fits is not False
+        compiled.append(
+            Compiled(label, pipeline.spec(), fits, memory, report.estimate.get("step_s"))
+        )
+    verdict = Verdict(_kept(compiled).label, tuple(compiled), key)
+    _write(verdict)
+    return verdict
+
+
+def _kept(compiled: list[Compiled]) -> Compiled:
+    """The rule of the module's docstring: the first (`default`) where it is at most every
+    other; else the first other that fits; else the first."""
+    first, others = compiled[0], compiled[1:]
+    if all(first.at_most(other) for other in others if other.fits):
+        return first
+    return next((other for other in others if other.fits), first)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE) or Path.home() / ".cache" / "xla_strategies")
+
+
+def _read(key: str) -> Verdict | None:
+    path = _cache_dir() / "pipeline_verdicts" / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        compiled = tuple(Compiled(**c) for c in data["compiled"])
+        return Verdict(data["chosen"], compiled, key, cached=True)
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: compile
+        return None
+
+
+def _write(verdict: Verdict) -> None:
+    folder = _cache_dir() / "pipeline_verdicts"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary = folder / f".{verdict.fingerprint}.{os.getpid()}.tmp"
+        temporary.write_text(json.dumps(asdict(verdict), indent=1))
+        temporary.replace(folder / f"{verdict.fingerprint}.json")  # whole or not at all
+    except OSError:
+        pass  # a read-only home: the next compile decides again
+
+
+def _gib(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**30:.3f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1e3:.2f}"
