@@ -42,20 +42,8 @@ def aot(args: Namespace) -> int:
     """Compile the script's first step for a TPU slice (its TPUStrategy) or GPU nodes (its
     MirroredStrategy for one node, MultiWorkerMirroredStrategy for several), on this
     machine, and print what XLA's compiler says of it: does it fit, and its communication."""
-    from xla_strategies.hardware.topology import AOT_TOPOLOGY, Topology, hardware_config
-
-    topology = Topology.from_name(args.topology)
-    kind = hardware_config(topology.hardware)["kind"]
-    if kind not in ("tpu", "gpu"):
-        raise ValueError(
-            f"--topology {args.topology!r} is neither a TPU slice nor GPU nodes "
-            "(e.g. v5e-256, dgx-h100, 2xdgx-h100)"
-        )
-    env = {
-        AOT_TOPOLOGY: topology.name,
-        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-        dumping.SELECT_BY_COMPILING: "1",  # the compiler decides what the model cannot
-    }
+    topology, kind, env = _compile_only_for(args.topology)
+    env[dumping.SELECT_BY_COMPILING] = "1"  # the compiler decides what the model cannot
     out = Path(args.out)
     started = time.time()
     if args.progress_every <= 0:
@@ -97,6 +85,41 @@ def aot(args: Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _compile_only_for(name: str) -> tuple[Any, str, dict[str, str]]:
+    """The topology `--topology` names, its kind ("tpu" or "gpu"), and the environment
+    that makes the script's strategy compile-only for it."""
+    from xla_strategies.hardware.topology import AOT_TOPOLOGY, Topology, hardware_config
+
+    topology = Topology.from_name(name)
+    kind = hardware_config(topology.hardware)["kind"]
+    if kind not in ("tpu", "gpu"):
+        raise ValueError(
+            f"--topology {name!r} is neither a TPU slice nor GPU nodes "
+            "(e.g. v5e-256, dgx-h100, 2xdgx-h100)"
+        )
+    env = {AOT_TOPOLOGY: topology.name, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    return topology, kind, env
+
+
+def plan(args: Namespace) -> int:
+    """Run the script until its first step, and plan that step for the topology: every
+    candidate configuration compiled, a table of what fits and what is fastest, and the
+    lines to paste (`xla_strategies.distribute.planner`)."""
+    _, _, env = _compile_only_for(args.topology)
+    if args.budget is not None and args.budget <= 0:
+        raise ValueError(f"--budget {args.budget:g} must be more than 0 minutes")
+    env[dumping.PLAN] = "none" if args.budget is None else str(args.budget * 60)
+    return _run_dumped(
+        "plan",
+        args.command,
+        Path(args.out),
+        env,
+        stop_after_compile=True,
+        timeout=args.timeout,
+        progress_every=args.progress_every,
+    )
 
 
 def _written_since(path: Path, started: float) -> bool:
@@ -377,4 +400,4 @@ def ledger(args: Namespace) -> int:
     return 0
 
 
-__all__ = ["aot", "dump", "ledger", "opt", "show"]
+__all__ = ["aot", "dump", "ledger", "opt", "plan", "show"]

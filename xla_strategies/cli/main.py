@@ -1,4 +1,4 @@
-"""The `xla-strategies` command line: demo, dump, aot, report, show, opt, ledger."""
+"""The `xla-strategies` command line: demo, dump, aot, plan, report, show, opt, ledger."""
 
 from __future__ import annotations
 
@@ -59,6 +59,25 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between the lines that say what the script is doing (default: 30)",
     )
     aot.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+    plan = commands.add_parser(
+        "plan",
+        help="before launch: compile a script's first step in every candidate configuration "
+        "for a topology, and say what fits and what is fastest",
+        usage="xla-strategies plan --topology v5e-256 [--budget MINUTES] -- python train.py",
+    )
+    plan.add_argument("--topology", required=True, help="a TPU slice or GPU nodes")
+    plan.add_argument(
+        "--budget", type=float, help="minutes of compiling, then the best so far (default: all)"
+    )
+    plan.add_argument("--out", default="plan_dumps", help="dump directory (default: plan_dumps)")
+    plan.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds before the script is ended"
+    )
+    plan.add_argument(
+        "--progress-every", type=float, default=30.0, metavar="SECONDS", help=argparse.SUPPRESS
+    )
+    plan.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
 
     report = commands.add_parser(
         "report",

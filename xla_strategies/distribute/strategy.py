@@ -42,6 +42,7 @@ from xla_strategies.core.layout import (
 )
 from xla_strategies.core.reduce_op import ReduceOp, check_axis, reduce_replicas
 from xla_strategies.core.trees import abstract_like, copy_to, map_arrays
+from xla_strategies.distribute import planner
 from xla_strategies.distribute.extended import StrategyExtended
 from xla_strategies.distribute.merge_call import merge_call
 from xla_strategies.distribute.mesh_layout import MeshLayout
@@ -154,6 +155,26 @@ class Strategy(MeshLayout):
         if self.compile_only or isinstance(array, jax.ShapeDtypeStruct):
             return abstract_like(array, sharding)
         return copy_to(array, sharding)
+
+    def with_logical_devices_per_replica(self, k: int) -> Strategy | None:
+        """This strategy with `k` devices per replica (a model axis of `k`), for the
+        planner; None where this kind of strategy cannot build one, or `k` does not divide
+        its fastest axis."""
+        return self if k == self.logical_devices_per_replica else None
+
+    def plan(
+        self, step: Callable[..., Any], *args: Any, budget: float | None = None, **search: Any
+    ) -> planner.Plan:
+        """Compile `step` on abstract `args` in every candidate configuration for this
+        strategy's topology, before launch: what fits, and what is fastest
+        (`xla_strategies.distribute.planner`). `budget`: seconds, then the best so far;
+        `search`: `model_axes` (devices per replica to try) and `batch_doublings`."""
+        if not self.compile_only or self.topology is None:
+            raise ValueError(
+                f"plan compiles for a topology without its chips: build the strategy with "
+                f"compile_only=True and a topology, not {self!r}"
+            )
+        return planner.plan(self, step, args, budget, **search)
 
     def root_copy(self, array: jax.Array) -> jax.Array:
         """The correct copy of a step output that only one replica holds (`rooted`)."""

@@ -47,11 +47,18 @@ from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.compile_program import LoweredStep, compile_lowered
 from xla_strategies.step.compiler_options import option_values, step_compiler_options
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
-from xla_strategies.step.dumping import STOP_AFTER_COMPILE, DumpOptions, StepDumper, abstract
-from xla_strategies.step.pipeline_choice import Verdict, alternatives, choose, fingerprint
+from xla_strategies.step.dumping import (
+    PLAN,
+    STOP_AFTER_COMPILE,
+    DumpOptions,
+    StepDumper,
+    abstract,
+)
+from xla_strategies.step.pipeline_choice import Verdict, alternatives, choose
 from xla_strategies.step.recompiles import warn_if_recompiling
 from xla_strategies.step.state import DeclaredState, declared_outputs, donated_state, state_pairs
 from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
+from xla_strategies.step.verdict_cache import fingerprint
 
 if TYPE_CHECKING:
     from xla_strategies.step.protocols import StepStrategy
@@ -151,6 +158,8 @@ class CompiledStep:
                 f"({self.name}.__wrapped__) inside a compiled step"
             )
         flat, signature = self._flatten(args, kwargs)
+        if (budget := DumpOptions.from_env().plan) is not None and self.strategy.compile_only:
+            self._plan_and_stop(args, kwargs, budget)
         abstract = self.strategy.compile_only or any(
             isinstance(leaf, jax.ShapeDtypeStruct) for leaf in flat
         )
@@ -192,6 +201,16 @@ class CompiledStep:
             )
         in_place_state.write_back(outputs.written, outputs.in_place(outs), args, kwargs)
         return outputs.join(outs)
+
+    def _plan_and_stop(self, args: tuple, kwargs: dict, budget: str) -> None:
+        """`xla-strategies plan`: plan this step on its arguments, print the plan, stop."""
+        if kwargs:
+            raise TypeError(f"{self.name}: plan takes a step called with positional arguments")
+        seconds = None if budget == "none" else float(budget)
+        found = self.strategy.plan(self, *args, budget=seconds)
+        print(found.table())
+        print(found.recommendation(self.name), flush=True)
+        raise StoppedAfterCompile(f"{self.name} planned; stopping ({PLAN})")
 
     def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
         """The lowered program for these arguments, as `jax.jit(...).lower` gives it:
@@ -368,6 +387,8 @@ class CompiledStep:
     def _build(self, signature: Signature) -> Executable:
         """Capture, run the passes (with the dump's instruments), lower; dump if asked."""
         options = DumpOptions.from_env()
+        if options.plan is not None:  # a planner's candidate: neither dumped nor stopped
+            options = DumpOptions()
         seconds: dict[str, float] = {}
         dump = StepDumper(options, self.name, self.strategy)
         start = time.perf_counter()

@@ -43,6 +43,9 @@ DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
 PROGRESS_FILE = ".progress"
 PIPELINE, STOP_AFTER_COMPILE = "XLA_STRATEGIES_PIPELINE", "XLA_STRATEGIES_STOP_AFTER_COMPILE"
 SELECT_BY_COMPILING = "XLA_STRATEGIES_SELECT_BY_COMPILING"
+#: set by `xla-strategies plan`: the first step plans (its value: the budget in seconds, or
+#: "none"), prints the plan and stops
+PLAN = "XLA_STRATEGIES_PLAN"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class DumpOptions:
     pipeline: str | None = None
     stop_after_compile: bool = False
     select_by_compiling: bool = False
+    plan: str | None = None
 
     @classmethod
     def from_env(cls) -> DumpOptions:
@@ -64,6 +68,7 @@ class DumpOptions:
             pipeline=os.environ.get(PIPELINE) or None,
             stop_after_compile=os.environ.get(STOP_AFTER_COMPILE, "") not in ("", "0"),
             select_by_compiling=os.environ.get(SELECT_BY_COMPILING, "") not in ("", "0"),
+            plan=os.environ.get(PLAN) or None,
         )
 
 

@@ -16,26 +16,21 @@ verdict says what it would have given.
 
 On with `compile(select_by_compiling=True)`, and by default under `xla-strategies aot`.
 The verdict is cached by the program's fingerprint (its captured IR, the topology, the
-options and the compiler's releases) under `XLA_STRATEGIES_CACHE` (default
-`~/.cache/xla_strategies`), so compiling the same step again pays for one compile. The dump
-and the step's remarks say what was compiled and why one won.
+options and the compiler's releases; `verdict_cache`), so compiling the same step again
+pays for one compile. The dump and the step's remarks say what was compiled and why one
+won.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
 from xla_strategies.core.errors import OutOfMemoryError
-from xla_strategies.hardware.compiled_report import CompiledReport, compiler_versions
+from xla_strategies.hardware.compiled_report import CompiledReport
 from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.step import verdict_cache
 
-CACHE = "XLA_STRATEGIES_CACHE"
 #: the passes that give a step's reductions their meaning (and where the state goes, for
 #: a strategy that keeps it on one device): never left out of an alternative
 MEANING = frozenset({"insert-reductions", "fold-invariant-reductions", "reduce-to-one-device"})
@@ -97,16 +92,6 @@ def alternatives(pipeline: PassPipeline) -> dict[str, PassPipeline]:
     return found
 
 
-def fingerprint(captured_ir: str, topology: Any, options: Any) -> str:
-    """The cache key of a verdict: the program, where it compiles for, and with what."""
-    key = json.dumps(
-        [captured_ir, getattr(topology, "name", None), repr(options), compiler_versions()],
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
 def choose(
     candidates: dict[str, PassPipeline],
     compile_one: Callable[[PassPipeline], CompiledReport],
@@ -143,29 +128,17 @@ def _kept(compiled: list[Compiled]) -> Compiled:
     return next((other for other in others if other.fits), first)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get(CACHE) or Path.home() / ".cache" / "xla_strategies")
-
-
 def _read(key: str) -> Verdict | None:
-    path = _cache_dir() / "pipeline_verdicts" / f"{key}.json"
+    data = verdict_cache.read("pipeline_verdicts", key)
     try:
-        data = json.loads(path.read_text())
         compiled = tuple(Compiled(**c) for c in data["compiled"])
         return Verdict(data["chosen"], compiled, key, cached=True)
-    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: compile
+    except (KeyError, TypeError):  # none, or of another layout: compile
         return None
 
 
 def _write(verdict: Verdict) -> None:
-    folder = _cache_dir() / "pipeline_verdicts"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        temporary = folder / f".{verdict.fingerprint}.{os.getpid()}.tmp"
-        temporary.write_text(json.dumps(asdict(verdict), indent=1))
-        temporary.replace(folder / f"{verdict.fingerprint}.json")  # whole or not at all
-    except OSError:
-        pass  # a read-only home: the next compile decides again
+    verdict_cache.write("pipeline_verdicts", verdict.fingerprint, asdict(verdict))
 
 
 def _gib(nbytes: int | None) -> str:

@@ -97,6 +97,7 @@ class TPUStrategy(Strategy):
             devices = _slice_mesh(topology, tpus)
         super().__init__(devices, tuple(topology.mesh_axes), compile_only, k, layout_map)
         self._topology = topology.split_model_axis(k)
+        self._topology_whole = topology
 
     # tf.distribute's logical devices: the model axis (`xla_strategies.strategies.logical_devices`)
 
@@ -112,6 +113,25 @@ class TPUStrategy(Strategy):
 
     def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
         return replicate_to_logical_devices(tensor, self.logical_devices_per_replica)
+
+    def with_logical_devices_per_replica(self, k: int) -> TPUStrategy | None:
+        """This slice with `k` chips per replica (compile-only, or emulated), for the
+        planner; None where `k` does not divide the slice's fastest axis."""
+        if k == self.logical_devices_per_replica:
+            return self
+        whole = self._topology_whole
+        try:
+            whole.split_model_axis(k)
+        except ValueError:
+            return None
+        if not self.compile_only:
+            return None  # the chips are the ones this process drives: one layout
+        return TPUStrategy(
+            whole,
+            compile_only=True,
+            logical_devices_per_replica=k,
+            generation_compiler_options=self.generation_compiler_options,
+        )
 
     @property
     def topology(self) -> Topology:

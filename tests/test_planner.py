@@ -1,0 +1,91 @@
+"""`strategy.plan`: a step compiled for a topology in each candidate configuration, the
+ones that do not fit said so by XLA's compiler, and the fastest that fits recommended."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import xla_strategies as xs
+
+pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _adam_step(tx):
+    def step(w, opt_state, x):
+        def loss(w):
+            h, _ = jax.lax.scan(lambda h, layer: (jnp.tanh(h @ layer), None), x, w)
+            return jnp.mean(h)
+
+        updates, opt_state = tx.update(jax.grad(loss)(w), opt_state, w)
+        return optax.apply_updates(w, updates), opt_state
+
+    return step
+
+
+def test_a_state_too_big_to_replicate_is_planned_split(tmp_path, monkeypatch):
+    """24 layers of 8192 x 8192 float32 weights with Adam (19 GB of state) on v5e-4 (16 GiB
+    a chip): replicated, they do not fit; split, they do."""
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx = optax.adam(1e-3)
+    w = jax.ShapeDtypeStruct((24, 8192, 8192), jnp.float32)
+    state = (w, jax.eval_shape(tx.init, w))
+    x = jax.ShapeDtypeStruct((16, 8192), jnp.float32, sharding=strategy.split_sharding())
+    lines = []
+    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1))  # the state, declared
+    found = strategy.plan(step, *state, x, model_axes=(1,), batch_doublings=0, log=lines.append)
+    fits = {row.sharding: row.fits for row in found.rows}
+    assert fits == {
+        "replicated": False,
+        "weight-update sharding": False,
+        "parameter sharding": True,
+    }
+    assert found.best().sharding == "parameter sharding"
+    assert "shard_parameters=True" in found.recommendation()
+    assert "uncalibrated" in found.table() and "NO" in found.table()
+    assert len(lines) == 3 and "compiling 3/3" in lines[-1]
+    again = strategy.plan(step, *state, x, model_axes=(1,), batch_doublings=0)
+    assert again.rows == found.rows  # from the cache: nothing compiled again
+
+
+def test_plan_needs_a_compile_only_strategy():
+    with pytest.raises(ValueError, match="build the strategy with compile_only=True"):
+        xs.MirroredStrategy().plan(lambda w: w, jnp.ones(3))
+
+
+def test_the_command_line_plans_a_scripts_first_step(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import jax.numpy as jnp, numpy as np
+            import xla_strategies as xs
+            strategy = xs.TPUStrategy("v5e-4")
+            step = strategy.compile(lambda w, x: w - 0.1 * jnp.mean(x) * w, donate_argnums=0)
+            batches = strategy.experimental_distribute_dataset([np.ones((8, 4), np.float32)])
+            step(strategy.replicate(np.ones(4, np.float32)), next(iter(batches)))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "xla_strategies", "plan", "--topology", "v5e-4", "--out",
+         str(tmp_path / "out"), "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+        env={**__import__("os").environ, "XLA_STRATEGIES_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plan for TPUStrategy(v5e-4" in done.stdout
+    assert (
+        "step = strategy.compile(" in done.stdout or "<lambda> = strategy.compile(" in done.stdout
+    )
+    assert "plan: compiling 1/" in done.stderr

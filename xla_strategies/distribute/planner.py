@@ -1,0 +1,234 @@
+"""`strategy.plan(step, *abstract_args)`: which configuration fits, and which is fastest,
+answered before launch by XLA's compiler for the strategy's topology.
+
+The candidates, each compiled deviceless (`compile_only`) for the same topology:
+
+- the sharding of the state: replicated on every chip (data parallelism), the optimizer
+  state split (weight-update sharding), the parameters split too (parameter sharding);
+- a model axis of 1, 2, 4 or 8 devices per replica, where the strategy can build one
+  (`Strategy.with_logical_devices_per_replica`) and it divides the topology's fastest axis;
+- the per-chip batch: the one given, then doubled while it fits (every batch argument,
+  the ones split over the replicas, grows together).
+
+Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
+(labelled with what the estimate was fitted to) and items per second per chip (the batch
+arguments' rows over the step, per chip). A `budget` in seconds stops the search with the
+best found so far. Progress goes to stderr: what compiles, how many are left, the best.
+Every row is cached by the program's fingerprint (`step.verdict_cache`): planning the same
+step again compiles nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from xla_strategies.core.errors import OutOfMemoryError
+from xla_strategies.core.layout import Layout
+from xla_strategies.hardware.compiled_report import calibration_label, compiled_report
+from xla_strategies.passes.ir.text import print_graph
+from xla_strategies.step import verdict_cache
+from xla_strategies.step.compile_options import CompileOptions
+from xla_strategies.step.verdict_cache import fingerprint
+
+if TYPE_CHECKING:
+    from xla_strategies.distribute.strategy import Strategy
+
+#: the state's sharding, as compile options (each forced: the default pipeline's own
+#: choice between them is what the plan checks)
+SHARDINGS = {
+    "replicated": {"shard_parameters": False, "shard_weight_updates": False},
+    "weight-update sharding": {"shard_parameters": False, "shard_weight_updates": True},
+    "parameter sharding": {"shard_parameters": True},
+}
+MODEL_AXES = (1, 2, 4, 8)
+#: how many times the per-chip batch is doubled at most
+BATCH_DOUBLINGS = 3
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compiled configuration."""
+
+    sharding: str
+    devices_per_replica: int
+    batch_per_chip: int
+    fits: bool
+    memory_bytes: int | None
+    step_s: float | None
+    items_per_s_per_chip: float | None
+    note: str = ""
+
+    def line(self) -> str:
+        gib = "   -   " if self.memory_bytes is None else f"{self.memory_bytes / 2**30:7.2f}"
+        step = "    -    " if self.step_s is None else f"{self.step_s * 1e3:9.2f}"
+        rate = "-" if self.items_per_s_per_chip is None else f"{self.items_per_s_per_chip:,.1f}"
+        fits = "yes" if self.fits else "NO"
+        return (
+            f"{self.sharding:<24} {self.devices_per_replica:>5} {self.batch_per_chip:>7} "
+            f"{gib} {fits:>4} {step} {rate:>14}  {self.note}"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: tuple[Row, ...]
+    calibration: str
+    strategy: str
+    finished: bool  # False: the budget ran out first
+
+    def best(self) -> Row | None:
+        """The fitting row with the most items per second per chip."""
+        fitting = [r for r in self.rows if r.fits and r.items_per_s_per_chip]
+        return max(fitting, key=lambda r: r.items_per_s_per_chip, default=None)
+
+    def table(self) -> str:
+        header = (
+            f"{'configuration':<24} {'model':>5} {'batch':>7} {'GiB':>7} {'fits':>4} "
+            f"{'step ms':>9} {'items/s/chip':>14}"
+        )
+        lines = [f"plan for {self.strategy} (estimate: {self.calibration})", header]
+        lines += [row.line() for row in self.rows]
+        if not self.finished:
+            lines.append("(the budget ran out: the rows above are what was compiled)")
+        return "\n".join(lines)
+
+    def recommendation(self, step_name: str = "step") -> str:
+        """The lines to paste, and the reason in one line."""
+        best = self.best()
+        if best is None:
+            return "# no configuration fits: a larger topology, or a smaller batch per chip"
+        options = ", ".join(f"{k}={v}" for k, v in SHARDINGS[best.sharding].items())
+        return (
+            f"# {best.sharding}, {best.devices_per_replica} device(s) per replica, "
+            f"{best.batch_per_chip} per chip: the most items/s per chip that fits\n"
+            f"strategy = strategy.with_logical_devices_per_replica({best.devices_per_replica})\n"
+            f"{step_name} = strategy.compile({step_name}{', ' if options else ''}{options})"
+        )
+
+
+def plan(
+    strategy: Strategy,
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    budget: float | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    model_axes: tuple[int, ...] = MODEL_AXES,
+    batch_doublings: int = BATCH_DOUBLINGS,
+) -> Plan:
+    """Compile `step` (a function, or a compiled step whose own options are kept) on `args`
+    (abstract `jax.ShapeDtypeStruct`s: state mirrored, batches with
+    `strategy.split_sharding()`) in every candidate configuration; see the module."""
+    started = time.monotonic()
+    rows: list[Row] = []
+    candidates = list(_candidates(strategy, model_axes))
+    calibration = calibration_label(strategy.topology)
+    for index, (variant, sharding, model) in enumerate(candidates, 1):
+        for doubling in range(batch_doublings + 1):
+            if budget is not None and time.monotonic() - started > budget:
+                return Plan(tuple(rows), calibration, repr(strategy), finished=False)
+            scaled = _on(variant, args, 2**doubling, strategy)
+            per_chip = _batch_per_chip(variant, scaled)
+            log(f"plan: compiling {index}/{len(candidates)}: {sharding}, {model} per replica, "
+                f"{per_chip} per chip{_best_so_far(rows)}")  # fmt: skip
+            row = _compiled_row(variant, step, scaled, sharding, model, per_chip)
+            rows.append(row)
+            if not row.fits or not per_chip:
+                break  # a larger batch fits no better
+    return Plan(tuple(rows), calibration, repr(strategy), finished=True)
+
+
+def _candidates(
+    strategy: Strategy, model_axes: tuple[int, ...]
+) -> Iterator[tuple[Strategy, str, int]]:
+    for model in model_axes:
+        variant = strategy if model == 1 else strategy.with_logical_devices_per_replica(model)
+        if variant is None:
+            continue
+        for sharding in SHARDINGS:
+            yield variant, sharding, model
+
+
+def _on(
+    strategy: Strategy, args: tuple[Any, ...], factor: int, given: Strategy
+) -> tuple[Any, ...]:
+    """`args`, laid out for `given`, laid out for `strategy`: batches (leaves `given` splits
+    over its replicas) with `factor` times the rows, the rest replicated."""
+
+    def leaf(a: Any) -> Any:
+        if given.layout(a) is Layout.SPLIT:
+            shape = (a.shape[0] * factor, *a.shape[1:])
+            return jax.ShapeDtypeStruct(shape, a.dtype, sharding=strategy.split_sharding())
+        return strategy.replicate(jax.ShapeDtypeStruct(a.shape, a.dtype))
+
+    return jax.tree.map(leaf, args)
+
+
+def _batch_per_chip(strategy: Strategy, args: tuple[Any, ...]) -> int:
+    rows = [a.shape[0] for a in jax.tree.leaves(args) if strategy.layout(a) is Layout.SPLIT]
+    return max(rows, default=0) // len(strategy.devices)
+
+
+def _compiled_row(
+    strategy: Strategy,
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    sharding: str,
+    model: int,
+    per_chip: int,
+) -> Row:
+    options = dataclasses.replace(_options_of(step), **SHARDINGS[sharding])
+    compiled_step = strategy.compile(getattr(step, "fn", step), options=options)
+    where = (sharding, model, str(strategy.topology))  # the IR leaves the model axis out
+    key = fingerprint(print_graph(compiled_step.graph(*args)), strategy.topology, where)
+    cached = verdict_cache.read("plan_rows", key)
+    if cached is not None:
+        return Row(**cached)
+    row = _compile(compiled_step, strategy, args, sharding, model, per_chip)
+    verdict_cache.write("plan_rows", key, dataclasses.asdict(row))
+    return row
+
+
+def _compile(
+    compiled_step: Any,
+    strategy: Strategy,
+    args: tuple[Any, ...],
+    sharding: str,
+    model: int,
+    per_chip: int,
+) -> Row:
+    try:
+        report = compiled_report(compiled_step.lower(*args).compile(), strategy)
+    except OutOfMemoryError as exc:
+        return Row(sharding, model, per_chip, False, None, None, None, str(exc).split(":")[0])
+    except (ValueError, TypeError) as exc:  # a configuration this step cannot take
+        note = f"not compiled: {str(exc).splitlines()[0][:120]}"
+        return Row(sharding, model, per_chip, False, None, None, None, note)
+    step_s = report.estimate.get("step_s")
+    rate = per_chip / step_s if step_s and per_chip else None
+    memory = report.memory.total_bytes if report.memory else None
+    return Row(sharding, model, per_chip, report.fits is not False, memory, step_s, rate)
+
+
+def _options_of(step: Any) -> CompileOptions:
+    """A compiled step's own options (donation, static arguments...), the sharding ones
+    reset for the planner to set; none for a plain function."""
+    given = getattr(step, "options", None) or CompileOptions()
+    return dataclasses.replace(given, shard_weight_updates=None, shard_parameters=None)
+
+
+def _best_so_far(rows: list[Row]) -> str:
+    best = Plan(tuple(rows), "", "", True).best()
+    if best is None:
+        return ""
+    return (
+        f"; best so far: {best.sharding}, {best.devices_per_replica} per replica, "
+        f"{best.batch_per_chip} per chip, {best.items_per_s_per_chip:,.1f} items/s/chip"
+    )
+
