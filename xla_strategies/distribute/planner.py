@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -204,7 +205,9 @@ def _compile(
     per_chip: int,
 ) -> Row:
     try:
-        report = compiled_report(compiled_step.lower(*args).compile(), strategy)
+        with warnings.catch_warnings(record=True) as caught:  # an option that did nothing
+            warnings.simplefilter("always")
+            report = compiled_report(compiled_step.lower(*args).compile(), strategy)
     except OutOfMemoryError as exc:
         return Row(sharding, model, per_chip, False, None, None, None, str(exc).split(":")[0])
     except (ValueError, TypeError) as exc:  # a configuration this step cannot take
@@ -213,7 +216,8 @@ def _compile(
     step_s = report.estimate.get("step_s")
     rate = per_chip / step_s if step_s and per_chip else None
     memory = report.memory.total_bytes if report.memory else None
-    return Row(sharding, model, per_chip, report.fits is not False, memory, step_s, rate)
+    note = str(caught[0].message).splitlines()[0][:160] if caught else ""
+    return Row(sharding, model, per_chip, report.fits is not False, memory, step_s, rate, note)
 
 
 def _options_of(step: Any) -> CompileOptions:
