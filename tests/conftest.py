@@ -13,6 +13,14 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+def pytest_collection_finish(session):
+    # a module that sets the device count when imported (a worker script's constants
+    # imported by a test) would leave every test of the run on the wrong number of devices
+    assert jax.config.jax_num_cpu_devices == 8, (
+        f"a test module set jax_num_cpu_devices to {jax.config.jax_num_cpu_devices} on import"
+    )
+
+
 def pytest_report_header(config):
     # Two tested JAX releases run this suite (`make test`, `make test-oldest-jax`): say which.
     import sys

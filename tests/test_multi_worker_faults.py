@@ -15,7 +15,7 @@ import numpy as np
 
 from tests import multiprocess
 from tests.multiprocess import run_workers
-from tests.workers.join import CAUGHT_STATUS
+from tests.workers.statuses import CAUGHT_STATUS
 
 HANDLER_SECONDS = 20  # an emergency checkpoint of a large model
 START_SECONDS = 30  # a worker's Python and JAX start-up on a busy 2-core machine

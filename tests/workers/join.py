@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 import numpy as np  # noqa: E402
 
 import xla_strategies as xs  # noqa: E402
-
-CAUGHT_STATUS = 5
+from tests.workers.statuses import CAUGHT_STATUS  # noqa: E402
 
 
 def main() -> None:
