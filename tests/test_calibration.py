@@ -23,9 +23,12 @@ _TABLE = {
 
 
 def test_a_calibration_scales_every_rate_the_estimate_reads(monkeypatch):
+    file = topology_module.hardware_config("v5p")
+    datasheet = {k: v for k, v in file.items() if k != "calibration"}
+    monkeypatch.setattr(topology_module, "hardware_config", lambda name: datasheet)
     raw = Topology.from_name("v5p-128")
-    config = {**topology_module.hardware_config("v5p"), "calibration": _TABLE}
-    monkeypatch.setattr(topology_module, "hardware_config", lambda name: config)
+    calibrated = {**datasheet, "calibration": _TABLE}
+    monkeypatch.setattr(topology_module, "hardware_config", lambda name: calibrated)
     fitted = Topology.from_name("v5p-128")
     assert fitted.peak_flops == pytest.approx(raw.peak_flops * 0.5)
     assert fitted.memory_bandwidth == pytest.approx(raw.memory_bandwidth * 0.8)
@@ -37,7 +40,8 @@ def test_a_calibration_scales_every_rate_the_estimate_reads(monkeypatch):
         "all_reduce", 2**30
     )
     assert fitted.calibration.describe() == (
-        "calibrated against 2 measured steps, checked on 1 more, within ±7%"
+        "calibrated against 2 measured step(s), checked on 1 more, within ±7% "
+        "(tpu_configs/ [calibration])"
     )
 
 
@@ -64,6 +68,13 @@ ENTRY %main (p: f32[8]) -> f32[8] {
   ROOT %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
 }
 """
+
+
+def test_the_fitted_generations_say_what_they_were_fitted_to():
+    v6e = hlo_report(_HLO, Topology.from_name("v6e-8"))
+    assert v6e.calibration.startswith("calibrated against 3 measured step(s), checked on 2 more")
+    v5p = hlo_report(_HLO, Topology.from_name("v5p-16"))
+    assert "none kept out to check it" in v5p.calibration
 
 
 @pytest.mark.parametrize("name", ["dgx-h100", "v5e-8"])

@@ -67,8 +67,15 @@ class Calibration:
     def describe(self) -> str:
         """One line for a report: what the estimate was fitted to, and its error band."""
         band = "" if self.error_band is None else f", within ±{self.error_band:.0%}"
-        checked = f", checked on {len(self.checked_on)} more" if self.checked_on else ""
-        return f"calibrated against {len(self.fitted_to)} measured steps{checked}{band}"
+        checked = (
+            f", checked on {len(self.checked_on)} more"
+            if self.checked_on
+            else ", none kept out to check it"
+        )
+        return (
+            f"calibrated against {len(self.fitted_to)} measured step(s){checked}{band} "
+            "(tpu_configs/ [calibration])"
+        )
 
 
 def uncalibrated(hardware: str) -> str:
