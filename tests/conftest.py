@@ -116,6 +116,15 @@ SLOW_TESTS = (
     "tests/runtime/test_checkpoint_processes.py::test_a_retried_save_after_a_full_disk_commits_and_the_process_exits[run0-beside]",
     "tests/runtime/test_checkpoint_processes.py::test_a_retried_save_after_a_full_disk_commits_and_the_process_exits[run0-close-first]",
     "tests/runtime/test_checkpoint_processes.py::test_a_reader_beside_a_writer_never_deletes_and_always_reads_whole_steps[100]",
+    # 5-25 s each, with kin in `make test` (2026-11-28): the guarantee against jax.jit on
+    # a DGX node (its two v5e-16 cases stay), the opt-in numerics check on entering NaNs
+    # (jax_debug_nans' stays), aot killed with SIGKILL and aot's progress lines (SIGTERM's
+    # and the timeout's stay), the plan command (strategy.plan stays)
+    "tests/test_never_worse_than_jit.py::test_a_step_is_never_worse_than_plain_jit[flax-cnn-dgx-h100]",
+    "tests/test_debug_nans.py::test_a_nan_that_enters_with_the_arguments_is_named_by_its_argument[check_numerics]",
+    "tests/test_aot_command.py::test_sigkill_to_aot_ends_the_users_script_too",
+    "tests/test_aot_command.py::test_aot_says_what_the_script_is_doing_while_it_waits",
+    "tests/test_planner.py::test_the_command_line_plans_a_scripts_first_step",
 )
 
 
