@@ -290,3 +290,20 @@ def jaxpr_equations(jaxpr: Any) -> Iterator[Any]:
         for param in eqn.params.values():
             if hasattr(inner := getattr(param, "jaxpr", param), "eqns"):
                 yield from jaxpr_equations(inner)
+
+
+#: A whole compiled module with one all-reduce of 32 bytes over 8 devices, as XLA prints it
+ALL_REDUCE_HLO = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %n = f32[8]{0} negate(f32[8]{0} %ar)
+}
+"""

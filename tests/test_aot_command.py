@@ -76,7 +76,8 @@ def test_aot_stops_a_script_that_never_compiles_within_its_timeout(tmp_path):
     assert time.monotonic() - started < 60
 
 
-def test_sigterm_to_aot_ends_the_users_script_too(tmp_path):
+def _aot_beside_a_sleeping_script(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """`aot` running a script that sleeps, and the script's process id."""
     marker = tmp_path / "pid"
     script = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
     aot = subprocess.Popen(
@@ -89,13 +90,21 @@ def test_sigterm_to_aot_ends_the_users_script_too(tmp_path):
     while not marker.exists() or not marker.read_text():
         assert time.monotonic() < deadline and aot.poll() is None, "the script never started"
         time.sleep(0.2)
-    script_pid = int(marker.read_text())
+    return aot, int(marker.read_text())
+
+
+def _gone_within(pid: int, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_sigterm_to_aot_ends_the_users_script_too(tmp_path):
+    aot, script_pid = _aot_beside_a_sleeping_script(tmp_path)
     aot.send_signal(signal.SIGTERM)
     assert aot.wait(timeout=60) == 128 + signal.SIGTERM
-    deadline = time.monotonic() + 30
-    while _alive(script_pid):
-        assert time.monotonic() < deadline, "the user's script outlived aot"
-        time.sleep(0.2)
+    _gone_within(script_pid, 30, "the user's script outlived aot")
 
 
 def _alive(pid: int) -> bool:
@@ -126,25 +135,10 @@ def test_aot_says_what_the_script_is_doing_while_it_waits(tmp_path):
 
 def test_sigkill_to_aot_ends_the_users_script_too(tmp_path):
     """A SIGKILL cannot be caught: the kernel ends the script when aot dies."""
-    marker = tmp_path / "pid"
-    script = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
-    aot = subprocess.Popen(
-        _aot_command(tmp_path / "aot", "python", "-c", script),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while not marker.exists() or not marker.read_text():
-        assert time.monotonic() < deadline and aot.poll() is None, "the script never started"
-        time.sleep(0.2)
-    script_pid = int(marker.read_text())
+    aot, script_pid = _aot_beside_a_sleeping_script(tmp_path)
     aot.kill()
     aot.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while _alive(script_pid):
-        assert time.monotonic() < deadline, "the user's script outlived a SIGKILLed aot"
-        time.sleep(0.2)
+    _gone_within(script_pid, 30, "the user's script outlived a SIGKILLed aot")
 
 
 def test_python_dash_m_runs_the_command_line_by_either_name():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import ALL_REDUCE_HLO as _HLO
 from xla_strategies.hardware import topology as topology_module
 from xla_strategies.hardware.calibration import Calibration
 from xla_strategies.hardware.compiled_report import hlo_report
@@ -53,21 +54,6 @@ def test_a_calibration_must_name_its_steps_and_keep_fractions_in_range():
     with pytest.raises(ValueError, match=r"unknown keys \['matmul'\]"):
         Calibration.of({"calibration": {**_TABLE, "matmul": 1}}, "x.toml")
     assert Calibration.of({}, "x.toml") is None
-
-
-_HLO = """HloModule m, num_partitions=8
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(f32[] %a, f32[] %b)
-}
-
-ENTRY %main (p: f32[8]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  ROOT %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
-}
-"""
 
 
 def test_the_fitted_generations_say_what_they_were_fitted_to():

@@ -12,6 +12,7 @@ import pydot
 import pytest
 
 from tests.filecheck import filecheck
+from tests.helpers import ALL_REDUCE_HLO as _HLO
 from tests.passes.test_timeline import assert_properly_nested
 from xla_strategies.cli.main import main
 from xla_strategies.passes import parse, print_graph
@@ -182,22 +183,6 @@ def test_show_and_ledger_name_the_damaged_file(tmp_path, capsys):
     assert main(["ledger", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert f"{ledger}: pass record 0 lacks" in err and "'totals'" in err
-
-
-_HLO = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}, num_partitions=8
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(f32[] %a, f32[] %b)
-}
-
-ENTRY %main (p: f32[8]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
-  ROOT %n = f32[8]{0} negate(f32[8]{0} %ar)
-}
-"""
 
 
 def test_report_fails_on_a_truncated_hlo_file_instead_of_reporting_nothing(tmp_path, capsys):

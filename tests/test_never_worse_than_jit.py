@@ -7,7 +7,6 @@ XLA's compiler is the judge (`compiled_report`)."""
 from __future__ import annotations
 
 import equinox as eqx
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import xla_strategies as xs
+from tests.frameworks.test_flax_quick_start import CNN  # flax's quick start, as written
 from xla_strategies.hardware.compiled_report import compiled_report
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
@@ -26,23 +26,6 @@ SAME_PROGRAM_BYTES = 4096
 
 def _data_bytes(report) -> int:
     return report.memory.total_bytes - report.memory.generated_code_bytes
-
-
-class CNN(nn.Module):
-    """flax's quick start CNN, as its documentation writes it."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Conv(features=32, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
-        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-        x = nn.Conv(features=64, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
-        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-        x = x.reshape((x.shape[0], -1))
-        x = nn.Dense(features=256)(x)
-        x = nn.relu(x)
-        return nn.Dense(features=10)(x)
 
 
 def _flax_cnn():

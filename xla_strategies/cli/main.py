@@ -155,13 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
 
 
-def _bounded(exc: BaseException, limit: int = 300) -> str:
-    """The error's text with every line cut to `limit` characters: errors quote what they
+def _bounded(exc: BaseException) -> str:
+    """The error's text with every line cut short (`excerpt`): errors quote what they
     could not read, and a garbage input can be one 10 MB line."""
-    return "\n".join(
-        line if len(line) <= limit else f"{line[:limit]}... ({len(line) - limit} more characters)"
-        for line in str(exc).splitlines()
-    )
+    from xla_strategies.hardware.hlo import excerpt
+
+    return "\n".join(excerpt(line, 300) for line in str(exc).splitlines())
 
 
 if __name__ == "__main__":
