@@ -253,7 +253,10 @@ def test_a_compiled_step_called_from_a_traced_function_says_what_to_do(mirrored)
     inner = mirrored.compile(lambda w, x: w * x.mean())
     w = mirrored.replicate(np.ones(3, np.float32))
     _, batch = _batch(mirrored, cols=2)
-    nested = "was called from inside a traced function .* cannot be traced into another"
+    nested = (
+        r"argument args\[0\] is traced: the step was called from inside a traced function "
+        r".* cannot be traced into another"
+    )
     with pytest.raises(TypeError, match=nested):
         jax.jit(lambda w, x: inner(w, x))(w, batch)
     with pytest.raises(TypeError, match=nested):

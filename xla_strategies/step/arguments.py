@@ -131,6 +131,14 @@ def flatten_arguments(
         if not is_traced(leaf):
             specs.append(_static(leaf, lambda i=index: where(_leaf_path(args, kwargs, i))))
             continue
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(
+                f"{where(_leaf_path(args, kwargs, index))} is traced: the step was called from "
+                "inside a traced function (jax.jit, jax.grad, another compiled step, a loop "
+                "body). A compiled step runs a program of its own over every replica and "
+                "cannot be traced into another: call it outside the traced function, or call "
+                "the plain per-replica function (`step.__wrapped__`) inside a compiled step"
+            )
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
                 f"{where(_leaf_path(args, kwargs, index))} was donated to an earlier call of a "

@@ -149,16 +149,8 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.strategy.completes_steps and (gone := cluster_health.unavailable()):
             raise gone  # a peer worker died: no step can run
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
-            raise TypeError(
-                f"{self.name} was called from inside a traced function (jax.jit, jax.grad, "
-                "another compiled step, a loop body): a compiled step runs a program of its "
-                "own over every replica and cannot be traced into another. Call it outside "
-                f"the traced function, or call the plain per-replica function "
-                f"({self.name}.__wrapped__) inside a compiled step"
-            )
         flat, signature = self._flatten(args, kwargs)
-        if (budget := DumpOptions.from_env().plan) is not None and self.strategy.compile_only:
+        if self.strategy.compile_only and (budget := DumpOptions.from_env().plan) is not None:
             self._plan_and_stop(args, kwargs, budget)
         abstract = self.strategy.compile_only or any(
             isinstance(leaf, jax.ShapeDtypeStruct) for leaf in flat
