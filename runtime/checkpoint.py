@@ -56,6 +56,7 @@ from xla_strategies.runtime.checkpoint_tree import (
     check_structure,
     normalized,
     refused_write,
+    stored_shape,
 )
 
 if TYPE_CHECKING:
@@ -328,7 +329,8 @@ class CheckpointManager:
             map_arrays(lambda a, _: a, target, "target")
         )
         plans = [restore_plan(self.strategy, path, leaf, layout) for path, leaf in leaves]
-        reads = {normalized(p): plan[0].shape for (p, _), plan in zip(leaves, plans, strict=True)}
+        stored = [stored_shape(plan[0]) for plan in plans]
+        reads = {normalized(p): shape for (p, _), shape in zip(leaves, stored, strict=True)}
         check_shapes(self._manager.item_metadata(step)["state"], reads, self.directory / str(step))
         abstract = jax.tree_util.tree_unflatten(treedef, [plan[0] for plan in plans])
         restore_args = self._ocp.checkpoint_utils.construct_restore_args(abstract)

@@ -83,6 +83,13 @@ def check_shapes(saved: Any, wanted: dict[tuple[str, ...], tuple[int, ...]], whe
             )
 
 
+def stored_shape(spec: Any) -> tuple[int, ...]:
+    """The shape orbax stores a leaf under: a typed PRNG key's is its key data's."""
+    if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, spec).shape
+    return tuple(spec.shape)
+
+
 def _numpy_dtype(dtype: Any) -> Any:
     """`dtype` as numpy's, or None (none given, or a typed PRNG key: orbax keeps its data)."""
     try:

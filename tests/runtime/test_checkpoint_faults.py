@@ -62,6 +62,19 @@ def test_a_restore_into_another_shape_names_the_leaf_and_says_the_checkpoint_is_
     np.testing.assert_array_equal(restored["w"], saved["w"])
 
 
+def test_a_typed_prng_key_is_held_to_its_key_datas_shape(tmp_path):
+    """orbax stores a typed key as its key data ((2,) for a () threefry key): the shape
+    check compares that, so the key restores, and a key of another shape is still named."""
+    state = {"w": np.ones(3, np.float32), "rng": jax.random.key(7)}
+    with _manager(tmp_path) as manager:
+        manager.save(1, state)
+        restored = manager.restore(target={"w": np.zeros(3, np.float32), "rng": jax.random.key(0)})
+        other = {"w": np.zeros(3, np.float32), "rng": jax.random.split(jax.random.key(0), 4)}
+        with pytest.raises(CheckpointError, match=r"holds rng with shape \(2,\), the target"):
+            manager.restore(target=other)
+    assert np.array_equal(jax.random.key_data(restored["rng"]), jax.random.key_data(state["rng"]))
+
+
 def test_a_leaf_nested_one_level_deeper_is_another_structure_not_damage(tmp_path):
     with _manager(tmp_path) as manager:
         manager.save(2, _state(2.0))
