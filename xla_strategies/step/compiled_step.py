@@ -8,16 +8,13 @@ retraces.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
-import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
@@ -26,7 +23,7 @@ from xla_strategies.core.trees import copy_to
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
-from xla_strategies.passes.bridge.layouts import input_shardings, mark_model_dims, replica_spec
+from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
@@ -54,9 +51,11 @@ from xla_strategies.step.dumping import (
     StepDumper,
     abstract,
 )
+from xla_strategies.step.executable import Executable
 from xla_strategies.step.pipeline_choice import Verdict, alternatives, choose
 from xla_strategies.step.recompiles import warn_if_recompiling
-from xla_strategies.step.state import DeclaredState, declared_outputs, donated_state, state_pairs
+from xla_strategies.step.state import DeclaredState, donated_state
+from xla_strategies.step.step_interface import capture_mesh, declare_interface
 from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
 from xla_strategies.step.verdict_cache import fingerprint
 
@@ -67,31 +66,6 @@ if TYPE_CHECKING:
 # Executables a compiled step keeps, the least recently used dropped first (jax.jit's own
 # cache of a function is bounded alike)
 CACHE_SIZE = 64
-
-
-@dataclass
-class Executable:
-    """One compiled program of a step, for one input signature."""
-
-    graph: Graph
-    run: Callable[..., tuple[jax.Array, ...]]
-    outputs: Outputs
-    donated: tuple[int, ...]
-    # per traced argument: where a mirrored one is put before the call (replicated, or split
-    # when a pass holds it sharded); None for per-replica arguments, placed already
-    placements: tuple[NamedSharding | None, ...]
-    captured_text_stats: dict[str, Any] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    # what the passes recorded (`PassContext.stats`: their decisions and counts, by pass
-    # name) and their remarks (what they left undone, and why), as the dump prints them
-    pass_stats: dict[str, Any] = field(default_factory=dict)
-    remarks: list[str] = field(default_factory=list)
-
-    @functools.cached_property
-    def rooted(self) -> tuple[bool, ...]:
-        """Per output, whether only the root replica's copy is right (read once: every
-        call of the step asks)."""
-        return tuple(a.rooted for a in self.graph.io.outputs)
 
 
 class CompiledStep:
@@ -288,23 +262,9 @@ class CompiledStep:
             devices_per_replica=self.strategy.logical_devices_per_replica,
         )
 
-    def _capture_mesh(self) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
-        """The mesh the step is traced on, and how its axis names map to the strategy's:
-        with `axis_name`, one replica axis of that name over all the strategy's replicas
-        (and the model axis, if any, as it is)."""
-        strategy = self.strategy
-        mesh, replicas = strategy.mesh, strategy.replica_axes
-        if self.axis_name is None or replicas == (self.axis_name,):
-            return mesh, {}
-        model = mesh.axis_names[len(replicas) :]  # the model axis, or nothing
-        devices = mesh.devices.reshape(
-            strategy.num_replicas_in_sync, *[mesh.shape[a] for a in model]
-        )
-        return Mesh(devices, (self.axis_name, *model)), {self.axis_name: replicas}
-
     def _capture(self, signature: Signature) -> tuple[Graph, Outputs]:
         strategy = self.strategy
-        mesh, rename = self._capture_mesh()
+        mesh, rename = capture_mesh(strategy, self.axis_name)
         specs = signature.arrays
         split = replica_spec(mesh)
         flat_args = [
@@ -347,33 +307,9 @@ class CompiledStep:
             input_names=argument_paths(signature),
             name=self.name,
         )
-        io = graph.io
-        for attrs, name in zip(io.outputs, outputs.names, strict=True):
-            attrs.name = name  # known once the step has been traced
-        for attrs, spec in zip(io.inputs, specs, strict=True):
-            attrs.model_dim = spec.model_dim
-        mark_model_dims(graph)
-        state = state_pairs(self.declared_state, signature, outputs, graph)
-        for out, arg in state.outputs.items():
-            io.outputs[out].state_of = arg
-            io.outputs[out].model_dim = io.inputs[arg].model_dim  # held as it came
-        for arg in state.donated:
-            io.inputs[arg].donated = True
-        if state.unreturned:
-            warnings.warn(
-                f"{self.name}: donated {', '.join(state.unreturned)}, but no output has "
-                "its structure, shapes and dtypes, so nothing can reuse its buffers and it "
-                "is not donated",
-                stacklevel=4,
-            )
-        if self.mirrored_outputs is not None:
-            for index, op in declared_outputs(self.mirrored_outputs, outputs).items():
-                io.outputs[index].mirrored = op is None
-                io.outputs[index].aggregation = op
-        in_place = io.outputs[len(io.outputs) - len(outputs.written) :]
-        for attrs, leaf in zip(in_place, outputs.written, strict=True):
-            attrs.mirrored = True  # in-place state: the same everywhere, or an error
-            attrs.model_dim = getattr(signature.leaves[leaf], "model_dim", None)
+        declare_interface(
+            graph, signature, outputs, self.declared_state, self.mirrored_outputs, self.name
+        )
         return graph, outputs
 
     def _build(self, signature: Signature) -> Executable:

@@ -1,0 +1,73 @@
+"""What a step's captured graph declares at its edges, and the mesh it is traced on.
+
+- `capture_mesh`: with `compile(axis_name=...)`, one replica axis of the user's name over
+  all the strategy's replicas (and the model axis, if any, as it is);
+- `declare_interface`: per output its name, the state it updates (donated in place), the
+  model dimension it keeps, whether it is declared mirrored or aggregated; per input its
+  model dimension. The verifier checks these after capture and after every pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from jax.sharding import Mesh
+
+from xla_strategies.passes.bridge.layouts import mark_model_dims
+from xla_strategies.passes.ir.graph import Graph
+from xla_strategies.step.arguments import Outputs, Signature
+from xla_strategies.step.state import DeclaredState, declared_outputs, state_pairs
+
+if TYPE_CHECKING:
+    from xla_strategies.step.protocols import StepStrategy
+
+
+def capture_mesh(
+    strategy: StepStrategy, axis_name: str | None
+) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
+    """The mesh a step is traced on, and how its axis names map to the strategy's."""
+    mesh, replicas = strategy.mesh, strategy.replica_axes
+    if axis_name is None or replicas == (axis_name,):
+        return mesh, {}
+    model = mesh.axis_names[len(replicas) :]  # the model axis, or nothing
+    devices = mesh.devices.reshape(strategy.num_replicas_in_sync, *[mesh.shape[a] for a in model])
+    return Mesh(devices, (axis_name, *model)), {axis_name: replicas}
+
+
+def declare_interface(
+    graph: Graph,
+    signature: Signature,
+    outputs: Outputs,
+    declared_state: DeclaredState,
+    mirrored_outputs: Any,
+    name: str,
+) -> None:
+    """Write what the step declares onto `graph`'s inputs and outputs."""
+    io = graph.io
+    for attrs, output_name in zip(io.outputs, outputs.names, strict=True):
+        attrs.name = output_name  # known once the step has been traced
+    for attrs, spec in zip(io.inputs, signature.arrays, strict=True):
+        attrs.model_dim = spec.model_dim
+    mark_model_dims(graph)
+    state = state_pairs(declared_state, signature, outputs, graph)
+    for out, arg in state.outputs.items():
+        io.outputs[out].state_of = arg
+        io.outputs[out].model_dim = io.inputs[arg].model_dim  # held as it came
+    for arg in state.donated:
+        io.inputs[arg].donated = True
+    if state.unreturned:
+        warnings.warn(
+            f"{name}: donated {', '.join(state.unreturned)}, but no output has "
+            "its structure, shapes and dtypes, so nothing can reuse its buffers and it "
+            "is not donated",
+            stacklevel=5,
+        )
+    if mirrored_outputs is not None:
+        for index, op in declared_outputs(mirrored_outputs, outputs).items():
+            io.outputs[index].mirrored = op is None
+            io.outputs[index].aggregation = op
+    in_place = io.outputs[len(io.outputs) - len(outputs.written) :]
+    for attrs, leaf in zip(in_place, outputs.written, strict=True):
+        attrs.mirrored = True  # in-place state: the same everywhere, or an error
+        attrs.model_dim = getattr(signature.leaves[leaf], "model_dim", None)
