@@ -1,0 +1,2 @@
+"""Pipeline stages: schedules as data (`schedules`), their picture and trace (`timeline`),
+and the SPMD loop of ticks that runs one (`executor`)."""

@@ -1,0 +1,298 @@
+"""The SPMD loop that runs a pipeline schedule: one program, a tick per iteration.
+
+Run inside a program manual over the stage axis. In each tick every stage looks up its
+action in the schedule's table by (tick, its stage index) and runs it under `lax.switch`:
+idle, the forward of one microbatch through its chunk of layers, that microbatch's
+backward (the chunk's forward recomputed from the stage input the forward kept), or for
+zero-bubble schedules the input and weight gradients as two actions. At the end of the
+tick each stage sends its forward's output to the next stage and its backward's input
+gradient to the previous one with two collective-permutes, which XLA can overlap with the
+next tick's compute. Values wait in slot buffers whose sizes the schedule computed, so
+1F1B's program holds S microbatches' stage inputs where GPipe's holds M.
+
+The last stage runs the head (what follows the layers, up to the loss) of each
+microbatch in its forward and seeds the backward with the head's gradient; the first
+stage reads the microbatch's input and keeps its input gradient. Results that only one
+stage has (the loss, the head's gradients, the input gradients) are summed over the
+stage axis at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from xla_strategies.passes.stages.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
+
+_KINDS = {FORWARD: 1, BACKWARD: 2, WEIGHT: 3}
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """What the executor runs, as functions of pytrees.
+
+    `layers(weights, x, rows, shared) -> y`: one chunk of layers, `weights` the chunk's
+    stacked weights; `head(y, rows, shared) -> (loss, aux)`: what follows the last chunk,
+    for one microbatch. `rows` are a microbatch's per-row values, `shared` the rest."""
+
+    layers: Callable[..., Any]
+    head: Callable[..., tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """The mean loss over the microbatches and the gradients of its arguments."""
+
+    loss: Any
+    aux: Any  # each leaf stacked over the microbatches
+    weights: Any  # [V, layers per chunk, ...]: this stage's chunks
+    inputs: Any  # [M, ...]: each microbatch's input gradient
+    layer_rows: Any
+    layer_shared: Any
+    head_rows: Any
+    head_shared: Any
+
+
+def run(
+    schedule: Schedule,
+    program: StageProgram,
+    weights: Any,
+    inputs: Any,
+    layer_rows: Any,
+    layer_shared: Any,
+    head_rows: Any,
+    head_shared: Any,
+    axis: str,
+) -> StageResult:
+    """Run `schedule` in a program manual over `axis` (its size the schedule's stages).
+
+    `weights`: this stage's chunks, each leaf [V, layers per chunk, ...]; `inputs` and the
+    `*_rows`: each leaf [M, ...], the microbatches (whole on every stage); `*_shared`:
+    the same for every microbatch. Gradients are of the mean of the microbatches' losses."""
+    stage = lax.axis_index(axis)
+    tables = {k: jnp.asarray(v) for k, v in _tables(schedule).items()}
+    m_count, stages = schedule.microbatches, schedule.stages
+    last = schedule.virtual_stages * stages - 1
+    x0 = jax.tree.map(lambda a: a[0], inputs)
+    aux_shape = jax.eval_shape(
+        lambda: program.head(
+            program.layers(_first(weights), x0, _first(layer_rows), layer_shared),
+            _first(head_rows),
+            head_shared,
+        )[1]
+    )
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+    buffers = lambda n: jax.tree.map(lambda a: jnp.zeros((max(n, 1), *a.shape), a.dtype), x0)  # noqa: E731
+    state = {
+        "F": buffers(schedule.slots["F"]),
+        "B": buffers(schedule.slots["B"]),
+        "stash": buffers(schedule.slots["stash"]),
+        "seed": buffers(schedule.slots["stash"]),
+        "grad": buffers(schedule.slots["grad"]),  # zero-bubble: B's gradient kept for W
+        "loss": jnp.zeros((), jnp.float32),
+        "aux": jax.tree.map(lambda s: jnp.zeros((m_count, *s.shape), s.dtype), aux_shape),
+        "d_weights": zeros(weights),
+        "d_inputs": zeros(inputs),
+        "d_layer_rows": zeros(layer_rows),
+        "d_layer_shared": zeros(layer_shared),
+        "d_head_rows": zeros(head_rows),
+        "d_head_shared": zeros(head_shared),
+        "recv_f": zeros(x0),
+        "recv_b": zeros(x0),
+    }
+    ring = schedule.virtual_stages > 1
+    forward_perm = [(d, (d + 1) % stages) for d in range(stages if ring else stages - 1)]
+    backward_perm = [(d, (d - 1) % stages) for d in range(1 if not ring else 0, stages)]
+
+    def tick(t: Any, state: dict) -> dict:
+        row = {k: v[t, stage] for k, v in tables.items()}
+        state = dict(state)
+        state["F"] = _put(state["F"], row["arrive_f"], state["recv_f"])
+        state["B"] = _put(state["B"], row["arrive_b"], state["recv_b"])
+        g = row["chunk"] * stages + stage
+        where = _Where(row, g == 0, g == last, m_count)
+        actions = [
+            lambda s: (s, zeros(x0), zeros(x0)),
+            lambda s: _forward(
+                s, where, program, weights, inputs, layer_rows, layer_shared, head_rows, head_shared
+            ),
+            lambda s: _backward(s, where, program, weights, layer_rows, layer_shared, split=False),
+            lambda s: _weight_grad(s, where, program, weights, layer_rows, layer_shared),
+        ]
+        if schedule.slots["grad"]:  # zero-bubble: B is the input gradient only
+            actions[2] = lambda s: _backward(
+                s, where, program, weights, layer_rows, layer_shared, split=True
+            )
+        state, send_f, send_b = lax.switch(row["kind"], actions, state)
+        state["recv_f"] = jax.tree.map(lambda v: lax.ppermute(v, axis, forward_perm), send_f)
+        state["recv_b"] = jax.tree.map(lambda v: lax.ppermute(v, axis, backward_perm), send_b)
+        return state
+
+    state = lax.fori_loop(0, schedule.ticks, tick, state)
+    total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
+    return StageResult(
+        loss=total(state["loss"]),
+        aux=total(state["aux"]),
+        weights=state["d_weights"],
+        inputs=total(state["d_inputs"]),
+        layer_rows=total(state["d_layer_rows"]),
+        layer_shared=total(state["d_layer_shared"]),
+        head_rows=total(state["d_head_rows"]),
+        head_shared=total(state["d_head_shared"]),
+    )
+
+
+@dataclass(frozen=True)
+class _Where:
+    """One stage's action in one tick: its table row and where its chunk sits."""
+
+    row: dict
+    first: Any
+    last: Any
+    microbatches: int
+
+    def __getattr__(self, name: str) -> Any:
+        return self.row[name]
+
+
+def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_rows, head_shared):
+    m, chunk = where.micro, where.chunk
+    arrived = _get(s["F"], jnp.maximum(where.in_slot, 0))
+    x = jax.tree.map(lambda a, b: jnp.where(where.first, a, b), _get(inputs, m), arrived)
+    y = program.layers(_get(weights, chunk), x, _get(layer_rows, m), layer_shared)
+    s = dict(s, stash=_put(s["stash"], where.stash_slot, x))
+    rows = _get(head_rows, m)
+
+    def head_and_seed(y):
+        loss, pullback, aux = jax.vjp(program.head, y, rows, head_shared, has_aux=True)
+        dy, d_rows, d_shared = pullback(jnp.asarray(1.0 / where.microbatches, loss.dtype))
+        return loss, aux, dy, d_rows, d_shared
+
+    def no_head(y):
+        aux = jax.eval_shape(lambda: program.head(y, rows, head_shared)[1])
+        return (
+            jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux),
+            jax.tree.map(jnp.zeros_like, y),
+            jax.tree.map(jnp.zeros_like, rows),
+            jax.tree.map(jnp.zeros_like, head_shared),
+        )
+
+    loss, aux, dy, d_rows, d_shared = lax.cond(where.last, head_and_seed, no_head, y)
+    s["loss"] = s["loss"] + loss.astype(jnp.float32) / where.microbatches
+    s["aux"] = _put(s["aux"], m, aux)
+    s["seed"] = _put(s["seed"], where.stash_slot, dy)
+    s["d_head_rows"] = _add_at(s["d_head_rows"], m, d_rows)
+    s["d_head_shared"] = _plus(s["d_head_shared"], d_shared)
+    return s, y, jax.tree.map(jnp.zeros_like, y)
+
+
+def _output_gradient(s, where):
+    """The gradient of the chunk's output: the head's seed on the last stage, else what
+    the next stage sent."""
+    seed = _get(s["seed"], where.stash_slot)
+    arrived = _get(s["B"], jnp.maximum(where.in_slot, 0))
+    return jax.tree.map(lambda a, b: jnp.where(where.last, a, b), seed, arrived)
+
+
+def _backward(s, where, program, weights, layer_rows, layer_shared, split):
+    m, chunk = where.micro, where.chunk
+    x = _get(s["stash"], where.stash_slot)
+    dy = _output_gradient(s, where)
+    w, rows = _get(weights, chunk), _get(layer_rows, m)
+    if split:  # the input gradients only; the weight gradient is its own action
+        _, pullback = jax.vjp(lambda x, r: program.layers(w, x, r, layer_shared), x, rows)
+        dx, d_rows = pullback(dy)
+        s = dict(s, grad=_put(s["grad"], where.stash_slot, dy))
+    else:
+        _, pullback = jax.vjp(
+            lambda w, x, r, h: program.layers(w, x, r, h), w, x, rows, layer_shared
+        )
+        d_w, dx, d_rows, d_shared = pullback(dy)
+        s = dict(s, d_weights=_add_at(s["d_weights"], chunk, d_w))
+        s["d_layer_shared"] = _plus(s["d_layer_shared"], d_shared)
+    s["d_layer_rows"] = _add_at(s["d_layer_rows"], m, d_rows)
+    s["d_inputs"] = _add_at(
+        s["d_inputs"], m, jax.tree.map(lambda d: jnp.where(where.first, d, 0), dx)
+    )
+    return s, jax.tree.map(jnp.zeros_like, dx), dx
+
+
+def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
+    m, chunk = where.micro, where.chunk
+    x = _get(s["stash"], where.stash_slot)
+    dy = _get(s["grad"], where.stash_slot)
+    rows = _get(layer_rows, m)
+    _, pullback = jax.vjp(
+        lambda w, h: program.layers(w, x, rows, h), _get(weights, chunk), layer_shared
+    )
+    d_w, d_shared = pullback(dy)
+    s = dict(s, d_weights=_add_at(s["d_weights"], chunk, d_w))
+    s["d_layer_shared"] = _plus(s["d_layer_shared"], d_shared)
+    zero = jax.tree.map(jnp.zeros_like, x)
+    return s, zero, zero
+
+
+# slot buffers: every leaf has the slot (or microbatch, or chunk) first
+
+
+def _get(tree: Any, index: Any) -> Any:
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
+
+
+def _put(tree: Any, index: Any, value: Any) -> Any:
+    """`tree` with `value` at `index`; unchanged where `index` is -1 (nothing to store)."""
+    at = jnp.maximum(index, 0)
+
+    def put(a, v):
+        kept = lax.dynamic_index_in_dim(a, at, keepdims=False)
+        return lax.dynamic_update_index_in_dim(
+            a, jnp.where(index >= 0, v, kept).astype(a.dtype), at, 0
+        )
+
+    return jax.tree.map(put, tree, value)
+
+
+def _add_at(tree: Any, index: Any, value: Any) -> Any:
+    return jax.tree.map(
+        lambda a, v: lax.dynamic_update_index_in_dim(
+            a, lax.dynamic_index_in_dim(a, index, keepdims=False) + v.astype(a.dtype), index, 0
+        ),
+        tree,
+        value,
+    )
+
+
+def _plus(tree: Any, value: Any) -> Any:
+    return jax.tree.map(lambda a, v: a + v.astype(a.dtype), tree, value)
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _tables(schedule: Schedule) -> dict[str, np.ndarray]:
+    """The schedule as int32 tables indexed [tick, stage]."""
+    shape = (schedule.ticks, schedule.stages)
+    tables = {
+        k: np.zeros(shape, np.int32) for k in ("kind", "micro", "chunk", "in_slot", "stash_slot")
+    }
+    tables["arrive_f"] = np.full(shape, -1, np.int32)
+    tables["arrive_b"] = np.full(shape, -1, np.int32)
+    for d, steps in enumerate(schedule.steps):
+        for step in steps:
+            t = step.tick
+            tables["kind"][t, d] = _KINDS[step.action.kind]
+            tables["micro"][t, d] = step.action.microbatch
+            tables["chunk"][t, d] = step.action.chunk
+            tables["in_slot"][t, d] = step.input_slot
+            tables["stash_slot"][t, d] = step.stash_slot
+    for (t, d, kind), slot in schedule.arrivals.items():
+        tables["arrive_f" if kind == FORWARD else "arrive_b"][t, d] = slot
+    return tables

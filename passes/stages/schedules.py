@@ -1,0 +1,333 @@
+"""Pipeline schedules as data: what each stage runs in each tick of one SPMD loop.
+
+A schedule is first each stage's ordered list of actions, as torchtitan and Megatron
+write them: the forward (`F`) or backward (`B`) of microbatch m through one chunk of layers,
+and for zero-bubble schedules the backward split into its input gradient (`B`) and its
+weight gradient (`W`). `simulate` then runs the lists in lockstep: in each tick every stage
+starts its next action once what it needs arrived (a neighbour's activation or gradient,
+sent at the end of an earlier tick). The result, `Schedule`, is the table the executor
+indexes by (tick, stage), with the buffer slot every value waits in, so the compiled
+program holds exactly as many microbatches' activations as the schedule keeps alive.
+
+With `virtual_stages=V` (interleaved 1F1B) each of the S devices holds V chunks of layers,
+round robin: chunk v of device d is global stage v*S + d, and activations go around the
+ring of devices V times.
+
+    >>> s = simulate(one_f_one_b(stages=2, microbatches=4))
+    >>> s.ticks, round(s.bubble, 3)
+    (10, 0.2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+#: the schedules `compile(schedule=...)` takes, each a function of (stages, microbatches,
+#: virtual_stages) giving every device's list of actions
+SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One stage's work in one tick: `kind` of microbatch `microbatch` through its
+    `chunk`-th chunk of layers."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """An action placed in the table: when it runs, and where its values wait.
+
+    `input_slot`: the slot of the arriving activation (F) or gradient (B) it reads, -1
+    where it reads none (the first stage's F reads the microbatch, the last stage's B the
+    loss's gradient); `stash_slot`: the slot of the stage input F saves and B reads."""
+
+    action: Action
+    tick: int
+    input_slot: int = -1
+    stash_slot: int = -1
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The table of one schedule: `steps[d]` are device d's placed actions; `arrivals`
+    maps (tick, device, kind) to the slot an arriving value is stored in."""
+
+    name: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    ticks: int
+    steps: tuple[tuple[Step, ...], ...]
+    arrivals: dict[tuple[int, int, str], int]
+    slots: dict[str, int]
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of device-ticks that are idle."""
+        busy = sum(len(s) for s in self.steps)
+        return 1 - busy / (self.ticks * self.stages)
+
+    @property
+    def theoretical_bubble(self) -> float:
+        """The schedule's textbook bubble with every action one tick: (S-1)/(V*M + S-1)
+        ((S-1)/(M+S-1) for GPipe and 1F1B); ZB-H1's weight gradients fill two thirds of
+        1F1B's idle ticks, (S-1)/(3M + S-1)."""
+        s, m, v = self.stages, self.microbatches, self.virtual_stages
+        if self.name == "zero-bubble-h1":
+            return (s - 1) / (3 * m + s - 1)
+        return (s - 1) / (v * m + s - 1)
+
+    def kept_alive(self) -> int:
+        """The most stage inputs any device holds for its backward at once."""
+        return self.slots["stash"]
+
+
+def gpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """All forwards, then all backwards (in reverse order, as autodiff runs them)."""
+    _check(stages, microbatches, virtual_stages, "gpipe", virtual=False)
+    return [
+        [Action(FORWARD, m) for m in range(microbatches)]
+        + [Action(BACKWARD, m) for m in reversed(range(microbatches))]
+        for _ in range(stages)
+    ]
+
+
+def one_f_one_b(stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """1F1B (PipeDream-Flush): stage d runs S-1-d forwards, then alternates one forward and
+    one backward, so it keeps at most S-d microbatches alive instead of M."""
+    _check(stages, microbatches, virtual_stages, "1f1b", virtual=False)
+    return [_warm_steady_cool(stages - 1 - d, microbatches, 1, stages, d) for d in range(stages)]
+
+
+def interleaved_one_f_one_b(
+    stages: int, microbatches: int, virtual_stages: int = 2
+) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B: V chunks per device, microbatches in groups of S, so
+    the bubble is V times smaller than 1F1B's."""
+    _check(stages, microbatches, virtual_stages, "interleaved-1f1b", virtual=True)
+    return [
+        _warm_steady_cool(
+            (virtual_stages - 1) * stages + 2 * (stages - 1 - d),
+            microbatches,
+            virtual_stages,
+            stages,
+            d,
+        )
+        for d in range(stages)
+    ]
+
+
+def zero_bubble_h1(stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into its input gradient (B),
+    which the previous stage waits for, and its weight gradient (W), which nobody waits
+    for: stage d defers its first d weight gradients into the cool-down's bubble. It keeps
+    1F1B's memory (S stage inputs at most); its bubble lies between 1F1B's and the paper's
+    (S-1)/(3M+S-1) (`theoretical_bubble`), which needs more memory in lockstep ticks."""
+    _check(stages, microbatches, virtual_stages, "zero-bubble-h1", virtual=False)
+    lists = []
+    for d in range(stages):
+        warm = min(stages - 1 - d, microbatches)
+        actions = [Action(FORWARD, m) for m in range(warm)]
+        deferred: list[Action] = []
+        for i, m in enumerate(range(warm, microbatches)):
+            actions += [Action(FORWARD, m), Action(BACKWARD, i)]
+            (deferred if i < d else actions).append(Action(WEIGHT, i))
+        for i in range(microbatches - warm, microbatches):
+            actions.append(Action(BACKWARD, i))
+            if deferred:
+                actions.append(deferred.pop(0))
+            actions.append(Action(WEIGHT, i))
+        lists.append(actions + deferred)
+    return lists
+
+
+def _warm_steady_cool(
+    warm: int, microbatches: int, chunks: int, stages: int, device: int
+) -> list[Action]:
+    """`warm` forwards, then one forward and one backward at a time, then the remaining
+    backwards; with several chunks, in Megatron's order (groups of S microbatches)."""
+    forwards = [_nth(k, microbatches, chunks, stages, False) for k in range(microbatches * chunks)]
+    backwards = [_nth(k, microbatches, chunks, stages, True) for k in range(microbatches * chunks)]
+    warm = min(warm, len(forwards))
+    actions = forwards[:warm]
+    for f, b in zip(forwards[warm:], backwards, strict=False):
+        actions += [f, b]
+    return actions + backwards[len(forwards) - warm :]
+
+
+def _nth(k: int, microbatches: int, chunks: int, stages: int, backward: bool) -> Action:
+    """The k-th forward (or backward) of a device in Megatron's interleaved order: groups of
+    S microbatches through chunk 0, then the same group through chunk 1, ..."""
+    group = stages if chunks > 1 else microbatches
+    chunk = (k // group) % chunks
+    microbatch = (k // (group * chunks)) * group + k % group
+    if backward:
+        chunk = chunks - 1 - chunk
+    return Action(BACKWARD if backward else FORWARD, microbatch, chunk)
+
+
+def _check(stages: int, microbatches: int, virtual_stages: int, name: str, virtual: bool) -> None:
+    for label, value in (("pipeline_stages", stages), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+        raise ValueError(f"virtual_stages must be a positive int, got {virtual_stages!r}")
+    if not virtual and virtual_stages != 1:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} is for schedule='interleaved-1f1b'; "
+            f"schedule={name!r} runs one chunk of layers per stage"
+        )
+    if virtual and virtual_stages < 2:
+        raise ValueError(
+            f"schedule='interleaved-1f1b' needs virtual_stages >= 2, got {virtual_stages}"
+        )
+    if virtual and microbatches % stages:
+        raise ValueError(
+            f"schedule='interleaved-1f1b' runs microbatches in groups of pipeline_stages: "
+            f"microbatches={microbatches} is not a multiple of pipeline_stages={stages}"
+        )
+
+
+SCHEDULES.update(
+    {
+        "gpipe": gpipe,
+        "1f1b": one_f_one_b,
+        "interleaved-1f1b": interleaved_one_f_one_b,
+        "zero-bubble-h1": zero_bubble_h1,
+    }
+)
+
+
+def schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The table of schedule `name` (one of `SCHEDULES`) for `stages` devices."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is not one of {sorted(SCHEDULES)}")
+    lists = SCHEDULES[name](stages, microbatches, virtual_stages)
+    return simulate(lists, name, stages, microbatches, virtual_stages)
+
+
+def simulate(
+    lists: list[list[Action]],
+    name: str = "custom",
+    stages: int | None = None,
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
+) -> Schedule:
+    """Run each device's `lists[d]` in lockstep ticks: an action starts once what it needs
+    finished in an earlier tick. Raises if the lists deadlock or are incomplete."""
+    stages = len(lists) if stages is None else stages
+    microbatches = (
+        1 + max(a.microbatch for actions in lists for a in actions)
+        if microbatches is None
+        else microbatches
+    )
+    last = virtual_stages * stages - 1
+    done: dict[tuple[str, int, int], int] = {}
+    placed: list[list[tuple[Action, int]]] = [[] for _ in lists]
+    tick = 0
+    while any(len(p) < len(a) for p, a in zip(placed, lists, strict=True)):
+        started = []
+        for d, actions in enumerate(lists):
+            if len(placed[d]) < len(actions):
+                action = actions[len(placed[d])]
+                if all(done.get(need, tick) < tick for need in _needs(action, d, stages, last)):
+                    started.append((d, action))
+        if not started and tick > max(done.values(), default=0) + 1:
+            raise ValueError(f"schedule {name!r} deadlocks at tick {tick}")
+        for d, action in started:
+            placed[d].append((action, tick))
+            done[(action.kind, action.microbatch, action.chunk * stages + d)] = tick
+        tick += 1
+    _check_complete(
+        done, name, microbatches, last, any(a.kind == WEIGHT for row in lists for a in row)
+    )
+    return _with_slots(placed, name, stages, microbatches, virtual_stages, tick)
+
+
+def _needs(action: Action, device: int, stages: int, last: int) -> list[tuple[str, int, int]]:
+    g = action.chunk * stages + device
+    m = action.microbatch
+    if action.kind == FORWARD:
+        return [(FORWARD, m, g - 1)] if g > 0 else []
+    if action.kind == BACKWARD:
+        return [(FORWARD, m, g)] + ([(BACKWARD, m, g + 1)] if g < last else [])
+    return [(BACKWARD, m, g)]
+
+
+def _check_complete(done: dict, name: str, microbatches: int, last: int, split: bool) -> None:
+    kinds = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
+    want = {(k, m, g) for k in kinds for m in range(microbatches) for g in range(last + 1)}
+    if set(done) != want:
+        missing = sorted(want - set(done))[:3]
+        raise ValueError(f"schedule {name!r} does not run every microbatch everywhere: {missing}")
+
+
+def _with_slots(
+    placed: list[list[tuple[Action, int]]],
+    name: str,
+    stages: int,
+    microbatches: int,
+    virtual_stages: int,
+    ticks: int,
+) -> Schedule:
+    """`placed` with a buffer slot for every value that waits: activations and gradients
+    from the moment they arrive until read, stage inputs from their forward until their
+    backward (and weight gradient), a backward's gradient until its weight gradient."""
+    at = {
+        (a.kind, a.microbatch, a.chunk * stages + d): t for d, p in enumerate(placed) for a, t in p
+    }
+    last = virtual_stages * stages - 1
+    split = any(k == WEIGHT for k, _, _ in at)
+    intervals: dict[str, list[list[tuple[int, int, tuple]]]] = {
+        kind: [[] for _ in range(stages)] for kind in ("F", "B", "stash")
+    }
+    for (kind, m, g), t in at.items():
+        d = g % stages
+        if kind == FORWARD and g > 0:  # arrived from g-1 at the tick after it ran
+            intervals["F"][d].append((at[(FORWARD, m, g - 1)] + 1, t, (m, g)))
+        if kind == BACKWARD and g < last:
+            intervals["B"][d].append((at[(BACKWARD, m, g + 1)] + 1, t, (m, g)))
+        if kind == FORWARD:
+            end = at[(WEIGHT, m, g)] if split else at[(BACKWARD, m, g)]
+            intervals["stash"][d].append((t, end, (m, g)))
+    slot_of = {kind: {} for kind in intervals}
+    slots = {}
+    for kind, per_device in intervals.items():
+        slots[kind] = max((_color(iv, slot_of[kind]) for iv in per_device), default=0)
+    # a split backward's gradient waits for its weight gradient in its stage input's slot
+    slots["grad"] = slots["stash"] if split else 0
+    arrivals = {}
+    for kind in (FORWARD, BACKWARD):
+        for d, per_device in enumerate(intervals[kind]):
+            for start, _, key in per_device:
+                arrivals[(start, d, kind)] = slot_of[kind][key]
+    steps = []
+    for d, p in enumerate(placed):
+        row = []
+        for a, t in p:
+            key = (a.microbatch, a.chunk * stages + d)
+            reads = slot_of.get(a.kind, {})  # W reads its slot in the stash
+            row.append(Step(a, t, reads.get(key, -1), slot_of["stash"][key]))
+        steps.append(tuple(row))
+    return Schedule(
+        name, stages, microbatches, virtual_stages, ticks, tuple(steps), arrivals, slots
+    )
+
+
+def _color(intervals: list[tuple[int, int, tuple]], slot_of: dict) -> int:
+    """Give each (start, end, key) interval the lowest slot free from start to end
+    (inclusive); return how many slots were used."""
+    free_after: list[int] = []  # slot -> the last tick it is taken
+    for start, end, key in sorted(intervals):
+        slot = next((s for s, busy in enumerate(free_after) if busy < start), len(free_after))
+        if slot == len(free_after):
+            free_after.append(end)
+        free_after[slot] = end
+        slot_of[key] = slot
+    return len(free_after)
