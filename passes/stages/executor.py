@@ -43,11 +43,13 @@ class StageProgram:
 
     layers: Callable[..., Any]
     head: Callable[..., tuple[Any, Any]]
+    seed: float  # the weight of each microbatch's loss in the total: 1/M for their mean
 
 
 @dataclass(frozen=True)
 class StageResult:
-    """The mean loss over the microbatches and the gradients of its arguments."""
+    """The microbatches' losses, weighted by the program's seed, and the gradients of
+    that total; `aux` is each microbatch's, stacked."""
 
     loss: Any
     aux: Any  # each leaf stacked over the microbatches
@@ -74,7 +76,8 @@ def run(
 
     `weights`: this stage's chunks, each leaf [V, layers per chunk, ...]; `inputs` and the
     `*_rows`: each leaf [M, ...], the microbatches (whole on every stage); `*_shared`:
-    the same for every microbatch. Gradients are of the mean of the microbatches' losses."""
+    the same for every microbatch. Gradients are of the microbatches' losses summed, each
+    weighted by `program.seed`."""
     stage = lax.axis_index(axis)
     tables = {k: jnp.asarray(v) for k, v in _tables(schedule).items()}
     m_count, stages = schedule.microbatches, schedule.stages
@@ -87,7 +90,7 @@ def run(
             head_shared,
         )[1]
     )
-    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+    zeros = _float_zeros
     buffers = lambda n: jax.tree.map(lambda a: jnp.zeros((max(n, 1), *a.shape), a.dtype), x0)  # noqa: E731
     state = {
         "F": buffers(schedule.slots["F"]),
@@ -170,8 +173,8 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
     rows = _get(head_rows, m)
 
     def head_and_seed(y):
-        loss, pullback, aux = jax.vjp(program.head, y, rows, head_shared, has_aux=True)
-        dy, d_rows, d_shared = pullback(jnp.asarray(1.0 / where.microbatches, loss.dtype))
+        (loss, aux), pullback = _vjp(program.head, y, rows, head_shared, has_aux=True)
+        dy, d_rows, d_shared = pullback(jnp.asarray(program.seed, loss.dtype))
         return loss, aux, dy, d_rows, d_shared
 
     def no_head(y):
@@ -179,13 +182,13 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
         return (
             jnp.zeros((), jnp.float32),
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux),
-            jax.tree.map(jnp.zeros_like, y),
-            jax.tree.map(jnp.zeros_like, rows),
-            jax.tree.map(jnp.zeros_like, head_shared),
+            _float_zeros(y),
+            _float_zeros(rows),
+            _float_zeros(head_shared),
         )
 
     loss, aux, dy, d_rows, d_shared = lax.cond(where.last, head_and_seed, no_head, y)
-    s["loss"] = s["loss"] + loss.astype(jnp.float32) / where.microbatches
+    s["loss"] = s["loss"] + loss.astype(jnp.float32) * program.seed
     s["aux"] = _put(s["aux"], m, aux)
     s["seed"] = _put(s["seed"], where.stash_slot, dy)
     s["d_head_rows"] = _add_at(s["d_head_rows"], m, d_rows)
@@ -207,7 +210,7 @@ def _backward(s, where, program, weights, layer_rows, layer_shared, split):
     dy = _output_gradient(s, where)
     w, rows = _get(weights, chunk), _get(layer_rows, m)
     if split:  # the input gradients only; the weight gradient is its own action
-        _, pullback = jax.vjp(lambda x, r: program.layers(w, x, r, layer_shared), x, rows)
+        _, pullback = _vjp(lambda x, r: program.layers(w, x, r, layer_shared), x, rows)
         dx, d_rows = pullback(dy)
         s = dict(s, grad=_put(s["grad"], where.stash_slot, dy))
     else:
@@ -239,6 +242,37 @@ def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
     return s, zero, zero
 
 
+def _vjp(fn: Callable[..., Any], *args: Any, has_aux: bool = False) -> tuple[Any, Callable]:
+    """`jax.vjp` of `fn` over the float leaves of `args`; the others (token ids, PRNG
+    keys) get None for a cotangent. With `has_aux`, `fn` returns `(loss, aux)` and the
+    result is `((loss, aux), pullback)`."""
+    leaves, tree = jax.tree.flatten(args)
+    floats = [_is_float(a) for a in leaves]
+
+    def of_floats(*diff: Any) -> Any:
+        it = iter(diff)
+        full = [next(it) if f else a for a, f in zip(leaves, floats, strict=True)]
+        return fn(*jax.tree.unflatten(tree, full))
+
+    diff = [a for a, f in zip(leaves, floats, strict=True) if f]
+    out, pull, *aux = jax.vjp(of_floats, *diff, has_aux=has_aux)
+
+    def pullback(ct: Any) -> Any:
+        it = iter(pull(ct))
+        return jax.tree.unflatten(tree, [next(it) if f else None for f in floats])
+
+    return ((out, aux[0]) if has_aux else out), pullback
+
+
+def _is_float(a: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+def _float_zeros(tree: Any) -> Any:
+    """Zeros like the float leaves of `tree`; None for the others (they get no gradient)."""
+    return jax.tree.map(lambda a: jnp.zeros_like(a) if _is_float(a) else None, tree)
+
+
 # slot buffers: every leaf has the slot (or microbatch, or chunk) first
 
 
@@ -256,7 +290,7 @@ def _put(tree: Any, index: Any, value: Any) -> Any:
             a, jnp.where(index >= 0, v, kept).astype(a.dtype), at, 0
         )
 
-    return jax.tree.map(put, tree, value)
+    return jax.tree.map(put, tree, value, is_leaf=lambda v: v is None)
 
 
 def _add_at(tree: Any, index: Any, value: Any) -> Any:

@@ -1,0 +1,190 @@
+"""A differentiated function split at its layer stack: what runs before the layers, the
+layers' scan, and what follows them up to the loss.
+
+A model whose layers are a scan over stacked weights (`jax.lax.scan`, flax's `nn.scan`,
+NNX's scanned layers, MaxText's decoder) has one `scan` equation in its jaxpr whose length
+is the layer count and whose scanned inputs are the weights. Pipelining splits that stack
+over the stages; the equations before it (the embedding) and after it (the head and the
+loss) stay whole. Nothing here changes how the user wrote the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+from xla_strategies.passes.bridge import jax_compat
+
+_CALLS = {"jit", "pjit", "closed_call", "core_call"}
+
+
+class NothingToPipeline(ValueError):
+    """The function has no layer stack the stages can split."""
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """`fun` as `before`, the scan, and `after`.
+
+    `before(*args) -> (carry, consts, xs, kept)`: flat lists; `layers(xs, carry, consts)`
+    runs the scan; `after(carry, kept) -> outputs` (the loss first)."""
+
+    before: Callable[..., tuple[list, list, list, list]]
+    layers: Callable[[list, list, list], list]
+    after: Callable[[list, list], list]
+    length: int
+    carry_rows: tuple[int, ...]  # the first dimension of each value the layers carry
+    closed_over: tuple[Any, ...]  # values the function reads from its closure
+    depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
+
+
+def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerStack:
+    """`fun(*args)` (flat arrays in, flat arrays out) split at its longest layer scan whose
+    length `divisor` divides. Raises `NothingToPipeline` naming what it found instead."""
+    closed = jax.make_jaxpr(fun)(*args)
+    jaxpr, consts = jax_compat.jaxpr_parts(closed)
+    jaxpr, consts = _inlined(jaxpr, consts, args)
+    scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
+    usable = [i for i in scans if _is_layer_stack(jaxpr.eqns[i], divisor)]
+    if not usable:
+        found = [int(jaxpr.eqns[i].params["length"]) for i in scans]
+        raise NothingToPipeline(
+            f"found no layer scan to split into {divisor} stage chunks: pipelining needs the "
+            "layers as one scan over stacked weights (jax.lax.scan, flax nn.scan, NNX's "
+            "scanned layers) whose length is a multiple of pipeline_stages x virtual_stages"
+            + (f"; the scans found have lengths {found}" if found else "; there is none")
+        )
+    at = max(usable, key=lambda i: _xs_bytes(jaxpr.eqns[i]))
+    return _split_at(jaxpr, consts, at)
+
+
+def _is_layer_stack(eqn: jex.JaxprEqn, divisor: int) -> bool:
+    params = eqn.params
+    num_consts, num_carry = jax_compat.scan_counts(params)
+    xs = eqn.invars[num_consts + num_carry :]
+    return (
+        not params["reverse"]
+        and int(params["length"]) % divisor == 0
+        and bool(xs)
+        and any(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in xs)
+    )
+
+
+def _xs_bytes(eqn: jex.JaxprEqn) -> int:
+    num_consts, num_carry = jax_compat.scan_counts(eqn.params)
+    return sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars[num_consts + num_carry :])
+
+
+def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
+    scan = jaxpr.eqns[at]
+    num_consts, num_carry = jax_compat.scan_counts(scan.params)
+    used_after = {v for e in jaxpr.eqns[at + 1 :] for v in e.invars if isinstance(v, jex.Var)}
+    used_after |= {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+    ys = scan.outvars[num_carry:]
+    if any(v in used_after for v in ys):
+        raise NothingToPipeline(
+            "the layer scan returns per-layer outputs the loss reads (its ys); pipelining "
+            "splits a scan that only carries its activations"
+        )
+    carry_out = scan.outvars[:num_carry]
+    defined_before = set(jaxpr.invars) | set(jaxpr.constvars)
+    defined_before |= {v for e in jaxpr.eqns[:at] for v in e.outvars}
+    kept = [v for v in dict.fromkeys(used_after) if v in defined_before]
+    scan_in = list(scan.invars)
+    head = jaxpr.eqns[:at]
+    before = _function(jaxpr, consts, head, jaxpr.invars, scan_in + kept)
+    body = scan.params["jaxpr"]
+    after = _function(jaxpr, consts, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
+
+    def split_before(*args: Any) -> tuple[list, list, list, list]:
+        out = before(*args)
+        ins, rest = out[: len(scan_in)], out[len(scan_in) :]
+        return (
+            ins[num_consts : num_consts + num_carry],
+            ins[:num_consts],
+            ins[num_consts + num_carry :],
+            rest,
+        )
+
+    def layers(xs: list, carry: list, scan_consts: list) -> list:
+        inner, inner_consts = jax_compat.jaxpr_parts(body)
+
+        def one_layer(c: list, x: list) -> tuple[list, None]:
+            return evaluate(inner, inner_consts, [*scan_consts, *c, *x])[:num_carry], None
+
+        return jax.lax.scan(one_layer, list(carry), list(xs))[0]
+
+    def depends(inputs: Sequence[bool]) -> tuple[list, list, list, list]:
+        """Which of `before`'s outputs depend on the inputs flagged in `inputs`."""
+        flagged = {v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}
+        for eqn in head:
+            if any(isinstance(v, jex.Var) and v in flagged for v in eqn.invars):
+                flagged.update(eqn.outvars)
+        marks = [isinstance(v, jex.Var) and v in flagged for v in scan_in + kept]
+        ins, rest = marks[: len(scan_in)], marks[len(scan_in) :]
+        return (
+            ins[num_consts : num_consts + num_carry],
+            ins[:num_consts],
+            ins[num_consts + num_carry :],
+            rest,
+        )
+
+    rows = tuple(
+        v.aval.shape[0] if v.aval.ndim else 0
+        for v in scan.invars[num_consts : num_consts + num_carry]
+    )
+    return LayerStack(
+        split_before,
+        layers,
+        lambda c, k: after(*c, *k),
+        int(scan.params["length"]),
+        rows,
+        tuple(consts),
+        depends,
+    )
+
+
+def _function(
+    jaxpr: jex.Jaxpr, consts: Sequence[Any], eqns: list, invars: list, outvars: list
+) -> Callable[..., list]:
+    """The equations `eqns` of `jaxpr` as a function of `invars` (the jaxpr's constants
+    closed over) returning `outvars`."""
+    inputs = [v for v in invars if isinstance(v, jex.Var)]
+    part = jaxpr.replace(invars=inputs, outvars=outvars, eqns=eqns)
+    return lambda *args: evaluate(part, consts, args)
+
+
+def _inlined(
+    jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
+) -> tuple[jex.Jaxpr, list]:
+    """`jaxpr` traced again with its nested calls (`jit`) run inline, so a scan a model
+    wraps in a `jit` is found at the top level."""
+    if not any(e.primitive.name in _CALLS for e in jaxpr.eqns):
+        return jaxpr, list(consts)
+    return jax_compat.jaxpr_parts(jax.make_jaxpr(lambda *a: evaluate(jaxpr, consts, a))(*args))
+
+
+def evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
+    """`jax.core.eval_jaxpr` in the current context (the stage's manual mesh, not the
+    mesh the equations were traced on), with a call's equations run in place of the
+    call."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in _CALLS:
+            inner, inner_consts = jax_compat.jaxpr_parts(eqn.params["jaxpr"])
+            outs = evaluate(inner, inner_consts, invals)
+        else:
+            bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before 0.12
+            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+            outs = eqn.primitive.bind(*subfuns, *invals, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]

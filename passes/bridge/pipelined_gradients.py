@@ -1,0 +1,349 @@
+"""Pipelined gradients: the user's `jax.grad` of a scanned model, run as a schedule.
+
+While a step with pipeline stages is traced, `jax.value_and_grad` and `jax.grad` (which
+both take their pullback from `jax._src.api.vjp`) differentiate a loss through
+`pipelined_vjp`: the loss is split at its layer scan (`layer_stack`), the batch rows into
+microbatches, the stacked weights over the stage axis, and the schedule's loop of ticks
+(`stages.executor`) computes the loss and every gradient in one pass, inside a
+`shard_map` manual over the stage axis. What precedes the layers (the embedding) runs on
+the whole batch and is differentiated by JAX as usual, so the gradients of mirrored
+weights are reduced across replicas exactly as in a step without stages.
+
+Microbatching, like data parallelism, takes the loss to be a mean over the batch's rows:
+the loss is the mean of the microbatches' losses and so are scalar auxiliary outputs;
+auxiliary outputs with one row per example are concatenated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from xla_strategies.core.patching import patched
+from xla_strategies.passes.bridge.layer_stack import split
+from xla_strategies.passes.bridge.trace_hooks import AUTODIFF_SCOPE, varying_axes, varying_over, vma
+from xla_strategies.passes.stages import executor
+from xla_strategies.passes.stages.schedules import Schedule, schedule
+
+STAGE_AXIS = "stage"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How a step's gradients are pipelined: `stages` over the mesh axis `axis`,
+    `microbatches` per replica's batch, and the schedule by name."""
+
+    stages: int
+    microbatches: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    axis: str = STAGE_AXIS
+    seed: float = 0.0  # each microbatch loss's weight: 1/M (a mean) unless given
+    rows_per_microbatch: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.seed:
+            object.__setattr__(self, "seed", 1.0 / self.microbatches)
+
+    def table(self) -> Schedule:
+        return schedule(self.schedule, self.stages, self.microbatches, self.virtual_stages)
+
+
+@contextlib.contextmanager
+def pipelining_gradients(plan: StagePlan | None) -> Iterator[list[int]]:
+    """While a step is traced, gradients taken with `jax.grad`/`jax.value_and_grad` are
+    pipelined by `plan`; yields a list that counts them (a step that pipelined nothing
+    asked for stages it does not use). Does nothing for `plan=None`."""
+    count: list[int] = []
+    if plan is None:
+        yield count
+        return
+    from jax._src import api
+
+    calls = threading.local()
+
+    def recording(original: Callable[..., Any]) -> Callable[..., Any]:
+        def argnums_partial(fun: Any, argnums: Any, args: Any, kwargs: Any) -> Any:
+            calls.last = (fun, argnums, tuple(args), dict(kwargs))
+            return original(fun, argnums, args, kwargs)
+
+        return argnums_partial
+
+    def pipelining(original: Callable[..., Any]) -> Callable[..., Any]:
+        def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False, **kw: Any) -> Any:
+            call, calls.last = getattr(calls, "last", None), None
+            if call is None:  # not from jax.grad: nothing tells the batch apart
+                return original(fun, *primals, has_aux=has_aux, **kw)
+            count.append(1)
+            return pipelined_vjp(plan, call, has_aux)
+
+        return vjp
+
+    with patched(api, "argnums_partial2", recording), patched(api, "vjp", pipelining):
+        yield count
+
+
+def pipelined_vjp(plan: StagePlan, call: tuple, has_aux: bool) -> tuple[Any, ...]:
+    """`jax.vjp` of `fun(*args, **kwargs)` (a scalar loss) with respect to the arguments
+    `argnums`, pipelined by `plan`; `call` is `(fun, argnums, args, kwargs)`."""
+    fun, argnums, args, kwargs = call
+    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    flat, tree = jax.tree.flatten((args, kwargs))
+    owners = jax.tree.leaves(
+        (
+            tuple(jax.tree.map(lambda _, i=i: i, a) for i, a in enumerate(args)),
+            jax.tree.map(lambda _: -1, kwargs),
+        )
+    )
+    wanted = [o in argnums and _is_float(x) for o, x in zip(owners, flat, strict=True)]
+    trees: dict[str, Any] = {}
+
+    def flat_fun(*leaves: Any) -> list[Any]:
+        a, k = jax.tree.unflatten(tree, leaves)
+        result = fun(*a, **k)
+        out, aux = result if has_aux else (result, None)
+        if jnp.shape(out) != ():
+            raise ValueError(
+                f"pipeline stages differentiate a scalar loss; got shape {jnp.shape(out)}"
+            )
+        aux_leaves, trees["aux"] = jax.tree.flatten(aux)
+        return [out, *aux_leaves]
+
+    divisor = plan.stages * plan.virtual_stages
+    whole = split(flat_fun, flat, divisor)
+    row_mask = _row_arguments(flat, whole, plan.microbatches)
+    b = whole.carry_rows[0] // plan.microbatches
+    plan = dataclasses.replace(plan, rows_per_microbatch=b)
+    stack = split(
+        flat_fun, [x[:b] if r else x for x, r in zip(flat, row_mask, strict=True)], divisor
+    )
+    mb_mask = stack.depends(row_mask)
+    result, before_pullback, outputs = _pipelined(plan, stack, flat, row_mask, wanted, mb_mask)
+    replicas = _manual_axes()
+    loss = varying_over(result.loss, replicas)
+    aux = [_combined(a, plan, replicas) for a in result.aux]
+    cotangents = _cotangents(result, mb_mask)
+
+    def pullback(ct: Any) -> tuple[Any, ...]:
+        scaled = [
+            _summed_like(p, _scaled(c, ct, replicas))
+            for p, c in zip(outputs, cotangents, strict=True)
+        ]
+        grads = iter(before_pullback(scaled))
+        full = [next(grads) if w else None for w in wanted]
+        dyn = jax.tree.unflatten(
+            tree,
+            [g if g is not None else _zero_cotangent(x) for g, x in zip(full, flat, strict=True)],
+        )[0]
+        return tuple(dyn[i] for i in argnums)
+
+    aux_tree = jax.tree.unflatten(trees["aux"], aux)
+    return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
+
+
+def _row_arguments(flat: list, whole: Any, microbatches: int) -> list[bool]:
+    """Which leaves of the arguments are the batch's rows: values of this replica (varying
+    across replicas; any, on a mesh without replicas) whose first dimension is the rows the
+    layers carry. The batch read from the function's closure cannot be split: an error."""
+    rows = set(whole.carry_rows)
+    if len(rows) != 1 or 0 in rows:
+        raise ValueError(
+            "pipeline stages split the layers' activations into microbatches by their first "
+            f"dimension; the layer scan carries values with first dimensions {sorted(rows)}"
+        )
+    (count,) = rows
+    if count % microbatches:
+        raise ValueError(
+            f"microbatches={microbatches} does not divide the {count} rows each replica's "
+            "layers see"
+        )
+    replicas = _manual_axes()
+
+    def is_row(x: Any) -> bool:
+        mine = not replicas or bool(vma(x) & replicas)
+        return jnp.ndim(x) > 0 and jnp.shape(x)[0] == count and mine
+
+    closed = [x for x in whole.closed_over if replicas and is_row(x)]
+    if closed:
+        raise ValueError(
+            f"the differentiated function reads a batch of {count} rows (shape "
+            f"{tuple(jnp.shape(closed[0]))}) from its closure; pipeline stages split the batch "
+            "into microbatches only when it is an argument: "
+            "jax.value_and_grad(loss_fn)(params, batch)"
+        )
+    return [is_row(x) for x in flat]
+
+
+def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask):
+    """`before` run on every microbatch (its row outputs stacked) and the rest once,
+    differentiated by JAX; then the schedule. Returns the executor's result, `before`'s
+    pullback and its outputs."""
+    m = plan.microbatches
+    micro = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # noqa: E731
+    stacked_args = [micro(x) if r else x for x, r in zip(flat, row_mask, strict=True)]
+    flags = [f for group in mb_mask for f in group]
+
+    def before(*diff: Any) -> list:
+        it = iter(diff)
+        args = [next(it) if w else x for x, w in zip(stacked_args, wanted, strict=True)]
+        in_axes = [0 if r else None for r in row_mask]
+        per_microbatch = jax.vmap(lambda *a: _flat(stack.before(*a)), in_axes=in_axes)(*args)
+        once = _flat(stack.before(*[a[0] if r else a for a, r in zip(args, row_mask, strict=True)]))
+        return [p if f else o for p, o, f in zip(per_microbatch, once, flags, strict=True)]
+
+    diff = [x for x, w in zip(stacked_args, wanted, strict=True) if w]
+    outputs, before_pullback = jax.vjp(before, *diff)
+    sizes = [len(g) for g in mb_mask]
+    carry, consts, xs, kept = _groups(outputs, sizes)
+    return (
+        _run(plan, stack, carry, consts, xs, kept, mb_mask[1], mb_mask[3]),
+        before_pullback,
+        outputs,
+    )
+
+
+def _flat(groups: tuple) -> list:
+    return [x for group in groups for x in group]
+
+
+def _groups(values: list, sizes: list[int]) -> list[list]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(list(values[at : at + n]))
+        at += n
+    return out
+
+
+def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executor.StageResult:
+    """The schedule's loop, manual over the stage axis, on microbatches of the rows."""
+    s, v = plan.stages, plan.virtual_stages
+    chunk = stack.length // (s * v)
+    pick = lambda values, mask, want: [x for x, r in zip(values, mask, strict=True) if r == want]  # noqa: E731
+    weights = [x.reshape(v, s, chunk, *x.shape[1:]) for x in xs]
+
+    def layers(w, x, rows, shared):
+        return stack.layers(w, x, _merge(layer_rows, rows, shared))
+
+    def head(y, rows, shared):
+        out = stack.after(y, _merge(head_rows, rows, shared))
+        return out[0], out[1:]
+
+    def body(w, inputs, lrows, lshared, hrows, hshared):
+        w = [x[:, 0] for x in w]
+        program = executor.StageProgram(layers, head, plan.seed)
+        r = executor.run(
+            plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
+        )
+        return {**vars(r), "weights": [x[:, None] for x in r.weights]}
+
+    args = (
+        weights,
+        list(carry),
+        pick(consts, layer_rows, True),
+        pick(consts, layer_rows, False),
+        pick(kept, head_rows, True),
+        pick(kept, head_rows, False),
+    )
+    specs = (P(None, plan.axis), P(), P(), P(), P(), P())
+    out_specs = {f: P(None, plan.axis) if f == "weights" else P() for f in _RESULT_FIELDS}
+    out = jax.shard_map(
+        body, in_specs=specs, out_specs=out_specs, axis_names={plan.axis}, check_vma=False
+    )(*args)
+    return executor.StageResult(**out)
+
+
+_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(executor.StageResult))
+
+
+def _merge(mask: list[bool], rows: list, shared: list) -> list:
+    r, s = iter(rows), iter(shared)
+    return [next(r) if is_row else next(s) for is_row in mask]
+
+
+def _rows(carry: list, microbatches: int) -> Callable[[Any], int | None]:
+    """Whether a value has the carry's rows: it varies across replicas (it is the
+    replica's data, never a mirrored weight) and its first dimension is the batch's."""
+    batch = {x.shape[0] for x in carry if x.ndim}
+    if len(batch) != 1:
+        raise ValueError(
+            "pipeline stages split the layers' activations into microbatches by their first "
+            f"dimension; the layer scan carries values of shapes {[x.shape for x in carry]}"
+        )
+    (rows,) = batch
+    if rows % microbatches:
+        raise ValueError(
+            f"microbatches={microbatches} does not divide the {rows} rows each replica's layers see"
+        )
+    replicas = set(_manual_axes())
+    return lambda x: (
+        rows if x.ndim and x.shape[0] == rows and (not replicas or vma(x) & replicas) else None
+    )
+
+
+def _cotangents(result: executor.StageResult, mb_mask: tuple) -> list:
+    """The executor's gradients, one per output of `before` (per microbatch where that
+    output is)."""
+    d_consts = _merge(mb_mask[1], list(result.layer_rows), list(result.layer_shared))
+    d_kept = _merge(mb_mask[3], list(result.head_rows), list(result.head_shared))
+    d_xs = [None if a is None else a.reshape(-1, *a.shape[3:]) for a in result.weights]
+    return [*result.inputs, *d_consts, *d_xs, *d_kept]
+
+
+def _scaled(cotangent: Any, ct: Any, replicas: frozenset[str]) -> Any:
+    if cotangent is None:
+        return None
+    return varying_over(cotangent, replicas) * ct.astype(cotangent.dtype)
+
+
+def _summed_like(primal: Any, cotangent: Any) -> Any:
+    """`cotangent` as the gradient of `primal`: summed over the replica axes `primal` does
+    not vary over (in autodiff's scope, as pvary's transpose sums), float0 for a value
+    that has no gradient."""
+    if cotangent is None:
+        return _zero_cotangent(primal)
+    extra = tuple(sorted(vma(cotangent) - set(varying_axes(jax.typeof(primal)))))
+    if extra:
+        with jax.named_scope(AUTODIFF_SCOPE):
+            cotangent = jax.lax.psum(cotangent, extra)
+    return cotangent.astype(primal.dtype)
+
+
+def _zero_cotangent(x: Any) -> Any:
+    if _is_float(x):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _combined(aux: Any, plan: StagePlan, replicas: frozenset[str]) -> Any:
+    """An auxiliary output of the microbatches ([M, ...]) as the batch's: their rows where
+    it has rows, else combined as the loss is (their mean, or with `ReduceOp.SUM`
+    gradients their sum)."""
+    if aux.ndim >= 2 and plan.rows_per_microbatch and aux.shape[1] == plan.rows_per_microbatch:
+        out = aux.reshape(-1, *aux.shape[2:])
+    elif not _is_float(aux):
+        out = aux[-1]
+    else:
+        out = jnp.sum(aux, axis=0) * plan.seed
+    return varying_over(out, replicas)
+
+
+def _manual_axes() -> frozenset[str]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset(getattr(mesh, "manual_axes", ()) or ())
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _leaves(tree: Any) -> list:
+    return jax.tree.leaves(tree)
