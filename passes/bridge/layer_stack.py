@@ -19,6 +19,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from xla_strategies.passes.bridge import jax_compat
+from xla_strategies.passes.bridge.replay import equation_context
+from xla_strategies.passes.bridge.trace_hooks import varying_over
 
 _CALLS = {"jit", "pjit", "closed_call", "core_call"}
 
@@ -32,7 +34,9 @@ class LayerStack:
     """`fun` as `before`, the scan, and `after`.
 
     `before(*args) -> (carry, consts, xs, kept)`: flat lists; `layers(xs, carry, consts)`
-    runs the scan; `after(carry, kept) -> outputs` (the loss first)."""
+    runs the scan; `after(carry, kept, closed_over) -> outputs` (the loss first), given
+    the values the function closes over explicitly (in a `shard_map` they are its
+    arguments)."""
 
     before: Callable[..., tuple[list, list, list, list]]
     layers: Callable[[list, list, list], list]
@@ -41,6 +45,7 @@ class LayerStack:
     carry_rows: tuple[int, ...]  # the first dimension of each value the layers carry
     closed_over: tuple[Any, ...]  # values the function reads from its closure
     depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
+    outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
 
 
 def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerStack:
@@ -97,12 +102,12 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     kept = [v for v in dict.fromkeys(used_after) if v in defined_before]
     scan_in = list(scan.invars)
     head = jaxpr.eqns[:at]
-    before = _function(jaxpr, consts, head, jaxpr.invars, scan_in + kept)
+    before = _function(jaxpr, head, jaxpr.invars, scan_in + kept)
     body = scan.params["jaxpr"]
-    after = _function(jaxpr, consts, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
+    after = _function(jaxpr, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
 
     def split_before(*args: Any) -> tuple[list, list, list, list]:
-        out = before(*args)
+        out = before(consts, *args)
         ins, rest = out[: len(scan_in)], out[len(scan_in) :]
         return (
             ins[num_consts : num_consts + num_carry],
@@ -141,22 +146,23 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     return LayerStack(
         split_before,
         layers,
-        lambda c, k: after(*c, *k),
+        lambda c, k, closed: after(closed, *c, *k),
         int(scan.params["length"]),
         rows,
         tuple(consts),
         depends,
+        tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
     )
 
 
-def _function(
-    jaxpr: jex.Jaxpr, consts: Sequence[Any], eqns: list, invars: list, outvars: list
-) -> Callable[..., list]:
+def _function(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Callable[..., list]:
     """The equations `eqns` of `jaxpr` as a function of `invars` (the jaxpr's constants
     closed over) returning `outvars`."""
     inputs = [v for v in invars if isinstance(v, jex.Var)]
-    part = jaxpr.replace(invars=inputs, outvars=outvars, eqns=eqns)
-    return lambda *args: evaluate(part, consts, args)
+    part = jaxpr.replace(
+        constvars=[], invars=[*jaxpr.constvars, *inputs], outvars=outvars, eqns=eqns
+    )
+    return lambda closed, *args: evaluate(part, (), [*closed, *args])
 
 
 def _inlined(
@@ -178,13 +184,16 @@ def evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> li
     read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _CALLS:
+        if eqn.primitive.name == "pvary":  # a value may vary already where it did not
+            outs = [varying_over(x, frozenset(eqn.params["axes"])) for x in invals]
+        elif eqn.primitive.name in _CALLS:
             inner, inner_consts = jax_compat.jaxpr_parts(eqn.params["jaxpr"])
             outs = evaluate(inner, inner_consts, invals)
         else:
             bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before 0.12
             subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-            outs = eqn.primitive.bind(*subfuns, *invals, **params)
+            with equation_context(eqn.ctx) as move:  # its shardings moved to this mesh
+                outs = eqn.primitive.bind(*subfuns, *invals, **move(params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]

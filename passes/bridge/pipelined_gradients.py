@@ -233,13 +233,13 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     def layers(w, x, rows, shared):
         return stack.layers(w, x, _merge(layer_rows, rows, shared))
 
-    def head(y, rows, shared):
-        out = stack.after(y, _merge(head_rows, rows, shared))
-        return out[0], out[1:]
+    def body(w, inputs, lrows, lshared, hrows, hshared, closed):
+        def head(y, rows, shared):
+            out = stack.after(y, _merge(head_rows, rows, shared), closed)
+            return out[0], out[1:]
 
-    def body(w, inputs, lrows, lshared, hrows, hshared):
         w = [x[:, 0] for x in w]
-        program = executor.StageProgram(layers, head, plan.seed)
+        program = executor.StageProgram(layers, head, plan.seed, list(stack.outputs[1:]))
         r = executor.run(
             plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
         )
@@ -252,8 +252,12 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         pick(consts, layer_rows, False),
         pick(kept, head_rows, True),
         pick(kept, head_rows, False),
+        list(stack.closed_over),
     )
-    specs = (P(None, plan.axis), P(), P(), P(), P(), P())
+    # every value varies across the replicas inside: no reduction runs inside the loop;
+    # the gradients of mirrored values are summed across the replicas once, after it
+    args = jax.tree.map(lambda a: varying_over(a, _manual_axes()) if _is_float(a) else a, args)
+    specs = (P(None, plan.axis), P(), P(), P(), P(), P(), P())
     out_specs = {f: P(None, plan.axis) if f == "weights" else P() for f in _RESULT_FIELDS}
     out = jax.shard_map(
         body, in_specs=specs, out_specs=out_specs, axis_names={plan.axis}, check_vma=False

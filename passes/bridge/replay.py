@@ -26,7 +26,7 @@ def bind_foreign(node: Node, args: list[Any]) -> list[Any]:
             "(graphs parsed from text can be optimised and printed, not run)"
         )
     eqn = node.payload
-    with _user_source(eqn), _equation_context(eqn.ctx) as params:
+    with _user_source(eqn), equation_context(eqn.ctx) as params:
         bound = _resized(node, params(eqn.params))
         out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(bound))
     return list(out) if eqn.primitive.multiple_results else [out]
@@ -56,7 +56,7 @@ def _user_source(eqn: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
+def equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
     """The captured equation's context, moved to the mesh being lowered to, and a function
     that moves its parameters' shardings there too. A step compiled with `axis_name=` was
     traced on a mesh of that name, and its equations remember it. Inside the fully manual

@@ -44,6 +44,7 @@ class StageProgram:
     layers: Callable[..., Any]
     head: Callable[..., tuple[Any, Any]]
     seed: float  # the weight of each microbatch's loss in the total: 1/M for their mean
+    aux: Any  # the head's auxiliary output, as `jax.ShapeDtypeStruct`s
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,7 @@ def run(
     m_count, stages = schedule.microbatches, schedule.stages
     last = schedule.virtual_stages * stages - 1
     x0 = jax.tree.map(lambda a: a[0], inputs)
-    aux_shape = jax.eval_shape(
-        lambda: program.head(
-            program.layers(_first(weights), x0, _first(layer_rows), layer_shared),
-            _first(head_rows),
-            head_shared,
-        )[1]
-    )
+    aux_shape = program.aux
     zeros = _float_zeros
     buffers = lambda n: jax.tree.map(lambda a: jnp.zeros((max(n, 1), *a.shape), a.dtype), x0)  # noqa: E731
     state = {
@@ -174,11 +169,11 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
 
     def head_and_seed(y):
         (loss, aux), pullback = _vjp(program.head, y, rows, head_shared, has_aux=True)
-        dy, d_rows, d_shared = pullback(jnp.asarray(program.seed, loss.dtype))
+        dy, d_rows, d_shared = pullback(jnp.full_like(loss, program.seed))
         return loss, aux, dy, d_rows, d_shared
 
     def no_head(y):
-        aux = jax.eval_shape(lambda: program.head(y, rows, head_shared)[1])
+        aux = program.aux
         return (
             jnp.zeros((), jnp.float32),
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux),
