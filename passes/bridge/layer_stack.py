@@ -106,15 +106,14 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     body = scan.params["jaxpr"]
     after = _function(jaxpr, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
 
+    def grouped(values: list) -> tuple[list, list, list, list]:
+        """`before`'s outputs (or one flag per output) as (carry, consts, xs, kept)."""
+        ins, rest = values[: len(scan_in)], values[len(scan_in) :]
+        carry_end = num_consts + num_carry
+        return ins[num_consts:carry_end], ins[:num_consts], ins[carry_end:], rest
+
     def split_before(*args: Any) -> tuple[list, list, list, list]:
-        out = before(consts, *args)
-        ins, rest = out[: len(scan_in)], out[len(scan_in) :]
-        return (
-            ins[num_consts : num_consts + num_carry],
-            ins[:num_consts],
-            ins[num_consts + num_carry :],
-            rest,
-        )
+        return grouped(before(consts, *args))
 
     def layers(xs: list, carry: list, scan_consts: list) -> list:
         inner, inner_consts = jax_compat.jaxpr_parts(body)
@@ -130,14 +129,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
         for eqn in head:
             if any(isinstance(v, jex.Var) and v in flagged for v in eqn.invars):
                 flagged.update(eqn.outvars)
-        marks = [isinstance(v, jex.Var) and v in flagged for v in scan_in + kept]
-        ins, rest = marks[: len(scan_in)], marks[len(scan_in) :]
-        return (
-            ins[num_consts : num_consts + num_carry],
-            ins[:num_consts],
-            ins[num_consts + num_carry :],
-            rest,
-        )
+        return grouped([isinstance(v, jex.Var) and v in flagged for v in scan_in + kept])
 
     rows = tuple(
         v.aval.shape[0] if v.aval.ndim else 0
