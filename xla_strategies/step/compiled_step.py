@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
 from xla_strategies.core.layout import Layout, replica_axes
-from xla_strategies.core.trees import copy_to
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
@@ -52,7 +51,12 @@ from xla_strategies.step.dumping import (
     abstract,
 )
 from xla_strategies.step.executable import Executable
-from xla_strategies.step.pipeline_choice import Verdict, alternatives, choose
+from xla_strategies.step.pipeline_choice import (
+    Verdict,
+    alternatives,
+    choose,
+    selects_by_compiling,
+)
 from xla_strategies.step.recompiles import warn_if_recompiling
 from xla_strategies.step.state import DeclaredState, donated_state
 from xla_strategies.step.step_interface import capture_mesh, declare_interface
@@ -151,7 +155,8 @@ class CompiledStep:
         if pacer is not None:
             pacer.before_dispatch()
         outs = cluster_health.dispatched(
-            lambda: executable.run(*self._place(flat, executable)), self.strategy.completes_steps
+            lambda: executable.run(*executable.place(flat, self.strategy)),
+            self.strategy.completes_steps,
         )
         if any(executable.rooted):  # only the root replica's copy is right
             pairs = zip(outs, executable.rooted, strict=True)
@@ -185,7 +190,7 @@ class CompiledStep:
         executable for the strategy's devices: a TPU executable on a compile-only strategy."""
         flat, signature = self._flatten(args, kwargs)
         executable = self._executable(signature)
-        lowered = executable.run.lower(*self._place(flat, executable))
+        lowered = executable.run.lower(*executable.place(flat, self.strategy))
         return LoweredStep.of(lowered, self.strategy, self.name)
 
     def graph(self, *args: Any, after: str = "capture", **kwargs: Any) -> Graph:
@@ -216,23 +221,6 @@ class CompiledStep:
             lambda path: f"{self.name} argument {path}",
             self.strategy.model_dim,
         )
-
-    def _place(self, flat: list[Any], executable: Executable) -> list[Any]:
-        """Mirrored leaves where the program takes them (replicated, or split across the
-        replicas for state a pass holds sharded); a donated buffer that is also passed
-        elsewhere (the same array as two pieces of state, say) copied: XLA cannot donate a
-        buffer that another argument still reads."""
-        placed = [
-            leaf if sharding is None else _put(leaf, sharding, self.strategy)
-            for leaf, sharding in zip(flat, executable.placements, strict=True)
-        ]
-        if executable.donated:
-            uses = Counter(id(leaf) for leaf in placed)
-            for index in executable.donated:
-                if uses[id(placed[index])] > 1 and isinstance(placed[index], jax.Array):
-                    uses[id(placed[index])] -= 1
-                    placed[index] = copy_to(placed[index], placed[index].sharding)
-        return placed
 
     def _executable(self, signature: Signature) -> Executable:
         """The executable for `signature`: the cache keeps the `CACHE_SIZE` most recently
@@ -329,7 +317,7 @@ class CompiledStep:
             spec = dataclasses.replace(self.pipeline_options, spec=options.pipeline)
             pipeline = step_pipeline(self.strategy, spec)
         remarks: list[str] = []
-        if self._selects_by_compiling(options):
+        if selects_by_compiling(self.options, self.strategy, options):
             verdict = self._select(signature, graph, pipeline)
             pipeline = alternatives(pipeline)[verdict.chosen]
             remarks.append(verdict.remark())
@@ -355,7 +343,6 @@ class CompiledStep:
         stats = (captured_stats, seconds, ctx.stats, ctx.remarks)
         return Executable(graph, run, outputs, donated, placements, *stats)
 
-
     def _lowered(self, graph: Graph, ctx: PassContext) -> tuple[Any, dict[str, Any]]:
         """The jitted program of a graph the passes ran on, and its XLA options."""
         strategy = self.strategy
@@ -371,17 +358,6 @@ class CompiledStep:
             strategy.sharded_mesh,
         )
         return run, compiler_options
-
-    def _selects_by_compiling(self, dump_options: DumpOptions) -> bool:
-        """`select_by_compiling`, or by default where `xla-strategies aot` asks for it
-        (`SELECT_BY_COMPILING`): for a compile-only strategy with a topology, whose
-        pipeline is the library's (not a spec the user wrote)."""
-        chosen = self.options.select_by_compiling
-        if chosen is not None:
-            return chosen
-        written = self.options.pipeline is not None or dump_options.pipeline is not None
-        judged = self.strategy.compile_only and self.strategy.topology is not None
-        return dump_options.select_by_compiling and judged and not written
 
     def _select(self, signature: Signature, graph: Graph, pipeline: PassPipeline) -> Verdict:
         """Compile the alternatives of `pipeline` for this step (`pipeline_choice`)."""
@@ -401,9 +377,3 @@ class CompiledStep:
 
         key = fingerprint(print_graph(graph), strategy.topology, self.options)
         return choose(alternatives(pipeline), compile_one, key)
-
-
-def _put(leaf: Any, sharding: NamedSharding, strategy: StepStrategy) -> Any:
-    if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
-        return leaf
-    return strategy.place(leaf, sharding)  # a copy where the program reads it, or abstract

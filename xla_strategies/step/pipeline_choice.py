@@ -25,11 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.hardware.compiled_report import CompiledReport
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.step import verdict_cache
+from xla_strategies.step.compile_options import CompileOptions
 
 #: the passes that give a step's reductions their meaning (and where the state goes, for
 #: a strategy that keeps it on one device): never left out of an alternative
@@ -90,6 +92,19 @@ def alternatives(pipeline: PassPipeline) -> dict[str, PassPipeline]:
     if len(meaning) < len([p for p in pipeline.passes if p.name not in pipeline.disabled]):
         found["replicated"] = PassPipeline(passes=meaning)
     return found
+
+
+def selects_by_compiling(options: CompileOptions, strategy: Any, dump_options: Any) -> bool:
+    """Whether a step compiles its pipeline's alternatives: `select_by_compiling`, or by
+    default where `xla-strategies aot` asks for it (`dump_options.select_by_compiling`):
+    for a compile-only strategy with a topology, whose pipeline is the library's (not a
+    spec the user wrote)."""
+    chosen = options.select_by_compiling
+    if chosen is not None:
+        return chosen
+    written = options.pipeline is not None or dump_options.pipeline is not None
+    judged = strategy.compile_only and strategy.topology is not None
+    return dump_options.select_by_compiling and judged and not written
 
 
 def choose(
