@@ -37,7 +37,6 @@ come from the restore target.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,7 +107,7 @@ class CheckpointManager:
         self.strategy = strategy
         self.read_only = read_only
         self._lock = self._take_directory() if not read_only else None
-        self._verdicts: dict[tuple[int, int], str | None] = {}  # a reader's checks of steps
+        self._whole_steps = checkpoint_steps.WholeSteps(self.directory)  # a reader's checks
         self._before_save = checkpoint_threads.running()
         self._operation: str | None = None  # orbax's id of the latest save
         if read_only:
@@ -245,25 +244,9 @@ class CheckpointManager:
         if not self.read_only:
             return sorted(self._manager.all_steps())
         # the names on disk, not orbax's reload, which fails on a step deleted mid-read
-        return [s for s in sorted(checkpoint_steps.step_dirs(self.directory)) if self._whole(s)]
-
-    def _whole(self, step: int) -> bool:
-        """Whether step `step` is whole, warning once of one that is not (cached per
-        directory: a step's directory is replaced, never changed, once committed)."""
-        path = self.directory / str(step)
-        try:
-            key = (step, path.stat().st_ino)
-        except OSError:
-            return False  # deleted since it was listed
-        if key not in self._verdicts:
-            self._verdicts[key] = checkpoint_steps.incomplete_reason(path)
-            if self._verdicts[key] is not None:
-                warnings.warn(
-                    f"checkpoint step {step} at {path} is incomplete "
-                    f"({self._verdicts[key]}); it is not listed",
-                    stacklevel=3,
-                )
-        return self._verdicts[key] is None
+        return [
+            s for s in sorted(checkpoint_steps.step_dirs(self.directory)) if self._whole_steps(s)
+        ]
 
     def restore(
         self, step: int | None = None, target: Any = None, dataset_iterator: Any = None

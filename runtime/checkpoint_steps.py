@@ -80,6 +80,31 @@ def _holds_array(path: Path) -> bool:
     return bool(header) and bool(names - header)
 
 
+class WholeSteps:
+    """Whether a step of `directory` is whole, warning once of one that is not (cached:
+    a step's directory is replaced, never changed, once committed)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._verdicts: dict[tuple[int, int], str | None] = {}  # (step, inode) -> reason
+
+    def __call__(self, step: int) -> bool:
+        path = self._directory / str(step)
+        try:
+            key = (step, path.stat().st_ino)
+        except OSError:
+            return False  # deleted since it was listed
+        if key not in self._verdicts:
+            self._verdicts[key] = incomplete_reason(path)
+            if self._verdicts[key] is not None:
+                warnings.warn(
+                    f"checkpoint step {step} at {path} is incomplete "
+                    f"({self._verdicts[key]}); it is not listed",
+                    stacklevel=3,
+                )
+        return self._verdicts[key] is None
+
+
 def set_aside_incomplete(directory: Path) -> None:
     """At a writer's start: move each incomplete step into `SET_ASIDE`, with a warning."""
     for step, path in sorted(step_dirs(directory).items()):

@@ -75,4 +75,3 @@ class Placement:
             chunks = [parts[p.ps][p.name] for p in sorted(by_leaf[leaf], key=lambda p: p.start)]
             leaves.append(np.concatenate(chunks) if shape else chunks[0])
         return jax.tree.unflatten(self.treedef, leaves)
-
