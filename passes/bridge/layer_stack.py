@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.replay import equation_context
@@ -173,7 +174,8 @@ def evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> li
     call."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+    # a literal as a plain array of its type: its own type names the mesh it was traced on
+    read = lambda v: np.asarray(v.val, v.aval.dtype) if isinstance(v, jex.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive.name == "pvary":  # a value may vary already where it did not

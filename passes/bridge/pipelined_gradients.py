@@ -254,9 +254,9 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         pick(kept, head_rows, False),
         list(stack.closed_over),
     )
-    # every value varies across the replicas inside: no reduction runs inside the loop;
-    # the gradients of mirrored values are summed across the replicas once, after it
-    args = jax.tree.map(lambda a: varying_over(a, _manual_axes()) if _is_float(a) else a, args)
+    # inside, unchecked types say nothing of the replicas, so no reduction across them runs
+    # in the loop: every result is this replica's, summed across replicas once, after it
+    # (`_summed_like`)
     specs = (P(None, plan.axis), P(), P(), P(), P(), P(), P())
     out_specs = {f: P(None, plan.axis) if f == "weights" else P() for f in _RESULT_FIELDS}
     out = jax.shard_map(
