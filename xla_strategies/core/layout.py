@@ -17,11 +17,14 @@ SHARDED_PREFIX = "sharded:"
 #: The mesh axis a replica spans when it has several devices (logical devices, tensor
 #: parallelism): left to XLA's partitioner, never a replica axis. Also under the prefixes.
 MODEL_AXIS = "model"
+#: The mesh axis of pipeline stages (`pipeline_stages`): each replica's layers split over
+#: it; left to XLA's partitioner outside the stage program, never a replica axis.
+STAGE_AXIS = "stage"
 
 
 def replica_axes(axis_names: Any) -> tuple[str, ...]:
-    """The replica axes among a mesh's `axis_names`: all but the model axis."""
-    return tuple(a for a in axis_names if str(a).rpartition(":")[2] != MODEL_AXIS)
+    """The replica axes among a mesh's `axis_names`: all but the model and stage axes."""
+    return tuple(a for a in axis_names if str(a).rpartition(":")[2] not in (MODEL_AXIS, STAGE_AXIS))
 
 
 def model_dim(spec: Any) -> int | None:

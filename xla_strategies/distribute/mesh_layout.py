@@ -19,12 +19,13 @@ from xla_strategies.core.layout import (
     MODEL_AXIS,
     SHARDED_PREFIX,
     STACKED_PREFIX,
+    STAGE_AXIS,
     Layout,
     model_dim,
     refuse_foreign_split,
     replica_axes,
 )
-from xla_strategies.distribute.model_axis import with_model_axis
+from xla_strategies.distribute.model_axis import with_model_axis, with_stage_axis
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.layouts import replica_spec
 
@@ -38,20 +39,24 @@ class MeshLayout:
         axis_names: tuple[str, ...] = ("replica",),
         compile_only: bool = False,
         logical_devices_per_replica: int = 1,
+        pipeline_stages: int = 1,
     ) -> None:
         """`devices`: a sequence (one axis) or an array with one dimension per axis name;
         `compile_only`: they are the devices a compiler describes for a topology;
         `logical_devices_per_replica`: devices each replica spans, neighbours on the
-        fastest (last) axis, which become the model axis."""
+        fastest (last) axis, which become the model axis; `pipeline_stages`: stages each
+        replica's layers are split over, cut from the slowest (first) axis."""
         array = np.asarray(devices, dtype=object)
         self._compile_only = compile_only
         if array.ndim != len(axis_names):
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
+        array, axis_names = with_stage_axis(array, axis_names, pipeline_stages)
         array, axis_names = with_model_axis(array, axis_names, logical_devices_per_replica)
         self._mesh = Mesh(array, axis_names)
         self._replica_axes = replica_axes(axis_names)
         # read for every argument of every step (`model_dim`): kept, not derived each time
         self._devices_per_replica = dict(self._mesh.shape).get(MODEL_AXIS, 1)
+        self._stages = dict(self._mesh.shape).get(STAGE_AXIS, 1)
         self._stacked_mesh = Mesh(array, tuple(STACKED_PREFIX + a for a in axis_names))
         self._sharded_mesh = Mesh(array, tuple(SHARDED_PREFIX + a for a in axis_names))
         self._split_first = self.input_spec(True)[:1]
@@ -67,7 +72,12 @@ class MeshLayout:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return self._mesh.devices.size // self.logical_devices_per_replica
+        return self._mesh.devices.size // (self.logical_devices_per_replica * self._stages)
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages each replica's layers are split over (the stage axis's size; 1 without)."""
+        return self._stages
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
@@ -114,7 +124,8 @@ class MeshLayout:
         disabled = []
         if self.devices_share_host_cores:
             disabled.append("cpu-parallel-task-assigner")
-        if self.logical_devices_per_replica > 1 and self.devices[0].platform == "cpu":
+        spans = self.logical_devices_per_replica * self._stages > 1
+        if spans and self.devices[0].platform == "cpu":
             disabled.append("all-reduce-promotion")
         return {"xla_disable_hlo_passes": ",".join(disabled)} if disabled else {}
 

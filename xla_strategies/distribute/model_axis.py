@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies.core.layout import MODEL_AXIS, model_dim
+from xla_strategies.core.layout import MODEL_AXIS, STAGE_AXIS, model_dim
 from xla_strategies.core.trees import is_function_leaf
 
 
@@ -42,6 +42,26 @@ def with_model_axis(
         )
     shape = (*devices.shape[:-1], size // k, k)
     return devices.reshape(shape), (*axis_names, MODEL_AXIS)
+
+
+def with_stage_axis(
+    devices: np.ndarray, axis_names: tuple[str, ...], stages: int
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """`devices` with a leading stage axis of `stages` cut from the slowest (first) axis:
+    across slices over DCN first, then across hosts, so stages pass activations over the
+    slow links and replicas keep the fast ones; unchanged for 1."""
+    if isinstance(stages, bool) or not isinstance(stages, int | np.integer) or stages < 1:
+        raise ValueError(f"pipeline_stages must be a positive int, not {stages!r}")
+    if stages == 1:
+        return devices, axis_names
+    first, size = axis_names[0], devices.shape[0]
+    if size % stages:
+        raise ValueError(
+            f"pipeline_stages={stages} does not divide the mesh's slowest axis {first!r} "
+            f"({size} of {devices.size} devices); use a divisor of {size}"
+        )
+    shape = (stages, size // stages, *devices.shape[1:])
+    return devices.reshape(shape), (STAGE_AXIS, *axis_names)
 
 
 class UnmappedLogicalNames(NamedTuple):

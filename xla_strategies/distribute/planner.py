@@ -156,9 +156,7 @@ def _candidates(
             yield variant, sharding, model
 
 
-def _on(
-    strategy: Strategy, args: tuple[Any, ...], factor: int, given: Strategy
-) -> tuple[Any, ...]:
+def _on(strategy: Strategy, args: tuple[Any, ...], factor: int, given: Strategy) -> tuple[Any, ...]:
     """`args`, laid out for `given`, laid out for `strategy`: batches (leaves `given` splits
     over its replicas) with `factor` times the rows, the rest replicated."""
 
@@ -235,4 +233,3 @@ def _best_so_far(rows: list[Row]) -> str:
         f"; best so far: {best.sharding}, {best.devices_per_replica} per replica, "
         f"{best.batch_per_chip} per chip, {best.items_per_s_per_chip:,.1f} items/s/chip"
     )
-

@@ -82,11 +82,14 @@ class Strategy(MeshLayout):
         compile_only: bool = False,
         logical_devices_per_replica: int = 1,
         layout_map: Any = None,
+        pipeline_stages: int = 1,
     ) -> None:
         """The mesh and its layout as `MeshLayout` has them; `layout_map`: a Keras
         `keras.distribution.LayoutMap` that lays out over the model axis the variables
         of a Keras model built under `scope()` (`xla_strategies.keras`)."""
-        super().__init__(devices, axis_names, compile_only, logical_devices_per_replica)
+        super().__init__(
+            devices, axis_names, compile_only, logical_devices_per_replica, pipeline_stages
+        )
         if layout_map is not None and self.logical_devices_per_replica == 1:
             raise ValueError(
                 "layout_map lays variables out over the model axis, which this strategy "
@@ -338,5 +341,6 @@ class Strategy(MeshLayout):
         return f"{type(self).__name__}({shown})"
 
     def _logical_devices_shown(self) -> str:
-        k = self.logical_devices_per_replica
-        return f", logical_devices_per_replica={k}" if k > 1 else ""
+        k, stages = self.logical_devices_per_replica, self.pipeline_stages
+        shown = f", logical_devices_per_replica={k}" if k > 1 else ""
+        return shown + (f", pipeline_stages={stages}" if stages > 1 else "")

@@ -49,6 +49,11 @@ class CompileOptions:
             runs) and keep the best by what XLA says (`step.pipeline_choice`); False:
             never; None: where `xla-strategies aot` asks for it, for a compile-only
             strategy with a topology, unless the step names its own pipeline.
+        microbatches: on a strategy with `pipeline_stages`, the microbatches each
+            replica's batch is split into for the pipeline (default: the stages).
+        schedule: the pipeline's schedule: "1f1b" (the default), "gpipe",
+            "interleaved-1f1b" or "zero-bubble-h1".
+        virtual_stages: chunks of layers per stage for "interleaved-1f1b" (default 2).
         name: the step's name in dumps and errors (default: the function's).
     """
 
@@ -64,6 +69,9 @@ class CompileOptions:
     donate_argnames: str | Sequence[str] = ()
     compiler_options: Mapping[str, Any] | None = None
     select_by_compiling: bool | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
     name: str | None = None
 
     #: the options `set_compile_defaults` takes: the ones the library's own compiles

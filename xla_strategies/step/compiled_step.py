@@ -24,6 +24,7 @@ from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
 from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
 from xla_strategies.passes.bridge.lowering import lower
+from xla_strategies.passes.bridge.pipelined_gradients import pipelining_gradients
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.text import print_graph
@@ -58,6 +59,7 @@ from xla_strategies.step.pipeline_choice import (
     selects_by_compiling,
 )
 from xla_strategies.step.recompiles import warn_if_recompiling
+from xla_strategies.step.stage_plan import stage_plan
 from xla_strategies.step.state import DeclaredState, donated_state
 from xla_strategies.step.step_interface import capture_mesh, declare_interface
 from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
@@ -116,6 +118,7 @@ class CompiledStep:
         )
         self.pipeline = step_pipeline(strategy, self.pipeline_options)
         self.compiler_options = option_values(options.compiler_options)
+        self.stage_plan = stage_plan(strategy, options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
         self._compiled = 0  # programs built, the evicted included
         self._calls = 0  # for errors that name the call (numerics)
@@ -285,16 +288,23 @@ class CompiledStep:
             check_unchanged(self.name, before, args, kwargs, result, written.indices)
             return outputs.split(result, written)
 
-        graph = capture(
-            step,
-            flat_args,
-            mesh,
-            [spec.layout is not Layout.MIRRORED for spec in specs],
-            stacked=[spec.layout is Layout.STACKED for spec in specs],
-            rename=rename,
-            input_names=argument_paths(signature),
-            name=self.name,
-        )
+        with pipelining_gradients(self.stage_plan) as pipelined:
+            graph = capture(
+                step,
+                flat_args,
+                mesh,
+                [spec.layout is not Layout.MIRRORED for spec in specs],
+                stacked=[spec.layout is Layout.STACKED for spec in specs],
+                rename=rename,
+                input_names=argument_paths(signature),
+                name=self.name,
+            )
+        if self.stage_plan is not None and not pipelined:
+            raise ValueError(
+                f"{self.name}: the strategy has pipeline_stages={strategy.pipeline_stages}, "
+                "and the step takes no gradient with jax.grad or jax.value_and_grad to "
+                "pipeline"
+            )
         declare_interface(
             graph, signature, outputs, self.declared_state, self.mirrored_outputs, self.name
         )

@@ -33,6 +33,11 @@ class MirroredStrategy(Strategy):
     step a value is whole; the shardings the step declares over "model" lay it out.
     `layout_map` (a `keras.distribution.LayoutMap` naming "model") lays out the variables
     of a Keras model built under `scope()`.
+
+    `pipeline_stages=S` splits each replica's layers over S devices (a leading "stage"
+    axis; `num_replicas_in_sync` is the device count / (S * k)): a gradient the step takes
+    with `jax.grad` or `jax.value_and_grad` of a model whose layers are a scan over stacked
+    weights runs as a pipeline schedule (`compile(microbatches=, schedule=)`).
     """
 
     pipeline_label = "mirrored"
@@ -46,6 +51,7 @@ class MirroredStrategy(Strategy):
         compile_only: bool = False,
         logical_devices_per_replica: int = 1,
         layout_map: Any = None,
+        pipeline_stages: int = 1,
     ) -> None:
         node, gpus = compile_only_nodes("MirroredStrategy", topology, compile_only, several=False)
         if gpus is not None and devices is not None:
@@ -56,12 +62,19 @@ class MirroredStrategy(Strategy):
         self.cross_device_ops = cross_device_ops
         k = logical_devices_per_replica
         if cross_device_ops is None:
-            super().__init__(devices, ("replica",), node is not None, k, layout_map)
+            super().__init__(
+                devices, ("replica",), node is not None, k, layout_map, pipeline_stages
+            )
             return
         if not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
                 "cross_device_ops must be an xs.NcclAllReduce, xs.HierarchicalCopyAllReduce "
                 f"or xs.ReductionToOneDevice, got {type(cross_device_ops).__name__}"
+            )
+        if pipeline_stages != 1:
+            raise ValueError(
+                "pipeline_stages splits the layers over the strategy's own stage axis; "
+                "cross_device_ops chooses the mesh itself: give one of them"
             )
         super().__init__(*cross_device_ops.mesh(devices), node is not None, k, layout_map)
         cross_device_ops.changes(self.devices)  # a bad choice fails here, not at compile
@@ -74,7 +87,11 @@ class MirroredStrategy(Strategy):
         return self.cross_device_ops.changes(self.devices)
 
     def sub_strategy(self, replicas: int) -> MirroredStrategy:
-        k = self.logical_devices_per_replica
+        k, stages = self.logical_devices_per_replica, self.pipeline_stages
+        devices = self._mesh.devices.reshape(stages, -1)[:, : replicas * k].reshape(-1)
         return MirroredStrategy(
-            self.devices[: replicas * k], self.cross_device_ops, logical_devices_per_replica=k
+            list(devices),
+            self.cross_device_ops,
+            logical_devices_per_replica=k,
+            pipeline_stages=stages,
         )
