@@ -1,0 +1,176 @@
+"""Pipeline stages from the user's unchanged step: `MirroredStrategy(pipeline_stages=S)`
+with `compile(microbatches=, schedule=)` trains a model whose layers are a scan over
+stacked weights, written as its library writes it, to the parameters `OneDeviceStrategy`
+gives; the compiled program passes activations between stages and holds what its
+schedule promises."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import xla_strategies as xs
+
+LAYERS, WIDTH, ROWS = 8, 16, 32
+TX = optax.adam(1e-2)
+
+
+def _plain_params():
+    k = jax.random.split(jax.random.key(0), 3)
+    return {
+        "embed": jnp.ones((WIDTH,)),
+        "w": jax.random.normal(k[0], (LAYERS, WIDTH, WIDTH)) * 0.3,
+        "b": jnp.zeros((LAYERS, WIDTH)),
+        "head": jax.random.normal(k[1], (WIDTH, 3)),
+    }
+
+
+def _plain_loss(params, x, y):
+    h = jnp.tanh(x * params["embed"])
+
+    def layer(h, w):
+        return jnp.tanh(h @ w["w"] + w["b"]), None
+
+    h, _ = jax.lax.scan(layer, h, {"w": params["w"], "b": params["b"]})
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def _plain_batches():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, WIDTH)).astype(np.float32)
+    return [(x, np.sin(x[:, :3])) for _ in range(3)]
+
+
+# the flax docs' way: layers stacked with nn.scan over their params
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(32)(nn.LayerNorm()(x))
+        return x + nn.Dense(16)(nn.gelu(h)), None
+
+
+class Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(50, 16)(tokens)
+        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        x, _ = stack()(x, None)
+        return nn.Dense(50)(nn.LayerNorm()(x))
+
+
+MODEL = Decoder()
+TOKENS = np.asarray(jax.random.randint(jax.random.key(1), (16, 9), 0, 50))
+
+
+def _flax_loss(params, tokens):
+    logits = MODEL.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def _train(strategy, loss_fn, params, batches, **options):
+    @strategy.compile(**options)
+    def step(params, opt_state, *batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with strategy.scope():
+        state = strategy.replicate(params), strategy.replicate(TX.init(params))
+    for batch in strategy.experimental_distribute_dataset(batches):
+        *state, _ = step(*state, *batch)
+    return state[0]
+
+
+def _assert_mirrored_and_equal(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.sharding.is_fully_replicated
+        first = np.asarray(g.addressable_shards[0].data)
+        for shard in g.addressable_shards:  # no replica or stage drifts from another
+            np.testing.assert_array_equal(np.asarray(shard.data), first)
+        np.testing.assert_allclose(first, np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "stages, options",
+    [
+        (2, {"microbatches": 4, "schedule": "gpipe"}),
+        (2, {"microbatches": 8}),  # 1F1B, the default
+        (4, {"microbatches": 4, "schedule": "1f1b"}),
+        (2, {"microbatches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2}),
+        (4, {"microbatches": 4, "schedule": "zero-bubble-h1"}),
+    ],
+    ids=["gpipe", "1f1b-S2-M8", "1f1b-S4-M4", "interleaved", "zero-bubble"],
+)
+def test_each_schedule_trains_as_one_device_does(stages, options):
+    params, batches = _plain_params(), _plain_batches()
+    want = _train(xs.OneDeviceStrategy(), _plain_loss, params, batches)
+    strategy = xs.MirroredStrategy(pipeline_stages=stages)
+    assert strategy.num_replicas_in_sync == 8 // stages
+    got = _train(strategy, _plain_loss, params, batches, **options)
+    _assert_mirrored_and_equal(got, want)
+
+
+def test_a_flax_model_scanned_with_nn_scan_trains_unchanged():
+    params = MODEL.init(jax.random.key(0), TOKENS[:1])["params"]
+    batches = [(TOKENS,)] * 3
+    want = _train(xs.OneDeviceStrategy(), _flax_loss, params, batches)
+    got = _train(xs.MirroredStrategy(pipeline_stages=2), _flax_loss, params, batches)
+    _assert_mirrored_and_equal(got, want)
+
+
+def _compiled(schedule, microbatches):
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+
+    @strategy.compile(schedule=schedule, microbatches=microbatches)
+    def grads(params, x, y):
+        return jax.grad(_plain_loss)(params, x, y)
+
+    x, y = _plain_batches()[0]
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    return grads.lower(_plain_params(), *batch).compile()
+
+
+def test_stages_pass_activations_and_one_f_one_b_holds_fewer_than_gpipe():
+    one_f_one_b, gpipe = _compiled("1f1b", 8), _compiled("gpipe", 8)
+    assert "collective-permute" in one_f_one_b.as_text()
+    # GPipe keeps all 8 microbatches' stage inputs, 1F1B at most 2 (one per stage)
+    saved = gpipe.memory_analysis().temp_size_in_bytes
+    assert one_f_one_b.memory_analysis().temp_size_in_bytes < saved
+
+
+def test_pipeline_options_without_stages_are_refused():
+    with pytest.raises(ValueError, match="microbatches=, schedule= pipeline a step over stages"):
+        xs.MirroredStrategy().compile(lambda p: p, microbatches=4, schedule="gpipe")
+
+
+def test_a_schedule_that_does_not_fit_fails_at_compile():
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    with pytest.raises(ValueError, match="microbatches=3 is not a multiple of pipeline_stages=2"):
+        strategy.compile(lambda p: p, schedule="interleaved-1f1b", microbatches=3)
+
+
+def test_a_step_with_nothing_to_pipeline_is_an_error():
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    step = strategy.compile(lambda p, x: (p * x).sum())
+    with pytest.raises(ValueError, match="takes no gradient with jax.grad"):
+        step(jnp.ones(4), next(iter(strategy.experimental_distribute_dataset([np.ones((8, 4))]))))
+
+
+def test_a_batch_read_from_the_closure_cannot_be_split():
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    params, batches = _plain_params(), _plain_batches()
+
+    @strategy.compile(microbatches=2)
+    def step(params, x, y):
+        return jax.grad(lambda p: _plain_loss(p, x, y))(params)
+
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    with pytest.raises(ValueError, match="from its closure.*only when it is an argument"):
+        step(strategy.replicate(params), *batch)
+
+
+def test_stages_that_do_not_divide_the_devices_are_named():
+    with pytest.raises(ValueError, match="pipeline_stages=3 does not divide"):
+        xs.MirroredStrategy(pipeline_stages=3)
