@@ -313,3 +313,17 @@ ENTRY %main (p0: bf16[256,2048,16]) -> bf16[256,2048,16] {{
     (moved,) = collectives(text)
     assert moved.kind == "all-to-all" and moved.asynchronous
     assert moved.nbytes == 256 * 2048 * 16 * 2
+
+
+def test_a_conditionals_branches_are_counted_as_run_never_as_zero():
+    """A `lax.switch` inside a loop (a pipeline tick): the matmuls in its branches are
+    counted once per trip for each branch, an upper bound, where the reader once saw none."""
+    w = jnp.ones((64, 64), jnp.float32)
+
+    def tick(i, x):
+        return jax.lax.switch(i % 2, [lambda x: x @ w, lambda x: jnp.tanh(x) @ w.T], x)
+
+    text = jax.jit(lambda x: jax.lax.fori_loop(0, 5, tick, x)).lower(w).compile().as_text()
+    assert " conditional(" in text
+    per_branch = 2 * 64**3
+    assert sum(hlo_flops(text).values()) == 5 * 2 * per_branch

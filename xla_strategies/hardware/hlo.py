@@ -1,5 +1,6 @@
 """Reading XLA's compiled HLO text: its computations and instructions, how often a step
-runs each computation (a while body once per trip), which collectives survived
+runs each computation (a while body once per trip, each branch of a conditional once per
+execution: a bound), which collectives survived
 compilation, and how many devices take part in each.
 
 What it cannot read it says so (`HloReadError`), naming the instruction: a collective whose
@@ -282,10 +283,30 @@ def executions(comps: dict[str, list[Op]], entry: str | None) -> dict[str, int]:
             for callee in CALLEE.findall(rest):
                 body = opcode == "while" and f"body=%{callee}" in rest
                 visit(callee, count * (trips if body else 1))
+            for branch in branches(opcode, rest):  # each as if it ran: a bound
+                visit(branch, count)
 
     if entry is not None:
         visit(entry, 1)
     return times
+
+
+def branches(opcode: str, rest: str) -> list[str]:
+    """A `conditional`'s branch computations (`branch_computations={%a, %b}`, or
+    `true_computation=`/`false_computation=`); none for any other instruction. One of them
+    runs per execution and the text does not say which: the reader counts each as run, an
+    upper bound (a pipeline tick's idle, forward and backward branches add up, where the
+    tick runs one)."""
+    if opcode != "conditional":
+        return []
+    listed = _BRANCHES.search(rest)
+    if listed:
+        return OPERAND.findall(listed.group(1))
+    return _TRUE_FALSE.findall(rest)
+
+
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRUE_FALSE = re.compile(r"(?:true|false)_computation=%([\w.\-]+)")
 
 
 def trip_count(rest: str, comps: dict[str, list[Op]]) -> int:
