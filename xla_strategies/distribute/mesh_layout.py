@@ -105,7 +105,12 @@ class MeshLayout:
         first = self._mesh.devices.flat[0]
         if first.platform != "gpu":
             return None
-        return Topology.for_gpu_mesh(first.device_kind, dict(self._mesh.shape))
+        shape = dict(self._mesh.shape)
+        if self._stages > 1:  # the stage axis is cut from the first: priced as its links
+            shape.pop(STAGE_AXIS)
+            shape[next(iter(shape))] *= self._stages
+        whole = Topology.for_gpu_mesh(first.device_kind, shape)
+        return None if whole is None else whole.split_stage_axis(self._stages)
 
     def compiler_options(self, gathers_parameters: bool = False) -> dict[str, Any]:
         """XLA options for this strategy's programs (`gathers_parameters`: whether the

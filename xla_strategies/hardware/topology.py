@@ -18,7 +18,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from xla_strategies.core.layout import MODEL_AXIS
+from xla_strategies.core.layout import MODEL_AXIS, STAGE_AXIS
 from xla_strategies.hardware.calibration import Calibration
 from xla_strategies.passes.cost import model as cost_model
 from xla_strategies.passes.cost.model import AxisLink
@@ -219,6 +219,26 @@ class Topology:
         model = replace(last, name=MODEL_AXIS, size=size, bidirectional=False)
         return replace(self, axes=(*rest, replicas, model))
 
+    def split_stage_axis(self, stages: int) -> Topology:
+        """This topology with its first (slowest) axis cut in two: a leading stage axis of
+        `stages` (`pipeline_stages`) and the replicas' part. On TPUs the stages are cut
+        from the slices (DCN): a stage never splits a slice's torus."""
+        first, *rest = self.axes
+        if stages == 1:
+            return self
+        if first.level == "ici":
+            raise ValueError(
+                f"pipeline_stages={stages}: {self.name} is one slice; stages are cut from the "
+                "slices (give a multislice topology, e.g. '4xv5p-512')"
+            )
+        if first.size % stages:
+            raise ValueError(
+                f"pipeline_stages={stages} does not divide {self.name}'s {first.size} "
+                f"{first.name!r} groups"
+            )
+        stage = replace(first, name=STAGE_AXIS, size=stages, bidirectional=False)
+        return replace(self, axes=(stage, replace(first, size=first.size // stages), *rest))
+
     @property
     def model_axis_size(self) -> int:
         """Devices per replica: the model axis's size (1 without one)."""
@@ -227,7 +247,8 @@ class Topology:
     @property
     def slice_count(self) -> int:
         """How many slices (or nodes) the topology joins over its slowest network."""
-        return self.mesh_axes.get("dcn", self.mesh_axes.get("host", 1))
+        groups = self.mesh_axes.get("dcn", self.mesh_axes.get("host", 1))
+        return groups * self.mesh_axes.get(STAGE_AXIS, 1)
 
     @property
     def libtpu_name(self) -> str:

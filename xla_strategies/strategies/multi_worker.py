@@ -51,6 +51,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         compile_only: bool = False,
         logical_devices_per_replica: int = 1,
         layout_map: Any = None,
+        pipeline_stages: int = 1,
     ) -> None:
         """`topology="2xdgx-h100", compile_only=True`: compile for those GPU nodes on a
         machine without them, one process (`pip install 'xla-strategies[gpu]'`); the mesh
@@ -58,7 +59,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         --topology 2xdgx-h100` makes every MultiWorkerMirroredStrategy of a script so.
         `logical_devices_per_replica=k`: each replica spans k devices of one worker (a
         trailing "model" axis inside each node, over NVLink on GPUs), and `layout_map`
-        lays a Keras model's variables out over it, as on `MirroredStrategy`."""
+        lays a Keras model's variables out over it, as on `MirroredStrategy`.
+        `pipeline_stages=S`: each replica's layers split over S groups of workers (a
+        leading "stage" axis cut from the workers), as on `MirroredStrategy`."""
         self.communication_options = communication_options or CommunicationOptions()
         nodes, gpus = compile_only_nodes(
             "MultiWorkerMirroredStrategy", topology, compile_only, several=True
@@ -78,7 +81,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             hosts = jax.process_count()
         grid = np.asarray(devices, dtype=object).reshape(hosts, -1)
         super().__init__(
-            grid, ("host", "local"), gpus is not None, logical_devices_per_replica, layout_map
+            grid,
+            ("host", "local"),
+            gpus is not None,
+            logical_devices_per_replica,
+            layout_map,
+            pipeline_stages,
         )
         self._decomposes = implementation_decomposes(
             self.communication_options.implementation, devices[0].platform
@@ -108,7 +116,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         topology = Topology.from_name(f"{jax.process_count()}xcpu-gloo")
         if topology.mesh_axes.get("local") != jax.local_device_count():
             return None
-        return topology.split_model_axis(self.logical_devices_per_replica)
+        staged = topology.split_stage_axis(self.pipeline_stages)
+        return staged.split_model_axis(self.logical_devices_per_replica)
 
     def __repr__(self) -> str:
         if self.compile_only:

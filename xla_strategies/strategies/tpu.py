@@ -49,6 +49,8 @@ class TPUStrategy(Strategy):
             variables of a Keras model built under `scope()`.
         experimental_device_assignment: None, or tf's assignment: its
             `num_cores_per_replica` is `logical_devices_per_replica`.
+        pipeline_stages: slices each replica's layers are split over (a leading "stage"
+            axis cut from the slices, over DCN); see `MirroredStrategy`. 1 by default.
         experimental_spmd_xla_partitioning: kept for tf.distribute's signature; a replica
             spanning several chips is always partitioned by XLA's SPMD partitioner.
         generation_compiler_options: compile every step with the XLA options tuned for
@@ -71,6 +73,7 @@ class TPUStrategy(Strategy):
         logical_devices_per_replica: int = 1,
         layout_map: Any = None,
         generation_compiler_options: bool = True,
+        pipeline_stages: int = 1,
     ) -> None:
         k = cores_per_replica(experimental_device_assignment, logical_devices_per_replica)
         self.cluster_resolver = tpu_cluster_resolver
@@ -95,8 +98,10 @@ class TPUStrategy(Strategy):
             tpus = [d for d in jax.devices() if d.platform == "tpu"]
             topology = _check_tpus(topology, tpus)
             devices = _slice_mesh(topology, tpus)
-        super().__init__(devices, tuple(topology.mesh_axes), compile_only, k, layout_map)
-        self._topology = topology.split_model_axis(k)
+        split = topology.split_stage_axis(pipeline_stages).split_model_axis(k)
+        axes = tuple(topology.mesh_axes)
+        super().__init__(devices, axes, compile_only, k, layout_map, pipeline_stages)
+        self._topology = split
         self._topology_whole = topology
 
     # tf.distribute's logical devices: the model axis (`xla_strategies.strategies.logical_devices`)
@@ -121,7 +126,7 @@ class TPUStrategy(Strategy):
             return self
         whole = self._topology_whole
         try:
-            whole.split_model_axis(k)
+            whole.split_stage_axis(self.pipeline_stages).split_model_axis(k)
         except ValueError:
             return None
         if not self.compile_only:
@@ -131,6 +136,7 @@ class TPUStrategy(Strategy):
             compile_only=True,
             logical_devices_per_replica=k,
             generation_compiler_options=self.generation_compiler_options,
+            pipeline_stages=self.pipeline_stages,
         )
 
     @property
