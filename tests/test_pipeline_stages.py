@@ -174,3 +174,36 @@ def test_a_batch_read_from_the_closure_cannot_be_split():
 def test_stages_that_do_not_divide_the_devices_are_named():
     with pytest.raises(ValueError, match="pipeline_stages=3 does not divide"):
         xs.MirroredStrategy(pipeline_stages=3)
+
+
+def test_stages_across_tpu_slices_pass_activations_over_dcn():
+    """Compiled by XLA's TPU compiler for two v5e-16 slices: the stages' permutes run
+    across the slices (DCN), inside the loop of ticks; the replicas' reductions inside."""
+    from xla_strategies.hardware.compiled_report import compiled_report
+
+    strategy = xs.TPUStrategy("2xv5e-16", compile_only=True, pipeline_stages=2)
+    assert strategy.num_replicas_in_sync == 16
+
+    @strategy.compile(microbatches=4)
+    def grads(params, x, y):
+        return jax.grad(_plain_loss)(params, x, y)
+
+    def spec(a, split=False):
+        shape = (64, *a.shape[1:]) if split else a.shape
+        sharding = strategy.split_sharding() if split else None
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding)
+
+    x, y = _plain_batches()[0]
+    params = jax.tree.map(spec, _plain_params())
+    compiled = grads.lower(params, spec(x, True), spec(y, True)).compile()
+    report = compiled_report(compiled, strategy, {})
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    ticks = max(c.times for c in permutes)
+    assert ticks == 10  # 1F1B, 2 stages, 4 microbatches: 2 * (4 + 2 - 1) ticks
+    assert all(c.across_slices for c in permutes)
+    assert any(c.kind == "all-reduce" and not c.across_slices for c in report.collectives)
+
+
+def test_a_single_tpu_slice_is_not_cut_into_stages():
+    with pytest.raises(ValueError, match="v5e-16 is one slice; stages are cut from the slices"):
+        xs.TPUStrategy("v5e-16", compile_only=True, pipeline_stages=2)
