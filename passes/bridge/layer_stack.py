@@ -47,6 +47,7 @@ class LayerStack:
     closed_over: tuple[Any, ...]  # values the function reads from its closure
     depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
     outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
+    xs_arguments: tuple[int | None, ...]  # per scanned input, the argument it is, if one
 
 
 def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerStack:
@@ -145,6 +146,10 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
         tuple(consts),
         depends,
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
+        tuple(
+            jaxpr.invars.index(v) if v in jaxpr.invars else None
+            for v in scan.invars[num_consts + num_carry :]
+        ),
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies.core.layout import replica_axes
+from xla_strategies.core.layout import MODEL_AXIS, STAGE_AXIS, replica_axes
 from xla_strategies.passes.ir.graph import Graph, Node, Origin, Split, Value
 
 
@@ -54,7 +54,7 @@ def _with_model_split(
     `block` whose dimension does not divide by the model axis stays whole over it."""
     if model_dim is None:
         return spec
-    name = next(a for a in mesh.axis_names if a not in replica_axes(mesh.axis_names))
+    name = next(a for a in mesh.axis_names if str(a).rpartition(":")[2] == MODEL_AXIS)
     if block[model_dim] % mesh.shape[name]:
         return spec
     entries = list(spec) + [None] * (model_dim + 1 - len(spec))
@@ -71,7 +71,7 @@ def input_shardings(
     inputs held sharded on `sharded_mesh`, the rest on `mesh`."""
     meshes = (mesh, stacked_mesh, sharded_mesh)
     return [
-        _global_sharding(v, a.stacked, a.sharded, a.model_dim, meshes)
+        _global_sharding(v, a.stacked, a.sharded, a.model_dim, meshes, a.stage_split)
         for v, a in zip(graph.inputs, graph.io.inputs, strict=True)
     ]
 
@@ -83,7 +83,9 @@ def output_shardings(
     the graph holds sharded come back sharded."""
     meshes = (mesh, stacked_mesh, sharded_mesh)
     return [
-        _global_sharding(v, comes_back_stacked(graph, i), a.sharded, a.model_dim, meshes)
+        _global_sharding(
+            v, comes_back_stacked(graph, i), a.sharded, a.model_dim, meshes, a.stage_split
+        )
         for i, (v, a) in enumerate(zip(graph.outputs, graph.io.outputs, strict=True))
     ]
 
@@ -98,6 +100,7 @@ def _global_sharding(
     split: Split | None,
     model_dim: int | None,
     meshes: tuple[Mesh, ...],
+    stage_split: bool = False,
 ) -> NamedSharding:
     mesh, stacked_mesh, sharded_mesh = meshes
     if stacked:
@@ -108,6 +111,10 @@ def _global_sharding(
         held = split_spec(split, mesh, target)
         return NamedSharding(target, _with_model_split(held, model_dim, target, value.shape))
     spec = _with_model_split(value_spec(value, mesh), model_dim, mesh, value.shape)
+    if stage_split and not spec:  # a mirrored stacked layer weight: each stage its layers
+        spec = PartitionSpec(STAGE_AXIS)
+    elif stage_split and spec[0] is None:
+        spec = PartitionSpec(STAGE_AXIS, *spec[1:])
     return NamedSharding(mesh, spec)
 
 

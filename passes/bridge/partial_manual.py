@@ -32,6 +32,8 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from xla_strategies.core.layout import MODEL_AXIS
+
 
 def is_partial_manual() -> bool:
     """Whether the program being traced leaves some mesh axes to XLA's partitioner."""
@@ -89,9 +91,9 @@ def _on_model_parts(
     device's part of `x` split over them on `model_dim`, and its result split there; None
     where `model_dim` is unknown, is the collective's own dimension, or does not divide."""
     mesh = jax.sharding.get_abstract_mesh()
-    model = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    model = tuple(a for a in mesh.axis_names if a == MODEL_AXIS and a not in mesh.manual_axes)
     parts = math.prod(mesh.shape[a] for a in model)
-    if model_dim is None or model_dim == dim or x.shape[model_dim] % parts:
+    if not model or model_dim is None or model_dim == dim or x.shape[model_dim] % parts:
         return None
     spec = PartitionSpec(*[model if i == model_dim else None for i in range(x.ndim)])
     return jax.shard_map(

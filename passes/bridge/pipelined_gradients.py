@@ -58,14 +58,23 @@ class StagePlan:
         return schedule(self.schedule, self.stages, self.microbatches, self.virtual_stages)
 
 
+@dataclass
+class Pipelined:
+    """What a trace pipelined: how many gradients (a step that pipelined none asked for
+    stages it does not use), and the values its layer scans took as stacked weights (the
+    arrays the step passed in; a compiled step holds those split over the stages)."""
+
+    gradients: int = 0
+    stacked: list[Any] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def pipelining_gradients(plan: StagePlan | None) -> Iterator[list[int]]:
+def pipelining_gradients(plan: StagePlan | None) -> Iterator[Pipelined]:
     """While a step is traced, gradients taken with `jax.grad`/`jax.value_and_grad` are
-    pipelined by `plan`; yields a list that counts them (a step that pipelined nothing
-    asked for stages it does not use). Does nothing for `plan=None`."""
-    count: list[int] = []
+    pipelined by `plan`; yields what was (`Pipelined`). Does nothing for `plan=None`."""
+    record = Pipelined()
     if plan is None:
-        yield count
+        yield record
         return
     from jax._src import api
 
@@ -83,18 +92,21 @@ def pipelining_gradients(plan: StagePlan | None) -> Iterator[list[int]]:
             call, calls.last = getattr(calls, "last", None), None
             if call is None:  # not from jax.grad: nothing tells the batch apart
                 return original(fun, *primals, has_aux=has_aux, **kw)
-            count.append(1)
-            return pipelined_vjp(plan, call, has_aux)
+            record.gradients += 1
+            return pipelined_vjp(plan, call, has_aux, record.stacked)
 
         return vjp
 
     with patched(api, "argnums_partial2", recording), patched(api, "vjp", pipelining):
-        yield count
+        yield record
 
 
-def pipelined_vjp(plan: StagePlan, call: tuple, has_aux: bool) -> tuple[Any, ...]:
+def pipelined_vjp(
+    plan: StagePlan, call: tuple, has_aux: bool, stacked: list[Any] | None = None
+) -> tuple[Any, ...]:
     """`jax.vjp` of `fun(*args, **kwargs)` (a scalar loss) with respect to the arguments
-    `argnums`, pipelined by `plan`; `call` is `(fun, argnums, args, kwargs)`."""
+    `argnums`, pipelined by `plan`; `call` is `(fun, argnums, args, kwargs)`. The
+    arguments the layer scan takes as its stacked weights are appended to `stacked`."""
     fun, argnums, args, kwargs = call
     argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     flat, tree = jax.tree.flatten((args, kwargs))
@@ -127,6 +139,8 @@ def pipelined_vjp(plan: StagePlan, call: tuple, has_aux: bool) -> tuple[Any, ...
         flat_fun, [x[:b] if r else x for x, r in zip(flat, row_mask, strict=True)], divisor
     )
     mb_mask = stack.depends(row_mask)
+    if stacked is not None:
+        stacked.extend(flat[i] for i in stack.xs_arguments if i is not None)
     result, before_pullback, outputs = _pipelined(plan, stack, flat, row_mask, wanted, mb_mask)
     replicas = _manual_axes()
     loss = varying_over(result.loss, replicas)

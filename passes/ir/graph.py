@@ -208,12 +208,15 @@ class InputAttrs:
     `donate_argnums`; only state). `sharded`: a mirrored value held split across the
     replicas between steps, whose type in the graph is the per-replica block. `model_dim`:
     the dimension a mirrored value is split on over the model axis (a replica spanning
-    several devices), left to XLA's partitioner; the graph sees the value whole."""
+    several devices), left to XLA's partitioner; the graph sees the value whole.
+    `stage_split`: a stacked layer weight a pipeline splits over the stage axis (dim 0)
+    between steps, each stage holding its layers; the graph sees it whole."""
 
     stacked: bool = False
     donated: bool = False
     sharded: Split | None = None
     model_dim: int | None = None
+    stage_split: bool = False
 
 
 @dataclass
@@ -225,7 +228,8 @@ class OutputAttrs:
     `mirrored`: declared mirrored, so a pass must reject it if it still varies.
     `aggregation`: declared aggregated by this reduction (`sum`, `mean`, `max`, `min`),
     which makes it mirrored. `rooted`: only the root replica holds it correctly
-    (reduce-to-one-device); the runtime keeps the root's copy. `model_dim`: as the input's."""
+    (reduce-to-one-device); the runtime keeps the root's copy. `model_dim`, `stage_split`:
+    as the input's."""
 
     name: str | None = None
     state_of: int | None = None
@@ -234,6 +238,7 @@ class OutputAttrs:
     aggregation: str | None = None
     rooted: bool = False
     model_dim: int | None = None
+    stage_split: bool = False
 
 
 @dataclass

@@ -101,6 +101,7 @@ def _output_flags(a: OutputAttrs | None) -> str:
         + (f" state=%{a.state_of}" if a.state_of is not None else "")
         + (f" sharded={a.sharded}" if a.sharded else "")
         + (f" model={a.model_dim}" if a.model_dim is not None else "")
+        + (" stages" if a.stage_split else "")
     )
 
 
@@ -112,6 +113,7 @@ def _printed(graph: Graph) -> _Printer:
         + (" stacked" if a.stacked else "")
         + (f" sharded={a.sharded}" if a.sharded else "")
         + (f" model={a.model_dim}" if a.model_dim is not None else "")
+        + (" stages" if a.stage_split else "")
         + (" donated" if a.donated else "")
         + _loc(v.name)
         for v, a in zip(graph.inputs, attrs, strict=True)
@@ -258,6 +260,7 @@ class _Parser:
                 a.sharded = self.split()
             if self.cur.accept("model="):
                 a.model_dim = self.integer("a dimension")
+            a.stage_split = self.cur.accept("stages")
             a.donated = self.cur.accept("donated")
             value.name = self.loc()
             values.append(value)
@@ -313,6 +316,7 @@ class _Parser:
                 a.sharded = self.split()
             if self.cur.accept("model="):
                 a.model_dim = self.integer("a dimension")
+            a.stage_split = self.cur.accept("stages")
             a.name = self.loc()
             attrs.append(a)
         return graph, attrs

@@ -59,9 +59,13 @@ from xla_strategies.step.pipeline_choice import (
     selects_by_compiling,
 )
 from xla_strategies.step.recompiles import warn_if_recompiling
-from xla_strategies.step.stage_plan import stage_plan
+from xla_strategies.step.stage_plan import check_pipelined, stage_plan
 from xla_strategies.step.state import DeclaredState, donated_state
-from xla_strategies.step.step_interface import capture_mesh, declare_interface
+from xla_strategies.step.step_interface import (
+    capture_mesh,
+    declare_interface,
+    hold_split_over_stages,
+)
 from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
 from xla_strategies.step.verdict_cache import fingerprint
 
@@ -272,7 +276,10 @@ class CompiledStep:
         context = ReplicaContext(replica_axes(mesh.axis_names), strategy.num_replicas_in_sync)
         outputs = Outputs()
 
+        traced: list[Any] = []
+
         def step(*arrays: Any) -> list[Any]:
+            traced[:] = arrays
             args, kwargs = signature.rebuild(arrays)
             before = snapshot(args, kwargs)
             with replica_scope(strategy, context):
@@ -299,15 +306,11 @@ class CompiledStep:
                 input_names=argument_paths(signature),
                 name=self.name,
             )
-        if self.stage_plan is not None and not pipelined:
-            raise ValueError(
-                f"{self.name}: the strategy has pipeline_stages={strategy.pipeline_stages}, "
-                "and the step takes no gradient with jax.grad or jax.value_and_grad to "
-                "pipeline"
-            )
+        check_pipelined(self.stage_plan, pipelined, self.name)
         declare_interface(
             graph, signature, outputs, self.declared_state, self.mirrored_outputs, self.name
         )
+        hold_split_over_stages(graph, traced, pipelined.stacked)
         return graph, outputs
 
     def _build(self, signature: Signature) -> Executable:

@@ -12,7 +12,7 @@ from typing import Any
 
 from xla_strategies.core.layout import STAGE_AXIS
 from xla_strategies.core.reduce_op import ReduceOp
-from xla_strategies.passes.bridge.pipelined_gradients import StagePlan
+from xla_strategies.passes.bridge.pipelined_gradients import Pipelined, StagePlan
 from xla_strategies.step.compile_options import CompileOptions
 
 _OPTIONS = ("microbatches", "schedule", "virtual_stages")
@@ -44,3 +44,13 @@ def stage_plan(strategy: Any, options: CompileOptions) -> StagePlan | None:
     )
     plan.table()  # a plan that does not fit fails here, naming what
     return plan
+
+
+def check_pipelined(plan: StagePlan | None, pipelined: Pipelined, name: str) -> None:
+    """Raise where a step with stages took no gradient the stages could pipeline: its
+    stages would sit idle, silently."""
+    if plan is not None and not pipelined.gradients:
+        raise ValueError(
+            f"{name}: the strategy has pipeline_stages={plan.stages}, and the step takes no "
+            "gradient with jax.grad or jax.value_and_grad to pipeline"
+        )

@@ -4,12 +4,14 @@
   all the strategy's replicas (and the model axis, if any, as it is);
 - `declare_interface`: per output its name, the state it updates (donated in place), the
   model dimension it keeps, whether it is declared mirrored or aggregated; per input its
-  model dimension. The verifier checks these after capture and after every pass.
+  model dimension. The verifier checks these after capture and after every pass;
+- `hold_split_over_stages`: a pipeline's stacked layer weights held split over the stages.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from jax.sharding import Mesh
@@ -33,6 +35,25 @@ def capture_mesh(
     model = mesh.axis_names[len(replicas) :]  # the model axis, or nothing
     devices = mesh.devices.reshape(strategy.num_replicas_in_sync, *[mesh.shape[a] for a in model])
     return Mesh(devices, (axis_name, *model)), {axis_name: replicas}
+
+
+def hold_split_over_stages(graph: Graph, arrays: Sequence[Any], stacked: Sequence[Any]) -> None:
+    """Mark the inputs a pipeline's layer scan took as its stacked weights (`stacked`: the
+    traced `arrays` themselves) held split over the stage axis between steps, each stage
+    its layers, with the state of their shape (optimizer moments) and the outputs that are
+    their next values. A layout only: the graph sees them whole."""
+    taken = {id(value) for value in stacked}
+    weights = [i for i, a in enumerate(arrays) if id(a) in taken]
+    shapes = {(graph.inputs[i].shape, graph.inputs[i].dtype) for i in weights}
+    io = graph.io
+    state = {out.state_of for out in io.outputs if out.state_of is not None}
+    for i, (value, attrs) in enumerate(zip(graph.inputs, io.inputs, strict=True)):
+        mirrored = not value.varying_axes and not attrs.stacked and attrs.sharded is None
+        like_weight = i in state and (value.shape, value.dtype) in shapes
+        attrs.stage_split = mirrored and (i in weights or like_weight)
+    for out in io.outputs:
+        if out.state_of is not None and io.inputs[out.state_of].stage_split:
+            out.stage_split = True
 
 
 def declare_interface(
