@@ -145,7 +145,7 @@ def pipelined_vjp(
     replicas = _manual_axes()
     loss = varying_over(result.loss, replicas)
     aux = [_combined(a, plan, replicas) for a in result.aux]
-    cotangents = _cotangents(result, mb_mask)
+    cotangents = _cotangents(result, mb_mask, plan.virtual_stages)
 
     def pullback(ct: Any) -> tuple[Any, ...]:
         scaled = [
@@ -242,7 +242,13 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     s, v = plan.stages, plan.virtual_stages
     chunk = stack.length // (s * v)
     pick = lambda values, mask, want: [x for x, r in zip(values, mask, strict=True) if r == want]  # noqa: E731
+    # stage d's chunk c holds global stage c*S + d. With one chunk a stage's layers are one
+    # block of the stack, as the stack is held between steps ([S*chunk] split over the
+    # stages): no weight moves. Interleaved chunks go round the stages: a reshuffle.
     weights = [x.reshape(v, s, chunk, *x.shape[1:]) for x in xs]
+    weights_spec = P(None, plan.axis)
+    if v == 1:
+        weights, weights_spec = [x.reshape(s, chunk, *x.shape[1:]) for x in xs], P(plan.axis)
 
     def layers(w, x, rows, shared):
         return stack.layers(w, x, _merge(layer_rows, rows, shared))
@@ -252,12 +258,12 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
             out = stack.after(y, _merge(head_rows, rows, shared), closed)
             return out[0], out[1:]
 
-        w = [x[:, 0] for x in w]
+        w = w if v == 1 else [x[:, 0] for x in w]  # each [V, chunk, ...]
         program = executor.StageProgram(layers, head, plan.seed, list(stack.outputs[1:]))
         r = executor.run(
             plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
         )
-        return {**vars(r), "weights": [x[:, None] for x in r.weights]}
+        return {**vars(r), "weights": r.weights if v == 1 else [x[:, None] for x in r.weights]}
 
     args = (
         weights,
@@ -271,8 +277,8 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     # inside, unchecked types say nothing of the replicas, so no reduction across them runs
     # in the loop: every result is this replica's, summed across replicas once, after it
     # (`_summed_like`)
-    specs = (P(None, plan.axis), P(), P(), P(), P(), P(), P())
-    out_specs = {f: P(None, plan.axis) if f == "weights" else P() for f in _RESULT_FIELDS}
+    specs = (weights_spec, P(), P(), P(), P(), P(), P())
+    out_specs = {f: weights_spec if f == "weights" else P() for f in _RESULT_FIELDS}
     out = jax.shard_map(
         body, in_specs=specs, out_specs=out_specs, axis_names={plan.axis}, check_vma=False
     )(*args)
@@ -307,12 +313,13 @@ def _rows(carry: list, microbatches: int) -> Callable[[Any], int | None]:
     )
 
 
-def _cotangents(result: executor.StageResult, mb_mask: tuple) -> list:
+def _cotangents(result: executor.StageResult, mb_mask: tuple, virtual_stages: int) -> list:
     """The executor's gradients, one per output of `before` (per microbatch where that
     output is)."""
     d_consts = _merge(mb_mask[1], list(result.layer_rows), list(result.layer_shared))
     d_kept = _merge(mb_mask[3], list(result.head_rows), list(result.head_shared))
-    d_xs = [None if a is None else a.reshape(-1, *a.shape[3:]) for a in result.weights]
+    stacked = 2 if virtual_stages == 1 else 3  # [S, chunk, ...] or [V, S, chunk, ...]
+    d_xs = [None if a is None else a.reshape(-1, *a.shape[stacked:]) for a in result.weights]
     return [*result.inputs, *d_consts, *d_xs, *d_kept]
 
 

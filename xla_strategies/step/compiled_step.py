@@ -59,7 +59,7 @@ from xla_strategies.step.pipeline_choice import (
     selects_by_compiling,
 )
 from xla_strategies.step.recompiles import warn_if_recompiling
-from xla_strategies.step.stage_plan import check_pipelined, stage_plan
+from xla_strategies.step.stage_plan import check_pipelined, stage_plan, staged_pipeline
 from xla_strategies.step.state import DeclaredState, donated_state
 from xla_strategies.step.step_interface import (
     capture_mesh,
@@ -120,9 +120,11 @@ class CompiledStep:
             options.shard_weight_updates,
             options.shard_parameters,
         )
-        self.pipeline = step_pipeline(strategy, self.pipeline_options)
-        self.compiler_options = option_values(options.compiler_options)
         self.stage_plan = stage_plan(strategy, options)
+        self.pipeline = staged_pipeline(
+            step_pipeline(strategy, self.pipeline_options), self.stage_plan, options
+        )
+        self.compiler_options = option_values(options.compiler_options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
         self._compiled = 0  # programs built, the evicted included
         self._calls = 0  # for errors that name the call (numerics)

