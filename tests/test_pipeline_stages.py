@@ -186,17 +186,45 @@ def test_a_step_with_nothing_to_pipeline_is_an_error():
         step(jnp.ones(4), next(iter(strategy.experimental_distribute_dataset([np.ones((8, 4))]))))
 
 
-def test_a_batch_read_from_the_closure_cannot_be_split():
-    strategy = xs.MirroredStrategy(pipeline_stages=2)
-    params, batches = _plain_params(), _plain_batches()
+def _flax_docs_step(strategy, **options):
+    """A train step as flax's docs write one: the loss closes over the batch, returns the
+    logits as auxiliary output, and the step computes a metric from them."""
 
-    @strategy.compile(microbatches=2)
-    def step(params, x, y):
-        return jax.grad(lambda p: _plain_loss(p, x, y))(params)
+    @strategy.compile(**options)
+    def train_step(params, opt_state, batch):
+        def loss_fn(params):
+            logits = MODEL.apply({"params": params}, batch[:, :-1])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+            return loss.mean(), logits
 
-    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
-    with pytest.raises(ValueError, match="from its closure.*only when it is an argument"):
-        step(strategy.replicate(params), *batch)
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch[:, 1:])
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, accuracy, logits
+
+    params = MODEL.init(jax.random.key(0), TOKENS[:1])["params"]
+    with strategy.scope():
+        state = strategy.replicate(params), strategy.replicate(TX.init(params))
+    seen = []
+    for batch in strategy.experimental_distribute_dataset([TOKENS] * 2):
+        *state, loss, accuracy, logits = train_step(*state, batch)
+        seen.append((strategy.reduce("mean", loss), strategy.reduce("mean", accuracy), logits))
+    return state[0], seen
+
+
+def test_a_flax_step_that_closes_over_its_batch_and_returns_metrics():
+    want, want_seen = _flax_docs_step(xs.OneDeviceStrategy())
+    got, got_seen = _flax_docs_step(xs.MirroredStrategy(pipeline_stages=2), microbatches=2)
+    _assert_mirrored_and_equal(got, want)
+    for (loss, accuracy, logits), (w_loss, w_accuracy, w_logits) in zip(
+        got_seen, want_seen, strict=True
+    ):
+        np.testing.assert_allclose(loss, w_loss, rtol=1e-5)
+        np.testing.assert_allclose(accuracy, w_accuracy, rtol=1e-6)
+        # the logits of every example, in the batch's order
+        np.testing.assert_allclose(
+            np.asarray(logits).reshape(np.shape(w_logits)), w_logits, rtol=1e-4, atol=1e-5
+        )
 
 
 def test_stages_that_do_not_divide_the_devices_are_named():

@@ -34,20 +34,21 @@ class NothingToPipeline(ValueError):
 class LayerStack:
     """`fun` as `before`, the scan, and `after`.
 
-    `before(*args) -> (carry, consts, xs, kept)`: flat lists; `layers(xs, carry, consts)`
-    runs the scan; `after(carry, kept, closed_over) -> outputs` (the loss first), given
-    the values the function closes over explicitly (in a `shard_map` they are its
-    arguments)."""
+    Each function of the function's inputs takes them as `[*closed_over, *args]`: the
+    values it reads from its closure first, explicitly (a batch read from the closure is
+    one of them). `before(*inputs) -> (carry, consts, xs, kept)`: flat lists;
+    `layers(xs, carry, consts)` runs the scan; `after(carry, kept) -> outputs` (the loss
+    first)."""
 
     before: Callable[..., tuple[list, list, list, list]]
     layers: Callable[[list, list, list], list]
     after: Callable[[list, list], list]
     length: int
     carry_rows: tuple[int, ...]  # the first dimension of each value the layers carry
-    closed_over: tuple[Any, ...]  # values the function reads from its closure
+    closed_over: tuple[Any, ...]  # values the function reads from its closure: inputs first
     depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
     outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
-    xs_arguments: tuple[int | None, ...]  # per scanned input, the argument it is, if one
+    xs_inputs: tuple[int | None, ...]  # per scanned input, the input it is, if one
 
 
 def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerStack:
@@ -56,6 +57,8 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
     closed = jax.make_jaxpr(fun)(*args)
     jaxpr, consts = jax_compat.jaxpr_parts(closed)
     jaxpr, consts = _inlined(jaxpr, consts, args)
+    # what the function reads from its closure becomes its first inputs
+    jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
     scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
     usable = [i for i in scans if _is_layer_stack(jaxpr.eqns[i], divisor)]
     if not usable:
@@ -115,7 +118,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
         return ins[num_consts:carry_end], ins[:num_consts], ins[carry_end:], rest
 
     def split_before(*args: Any) -> tuple[list, list, list, list]:
-        return grouped(before(consts, *args))
+        return grouped(before(*args))
 
     def layers(xs: list, carry: list, scan_consts: list) -> list:
         inner, inner_consts = jax_compat.jaxpr_parts(body)
@@ -140,7 +143,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     return LayerStack(
         split_before,
         layers,
-        lambda c, k, closed: after(closed, *c, *k),
+        lambda c, k: after(*c, *k),
         int(scan.params["length"]),
         rows,
         tuple(consts),
@@ -154,13 +157,11 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
 
 
 def _function(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Callable[..., list]:
-    """The equations `eqns` of `jaxpr` as a function of `invars` (the jaxpr's constants
-    closed over) returning `outvars`."""
+    """The equations `eqns` of `jaxpr` (which has no constants) as a function of `invars`
+    returning `outvars`."""
     inputs = [v for v in invars if isinstance(v, jex.Var)]
-    part = jaxpr.replace(
-        constvars=[], invars=[*jaxpr.constvars, *inputs], outvars=outvars, eqns=eqns
-    )
-    return lambda closed, *args: evaluate(part, (), [*closed, *args])
+    part = jaxpr.replace(invars=inputs, outvars=outvars, eqns=eqns)
+    return lambda *args: evaluate(part, (), args)
 
 
 def _inlined(

@@ -30,6 +30,13 @@ from jax.sharding import PartitionSpec as P
 
 from xla_strategies.core.patching import patched
 from xla_strategies.passes.bridge.layer_stack import split
+from xla_strategies.passes.bridge.microbatches import (
+    around_the_microbatches,
+    as_microbatches,
+    outside,
+    stacked_microbatches,
+    tracing_microbatches,
+)
 from xla_strategies.passes.bridge.trace_hooks import AUTODIFF_SCOPE, varying_axes, varying_over, vma
 from xla_strategies.passes.stages import executor
 from xla_strategies.passes.stages.schedules import Schedule, schedule
@@ -48,7 +55,6 @@ class StagePlan:
     virtual_stages: int = 1
     axis: str = STAGE_AXIS
     seed: float = 0.0  # each microbatch loss's weight: 1/M (a mean) unless given
-    rows_per_microbatch: int = 0
 
     def __post_init__(self) -> None:
         if not self.seed:
@@ -70,58 +76,51 @@ class Pipelined:
 
 @contextlib.contextmanager
 def pipelining_gradients(plan: StagePlan | None) -> Iterator[Pipelined]:
-    """While a step is traced, gradients taken with `jax.grad`/`jax.value_and_grad` are
-    pipelined by `plan`; yields what was (`Pipelined`). Does nothing for `plan=None`."""
+    """While a step is traced on microbatches (`microbatches.microbatched`), gradients
+    taken with `jax.grad`/`jax.value_and_grad` are pipelined by `plan`; yields what was
+    (`Pipelined`). Does nothing for `plan=None`."""
     record = Pipelined()
     if plan is None:
         yield record
         return
     from jax._src import api
 
-    calls = threading.local()
-
-    def recording(original: Callable[..., Any]) -> Callable[..., Any]:
-        def argnums_partial(fun: Any, argnums: Any, args: Any, kwargs: Any) -> Any:
-            calls.last = (fun, argnums, tuple(args), dict(kwargs))
-            return original(fun, argnums, args, kwargs)
-
-        return argnums_partial
+    inside = threading.local()  # a gradient the pipelined loss itself takes is JAX's
 
     def pipelining(original: Callable[..., Any]) -> Callable[..., Any]:
         def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False, **kw: Any) -> Any:
-            call, calls.last = getattr(calls, "last", None), None
-            if call is None:  # not from jax.grad: nothing tells the batch apart
+            if getattr(inside, "active", False) or not tracing_microbatches():
                 return original(fun, *primals, has_aux=has_aux, **kw)
             record.gradients += 1
-            return pipelined_vjp(plan, call, has_aux, record.stacked)
+            inside.active = True
+            try:
+                return pipelined_vjp(plan, fun, primals, has_aux, record.stacked)
+            finally:
+                inside.active = False
 
         return vjp
 
-    with patched(api, "argnums_partial2", recording), patched(api, "vjp", pipelining):
+    with patched(api, "vjp", pipelining):
         yield record
 
 
 def pipelined_vjp(
-    plan: StagePlan, call: tuple, has_aux: bool, stacked: list[Any] | None = None
+    plan: StagePlan,
+    fun: Callable[..., Any],
+    primals: tuple,
+    has_aux: bool,
+    stacked: list[Any] | None = None,
 ) -> tuple[Any, ...]:
-    """`jax.vjp` of `fun(*args, **kwargs)` (a scalar loss) with respect to the arguments
-    `argnums`, pipelined by `plan`; `call` is `(fun, argnums, args, kwargs)`. The
-    arguments the layer scan takes as its stacked weights are appended to `stacked`."""
-    fun, argnums, args, kwargs = call
-    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    flat, tree = jax.tree.flatten((args, kwargs))
-    owners = jax.tree.leaves(
-        (
-            tuple(jax.tree.map(lambda _, i=i: i, a) for i, a in enumerate(args)),
-            jax.tree.map(lambda _: -1, kwargs),
-        )
-    )
-    wanted = [o in argnums and _is_float(x) for o, x in zip(owners, flat, strict=True)]
+    """`jax.vjp(fun, *primals, has_aux=has_aux)` of a scalar loss, pipelined by `plan`,
+    traced on microbatches: the values it reads that depend on the batch, as arguments or
+    from its closure, are one microbatch's, and their microbatches are found stacked
+    (`stacked_microbatches`). The inputs the layer scan takes as its stacked weights are
+    appended to `stacked`."""
+    flat, in_tree = jax.tree.flatten(tuple(primals))
     trees: dict[str, Any] = {}
 
     def flat_fun(*leaves: Any) -> list[Any]:
-        a, k = jax.tree.unflatten(tree, leaves)
-        result = fun(*a, **k)
+        result = fun(*jax.tree.unflatten(in_tree, leaves))
         out, aux = result if has_aux else (result, None)
         if jnp.shape(out) != ():
             raise ValueError(
@@ -130,80 +129,58 @@ def pipelined_vjp(
         aux_leaves, trees["aux"] = jax.tree.flatten(aux)
         return [out, *aux_leaves]
 
-    divisor = plan.stages * plan.virtual_stages
-    whole = split(flat_fun, flat, divisor)
-    row_mask = _row_arguments(flat, whole, plan.microbatches)
-    b = whole.carry_rows[0] // plan.microbatches
-    plan = dataclasses.replace(plan, rows_per_microbatch=b)
-    stack = split(
-        flat_fun, [x[:b] if r else x for x, r in zip(flat, row_mask, strict=True)], divisor
-    )
+    stack = split(flat_fun, flat, plan.stages * plan.virtual_stages)
+    inputs = [*stack.closed_over, *flat]
+    row_mask = [stacked_microbatches(x) is not None for x in inputs]
+    wanted = [False] * len(stack.closed_over) + [_is_float(x) for x in flat]
     mb_mask = stack.depends(row_mask)
+    if not all(mb_mask[0]):
+        raise ValueError(
+            "pipeline stages split the layers' activations into microbatches of the batch; "
+            "the layer scan's carry does not depend on the step's batch"
+        )
     if stacked is not None:
-        stacked.extend(flat[i] for i in stack.xs_arguments if i is not None)
-    result, before_pullback, outputs = _pipelined(plan, stack, flat, row_mask, wanted, mb_mask)
+        stacked.extend(inputs[i] for i in stack.xs_inputs if i is not None)
     replicas = _manual_axes()
-    loss = varying_over(result.loss, replicas)
-    aux = [_combined(a, plan, replicas) for a in result.aux]
-    cotangents = _cotangents(result, mb_mask, plan.virtual_stages)
+    with around_the_microbatches():  # one program for all microbatches, unbatched
+        values = [outside(x) for x in inputs]
+        result, before_pullback, outputs = _pipelined(
+            plan, stack, values, row_mask, wanted, mb_mask
+        )
+        losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
+        aux = [varying_over(a, replicas) for a in result.aux]
+        cotangents = _cotangents(result, mb_mask, plan.virtual_stages)
+    # the step sees its microbatch's loss and auxiliary outputs, as it was traced
+    loss, aux = as_microbatches(losses), [as_microbatches(a) for a in aux]
 
     def pullback(ct: Any) -> tuple[Any, ...]:
-        scaled = [
-            _summed_like(p, _scaled(c, ct, replicas))
-            for p, c in zip(outputs, cotangents, strict=True)
-        ]
-        grads = iter(before_pullback(scaled))
-        full = [next(grads) if w else None for w in wanted]
-        dyn = jax.tree.unflatten(
-            tree,
-            [g if g is not None else _zero_cotangent(x) for g, x in zip(full, flat, strict=True)],
-        )[0]
-        return tuple(dyn[i] for i in argnums)
+        # `jax.grad`'s seed, one on every microbatch: the gradient is of all of them, the
+        # sum of each one's weighted by the plan's seed (their mean), whole, not one each
+        del ct
+        with around_the_microbatches():
+            summed = [
+                _summed_like(p, None if c is None else varying_over(c, replicas))
+                for p, c in zip(outputs, cotangents, strict=True)
+            ]
+            grads = iter(before_pullback(summed))
+            full = [next(grads) if w else None for w in wanted][len(stack.closed_over) :]
+            cts = [
+                g if g is not None else _zero_cotangent(x)
+                for g, x in zip(full, values[len(stack.closed_over) :], strict=True)
+            ]
+        return tuple(jax.tree.unflatten(in_tree, cts))
 
     aux_tree = jax.tree.unflatten(trees["aux"], aux)
     return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
 
 
-def _row_arguments(flat: list, whole: Any, microbatches: int) -> list[bool]:
-    """Which leaves of the arguments are the batch's rows: values of this replica (varying
-    across replicas; any, on a mesh without replicas) whose first dimension is the rows the
-    layers carry. The batch read from the function's closure cannot be split: an error."""
-    rows = set(whole.carry_rows)
-    if len(rows) != 1 or 0 in rows:
-        raise ValueError(
-            "pipeline stages split the layers' activations into microbatches by their first "
-            f"dimension; the layer scan carries values with first dimensions {sorted(rows)}"
-        )
-    (count,) = rows
-    if count % microbatches:
-        raise ValueError(
-            f"microbatches={microbatches} does not divide the {count} rows each replica's "
-            "layers see"
-        )
-    replicas = _manual_axes()
-
-    def is_row(x: Any) -> bool:
-        mine = not replicas or bool(vma(x) & replicas)
-        return jnp.ndim(x) > 0 and jnp.shape(x)[0] == count and mine
-
-    closed = [x for x in whole.closed_over if replicas and is_row(x)]
-    if closed:
-        raise ValueError(
-            f"the differentiated function reads a batch of {count} rows (shape "
-            f"{tuple(jnp.shape(closed[0]))}) from its closure; pipeline stages split the batch "
-            "into microbatches only when it is an argument: "
-            "jax.value_and_grad(loss_fn)(params, batch)"
-        )
-    return [is_row(x) for x in flat]
-
-
 def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask):
-    """`before` run on every microbatch (its row outputs stacked) and the rest once,
+    """`before` run on every microbatch (`flat`: the inputs, each flagged in `row_mask`
+    stacked over the microbatches; its outputs that depend on them stacked too) and the
+    rest once,
     differentiated by JAX; then the schedule. Returns the executor's result, `before`'s
     pullback and its outputs."""
-    m = plan.microbatches
-    micro = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # noqa: E731
-    stacked_args = [micro(x) if r else x for x, r in zip(flat, row_mask, strict=True)]
+    stacked_args = flat
     flags = [f for group in mb_mask for f in group]
 
     def before(*diff: Any) -> list:
@@ -253,11 +230,11 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     def layers(w, x, rows, shared):
         return stack.layers(w, x, _merge(layer_rows, rows, shared))
 
-    def body(w, inputs, lrows, lshared, hrows, hshared, closed):
-        def head(y, rows, shared):
-            out = stack.after(y, _merge(head_rows, rows, shared), closed)
-            return out[0], out[1:]
+    def head(y, rows, shared):
+        out = stack.after(y, _merge(head_rows, rows, shared))
+        return out[0], out[1:]
 
+    def body(w, inputs, lrows, lshared, hrows, hshared):
         w = w if v == 1 else [x[:, 0] for x in w]  # each [V, chunk, ...]
         program = executor.StageProgram(layers, head, plan.seed, list(stack.outputs[1:]))
         r = executor.run(
@@ -272,17 +249,27 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         pick(consts, layer_rows, False),
         pick(kept, head_rows, True),
         pick(kept, head_rows, False),
-        list(stack.closed_over),
     )
     # inside, unchecked types say nothing of the replicas, so no reduction across them runs
     # in the loop: every result is this replica's, summed across replicas once, after it
     # (`_summed_like`)
-    specs = (weights_spec, P(), P(), P(), P(), P(), P())
+    specs = (weights_spec, P(), P(), P(), P(), P())
     out_specs = {f: weights_spec if f == "weights" else P() for f in _RESULT_FIELDS}
     out = jax.shard_map(
         body, in_specs=specs, out_specs=out_specs, axis_names={plan.axis}, check_vma=False
     )(*args)
-    return executor.StageResult(**out)
+    return executor.StageResult(**jax.tree.map(_the_replicas_own, out))
+
+
+def _the_replicas_own(x: Any) -> Any:
+    """`x`, a result of the stage program, typed and traced as what it is: this replica's
+    own. The unchecked program types its results as the same on every replica, and the
+    passes would take them at their word (a sum across replicas folded into N times one
+    replica's value). Adding a zero computed from the replica's index says otherwise."""
+    replicas = tuple(sorted(_manual_axes()))
+    if not replicas:
+        return x
+    return x + (jax.lax.axis_index(replicas) * 0).astype(x.dtype)
 
 
 _RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(executor.StageResult))
@@ -323,12 +310,6 @@ def _cotangents(result: executor.StageResult, mb_mask: tuple, virtual_stages: in
     return [*result.inputs, *d_consts, *d_xs, *d_kept]
 
 
-def _scaled(cotangent: Any, ct: Any, replicas: frozenset[str]) -> Any:
-    if cotangent is None:
-        return None
-    return varying_over(cotangent, replicas) * ct.astype(cotangent.dtype)
-
-
 def _summed_like(primal: Any, cotangent: Any) -> Any:
     """`cotangent` as the gradient of `primal`: summed over the replica axes `primal` does
     not vary over (in autodiff's scope, as pvary's transpose sums), float0 for a value
@@ -348,17 +329,9 @@ def _zero_cotangent(x: Any) -> Any:
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def _combined(aux: Any, plan: StagePlan, replicas: frozenset[str]) -> Any:
-    """An auxiliary output of the microbatches ([M, ...]) as the batch's: their rows where
-    it has rows, else combined as the loss is (their mean, or with `ReduceOp.SUM`
-    gradients their sum)."""
-    if aux.ndim >= 2 and plan.rows_per_microbatch and aux.shape[1] == plan.rows_per_microbatch:
-        out = aux.reshape(-1, *aux.shape[2:])
-    elif not _is_float(aux):
-        out = aux[-1]
-    else:
-        out = jnp.sum(aux, axis=0) * plan.seed
-    return varying_over(out, replicas)
+def _loss_dtype(stack: Any) -> Any:
+    """The dtype of the loss the function returns (the executor keeps float32)."""
+    return stack.outputs[0].dtype
 
 
 def _manual_axes() -> frozenset[str]:

@@ -49,10 +49,10 @@ class StageProgram:
 
 @dataclass(frozen=True)
 class StageResult:
-    """The microbatches' losses, weighted by the program's seed, and the gradients of
-    that total; `aux` is each microbatch's, stacked."""
+    """Each microbatch's loss and auxiliary output (stacked over the microbatches), and the
+    gradients of their losses' total, each weighted by the program's seed."""
 
-    loss: Any
+    loss: Any  # [M]
     aux: Any  # each leaf stacked over the microbatches
     weights: Any  # [V, layers per chunk, ...]: this stage's chunks
     inputs: Any  # [M, ...]: each microbatch's input gradient
@@ -93,7 +93,7 @@ def run(
         "stash": buffers(schedule.slots["stash"]),
         "seed": buffers(schedule.slots["stash"]),
         "grad": buffers(schedule.slots["grad"]),  # zero-bubble: B's gradient kept for W
-        "loss": jnp.zeros((), jnp.float32),
+        "loss": jnp.zeros((m_count,), jnp.float32),
         "aux": jax.tree.map(lambda s: jnp.zeros((m_count, *s.shape), s.dtype), aux_shape),
         "d_weights": zeros(weights),
         "d_inputs": zeros(inputs),
@@ -183,7 +183,7 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
         )
 
     loss, aux, dy, d_rows, d_shared = lax.cond(where.last, head_and_seed, no_head, y)
-    s["loss"] = s["loss"] + loss.astype(jnp.float32) * program.seed
+    s["loss"] = _put(s["loss"], m, loss.astype(jnp.float32))
     s["aux"] = _put(s["aux"], m, aux)
     s["seed"] = _put(s["seed"], where.stash_slot, dy)
     s["d_head_rows"] = _add_at(s["d_head_rows"], m, d_rows)

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 from xla_strategies.passes.bridge.layer_stack import NothingToPipeline
+from xla_strategies.passes.bridge.microbatches import microbatched
 from xla_strategies.passes.bridge.pipelined_gradients import StagePlan, pipelining_gradients
 
 LAYERS, WIDTH, ROWS = 8, 16, 32
@@ -39,17 +40,25 @@ def _loss(params, x, y):
     return loss, {"loss": loss, "out": out}
 
 
-def _pipelined(plan, *args):
+def _pipelined(plan, params, x, y):
+    """`jax.value_and_grad(_loss)` in a step traced on the plan's microbatches of the
+    batch (x, y), as a compiled step with stages traces it."""
     mesh = Mesh(np.array(jax.devices()[: plan.stages]), ("stage",))
+    leaves, tree = jax.tree.flatten(params)
 
-    def step(*args):
+    def step(*flat):
+        p = jax.tree.unflatten(tree, flat[: len(leaves)])
         with pipelining_gradients(plan) as taken:
-            result = jax.value_and_grad(_loss, has_aux=True)(*args)
-        assert taken, "the gradient was not pipelined"
-        return result
+            (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(p, *flat[len(leaves) :])
+        assert taken.gradients == 1, "the gradient was not pipelined"
+        return [loss, aux["loss"], aux["out"], *jax.tree.leaves(grads)]
 
+    rows = [False] * len(leaves) + [True, True]
     with jax.set_mesh(mesh):
-        return jax.jit(step)(*args)
+        loss, scalar, out, *grads = jax.jit(microbatched(step, rows, plan.microbatches))(
+            *leaves, x, y
+        )
+    return (loss, {"loss": scalar, "out": out}), jax.tree.unflatten(tree, grads)
 
 
 @pytest.mark.parametrize(
@@ -78,5 +87,5 @@ def test_a_stack_the_stages_do_not_divide_is_named():
 
 def test_microbatches_that_do_not_divide_the_rows_are_named():
     params, x, y = _model()
-    with pytest.raises(ValueError, match="microbatches=5 does not divide the 32 rows"):
+    with pytest.raises(ValueError, match=r"microbatches=5 does not divide the \(32,\) rows"):
         _pipelined(StagePlan(2, 5, "gpipe"), params, x, y)

@@ -59,7 +59,12 @@ from xla_strategies.step.pipeline_choice import (
     selects_by_compiling,
 )
 from xla_strategies.step.recompiles import warn_if_recompiling
-from xla_strategies.step.stage_plan import check_pipelined, stage_plan, staged_pipeline
+from xla_strategies.step.stage_plan import (
+    check_pipelined,
+    on_microbatches,
+    stage_plan,
+    staged_pipeline,
+)
 from xla_strategies.step.state import DeclaredState, donated_state
 from xla_strategies.step.step_interface import (
     capture_mesh,
@@ -299,7 +304,7 @@ class CompiledStep:
 
         with pipelining_gradients(self.stage_plan) as pipelined:
             graph = capture(
-                step,
+                on_microbatches(step, self.stage_plan, specs, self.gradient_reduction),
                 flat_args,
                 mesh,
                 [spec.layout is not Layout.MIRRORED for spec in specs],

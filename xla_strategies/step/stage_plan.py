@@ -8,10 +8,12 @@ microbatches, an unknown schedule) fails at `strategy.compile`, before any trace
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from xla_strategies.core.layout import STAGE_AXIS
+from xla_strategies.core.layout import STAGE_AXIS, Layout
 from xla_strategies.core.reduce_op import ReduceOp
+from xla_strategies.passes.bridge.microbatches import microbatched
 from xla_strategies.passes.bridge.pipelined_gradients import Pipelined, StagePlan
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.step.compile_options import CompileOptions
@@ -70,3 +72,19 @@ def staged_pipeline(
     if plan is None or options.pipeline is not None:
         return pipeline
     return alternatives(pipeline).get("replicated", pipeline)
+
+
+def on_microbatches(
+    step: Callable[..., list[Any]],
+    plan: StagePlan | None,
+    specs: Sequence[Any],
+    gradient_reduction: ReduceOp | None,
+) -> Callable[..., list[Any]]:
+    """`step` (flat arrays in and out) traced on the plan's microbatches of its batch
+    arguments (`microbatches.microbatched`); itself without a plan. What it returns that
+    depends on the batch is combined as the replicas combine theirs: a mean, or with
+    `ReduceOp.SUM` a sum."""
+    if plan is None:
+        return step
+    rows = [spec.layout is Layout.SPLIT for spec in specs]
+    return microbatched(step, rows, plan.microbatches, gradient_reduction is not ReduceOp.SUM)

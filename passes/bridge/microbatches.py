@@ -1,0 +1,130 @@
+"""A step traced on microbatches: the batch's rows split into M microbatches, and the
+step run on each as one `jax.vmap` over them.
+
+Pipeline stages need the step's loss as a function of one microbatch: its shapes (a
+`jnp.mean`'s row count, a reshape's sizes) are a microbatch's, and the batch it reads,
+as an argument or from a closure, is one microbatch's. So a step with stages is traced
+under a `vmap` over the microbatches: every value computed from the batch is batched over
+them, and the pipelined gradient (`pipelined_gradients`) finds each such value's
+microbatches stacked (`stacked_microbatches`), and returns the gradient of them all,
+unbatched. What the step returns is the step's again: a value that does not depend on
+the batch (the new parameters) as it is; one that does (a metric computed outside the
+gradient) combined over the microbatches, as the replicas combine theirs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_traces = threading.local()  # the vmap traces of the steps being traced, innermost last
+
+
+def microbatched(
+    fn: Callable[..., list[Any]], rows: Sequence[bool], microbatches: int, mean: bool = True
+) -> Callable[..., list[Any]]:
+    """`fn(*flat) -> flat outputs` run on `microbatches` microbatches of the arguments
+    flagged in `rows` (split on their first dimension). An output that depends on the
+    batch comes back as one row per example where it has the microbatch's rows first,
+    else as the microbatches' mean (`mean=False`: their sum; integers always sum)."""
+    from jax._src import core
+
+    def run(*flat: Any) -> list[Any]:
+        for x, r in zip(flat, rows, strict=True):
+            if r and (jnp.ndim(x) == 0 or jnp.shape(x)[0] % microbatches):
+                raise ValueError(
+                    f"microbatches={microbatches} does not divide the {jnp.shape(x)[:1]} "
+                    "rows of a batch argument each replica sees"
+                )
+        split = [
+            x.reshape(microbatches, -1, *x.shape[1:]) if r else x
+            for x, r in zip(flat, rows, strict=True)
+        ]
+        batched: list[bool] = []
+
+        def body(*args: Any) -> list[Any]:
+            stack = _stack()
+            stack.append(core.trace_ctx.trace)
+            try:
+                out = list(fn(*args))
+                batched[:] = [stacked_microbatches(o) is not None for o in out]
+            finally:
+                stack.pop()
+            return out
+
+        in_axes = [0 if r else None for r in rows]
+        outs = jax.vmap(body, in_axes=in_axes, out_axes=0)(*split)
+        per_microbatch = next((x.shape[1] for x, r in zip(split, rows, strict=True) if r), 0)
+        return [
+            combined(o, per_microbatch, mean) if b else o[0]
+            for o, b in zip(outs, batched, strict=True)
+        ]
+
+    return run
+
+
+def stacked_microbatches(x: Any) -> Any | None:
+    """`x`'s value on every microbatch, stacked on a leading axis, where `x` depends on
+    the batch of the step being traced on microbatches; None otherwise."""
+    from jax._src.interpreters import batching
+
+    if not _ours(x) or not isinstance(x.batch_dim, int):
+        return None
+    return batching.moveaxis(x.val, x.batch_dim, 0)
+
+
+def outside(x: Any) -> Any:
+    """`x` as the program around the microbatches sees it: its stacked microbatches where
+    it depends on the batch (`stacked_microbatches`), else its one value."""
+    stacked = stacked_microbatches(x)
+    if stacked is not None:
+        return stacked
+    return x.val if _ours(x) else x  # a value the trace holds without a batch axis
+
+
+def around_the_microbatches() -> Any:
+    """A context in which JAX traces into the program around the microbatches (the
+    vmap's parent), as the pipelined gradient runs: on `outside` values, unbatched."""
+    from jax._src import core
+
+    return core.set_current_trace(_stack()[-1].parent_trace)
+
+
+def _ours(x: Any) -> bool:
+    from jax._src.interpreters import batching
+
+    stack = _stack()
+    return bool(stack) and isinstance(x, batching.BatchTracer) and x._trace is stack[-1]
+
+
+def as_microbatches(stacked: Any) -> Any:
+    """A value of every microbatch (`stacked` on a leading axis) as the step being traced
+    on microbatches sees it: one microbatch's (the inverse of `stacked_microbatches`)."""
+    from jax._src.interpreters import batching
+
+    return batching.BatchTracer(_stack()[-1], stacked, 0)
+
+
+def tracing_microbatches() -> bool:
+    """Whether a step is being traced on microbatches (`microbatched`) in this thread."""
+    return bool(_stack())
+
+
+def _stack() -> list[Any]:
+    if not hasattr(_traces, "stack"):
+        _traces.stack = []
+    return _traces.stack
+
+
+def combined(value: Any, rows_per_microbatch: int, mean: bool) -> Any:
+    """A value of every microbatch ([M, ...]) as the batch's: one row per example where it
+    has the microbatch's rows first, else their mean (`mean=False`: sum; integers sum)."""
+    if value.ndim >= 2 and value.shape[1] == rows_per_microbatch:
+        return value.reshape(-1, *value.shape[2:])
+    if mean and jnp.issubdtype(value.dtype, jnp.inexact):
+        return jnp.mean(value, axis=0)
+    return jnp.sum(value, axis=0).astype(value.dtype)
