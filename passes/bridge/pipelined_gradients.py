@@ -1,17 +1,20 @@
 """Pipelined gradients: the user's `jax.grad` of a scanned model, run as a schedule.
 
-While a step with pipeline stages is traced, `jax.value_and_grad` and `jax.grad` (which
+A step with pipeline stages is traced on microbatches (`microbatches.microbatched`: a
+vmap over M microbatches of its batch). There `jax.value_and_grad` and `jax.grad` (which
 both take their pullback from `jax._src.api.vjp`) differentiate a loss through
-`pipelined_vjp`: the loss is split at its layer scan (`layer_stack`), the batch rows into
-microbatches, the stacked weights over the stage axis, and the schedule's loop of ticks
-(`stages.executor`) computes the loss and every gradient in one pass, inside a
-`shard_map` manual over the stage axis. What precedes the layers (the embedding) runs on
-the whole batch and is differentiated by JAX as usual, so the gradients of mirrored
-weights are reduced across replicas exactly as in a step without stages.
+`pipelined_vjp`: the loss, traced at one microbatch's shapes, is split at its layer scan
+(`layer_stack`); every value it reads that depends on the batch (an argument, or read from
+its closure) is found with its microbatches stacked; the stacked weights are split over
+the stage axis; and the schedule's loop of ticks (`stages.executor`) computes every
+microbatch's loss and the gradient of all of them in one pass, inside a `shard_map`
+manual over the stage axis. What precedes the layers (the embedding) runs on each
+microbatch and is differentiated by JAX as usual, so the gradients of mirrored weights are
+reduced across replicas as in a step without stages.
 
-Microbatching, like data parallelism, takes the loss to be a mean over the batch's rows:
-the loss is the mean of the microbatches' losses and so are scalar auxiliary outputs;
-auxiliary outputs with one row per example are concatenated.
+The step sees its microbatch's loss and auxiliary outputs; the gradient is of them all,
+combined as the replicas' are (their mean, or with `ReduceOp.SUM` their sum), so a loss
+that is a mean over its rows gives the gradient of the whole batch's mean.
 """
 
 from __future__ import annotations
