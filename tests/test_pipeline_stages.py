@@ -4,6 +4,8 @@ stacked weights, written as its library writes it, to the parameters `OneDeviceS
 gives; the compiled program passes activations between stages and holds what its
 schedule promises."""
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -263,3 +265,22 @@ def test_stages_across_tpu_slices_pass_activations_over_dcn():
 def test_a_single_tpu_slice_is_not_cut_into_stages():
     with pytest.raises(ValueError, match="v5e-16 is one slice; stages are cut from the slices"):
         xs.TPUStrategy("v5e-16", compile_only=True, pipeline_stages=2)
+
+
+def test_the_dump_draws_the_schedule(tmp_path, monkeypatch):
+    from xla_strategies.step.dumping import DUMP_TO
+
+    monkeypatch.setenv(DUMP_TO, str(tmp_path))
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+
+    @strategy.compile(microbatches=4, name="pipelined")
+    def grads(params, x, y):
+        return jax.grad(_plain_loss)(params, x, y)
+
+    batch = next(iter(strategy.experimental_distribute_dataset(_plain_batches())))
+    grads(strategy.replicate(_plain_params()), *batch)
+    drawn = (tmp_path / "pipelined" / "schedule.txt").read_text().splitlines()
+    assert drawn[0] == "1f1b: 2 stages, 4 microbatches, 10 ticks, bubble 20.0 % (theory 20.0 %)"
+    assert drawn[2].split()[2:] == ["F0", "F1", ".", "B0", "F2", "B1", "F3", "B2", ".", "B3"]
+    events = json.loads((tmp_path / "pipelined" / "schedule.trace.json").read_text())
+    assert sum(e["ph"] == "X" for e in events["traceEvents"]) == 2 * 2 * 4

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
@@ -22,7 +21,7 @@ from xla_strategies.core.layout import Layout, replica_axes
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.base import PassContext
 from xla_strategies.passes.bridge.capture import capture
-from xla_strategies.passes.bridge.layouts import input_shardings, replica_spec
+from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.bridge.pipelined_gradients import pipelining_gradients
 from xla_strategies.passes.cost.collective_stats import collective_summary
@@ -70,6 +69,7 @@ from xla_strategies.step.step_interface import (
     capture_mesh,
     declare_interface,
     hold_split_over_stages,
+    traced_arguments,
 )
 from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
 from xla_strategies.step.verdict_cache import fingerprint
@@ -268,18 +268,7 @@ class CompiledStep:
         strategy = self.strategy
         mesh, rename = capture_mesh(strategy, self.axis_name)
         specs = signature.arrays
-        split = replica_spec(mesh)
-        flat_args = [
-            jax.ShapeDtypeStruct(
-                spec.shape,
-                spec.dtype,
-                sharding=NamedSharding(
-                    mesh, PartitionSpec() if spec.layout is Layout.MIRRORED else split
-                ),
-                weak_type=spec.weak_type,
-            )
-            for spec in specs
-        ]
+        flat_args = traced_arguments(specs, mesh)
         context = ReplicaContext(replica_axes(mesh.axis_names), strategy.num_replicas_in_sync)
         outputs = Outputs()
 
@@ -353,6 +342,7 @@ class CompiledStep:
         strategy = self.strategy
         run, compiler_options = self._lowered(graph, ctx)
         dump.write(graph, run, signature.arrays, compiler_options)
+        dump.write_schedule(self.stage_plan)
         if options.stop_after_compile:
             raise StoppedAfterCompile(f"{self.name} compiled; stopping ({STOP_AFTER_COMPILE})")
         shardings = input_shardings(graph, strategy.mesh, None, strategy.sharded_mesh)

@@ -35,6 +35,7 @@ from xla_strategies.passes.cost.timeline import chrome_trace
 from xla_strategies.passes.dump import IRDumper, IRPrinter
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.pipeline import PassPipeline, PassTimer
+from xla_strategies.passes.stages.picture import picture, trace
 from xla_strategies.step.compile_program import compile_lowered
 
 DUMP_TO, PRINT_IR = "XLA_STRATEGIES_DUMP_TO", "XLA_STRATEGIES_PRINT_IR"
@@ -127,6 +128,16 @@ class StepDumper:
             self.progress,
             compiler_options,
         )
+
+    def write_schedule(self, plan: Any) -> None:
+        """A pipelined step's schedule (`plan`: a `StagePlan`, or None), drawn as stages by
+        ticks (`schedule.txt`) and as a trace a profiler opens (`schedule.trace.json`)."""
+        if self.directory is None or plan is None:
+            return
+        table = plan.table()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "schedule.txt").write_text(picture(table) + "\n")
+        (self.directory / "schedule.trace.json").write_text(trace(table) + "\n")
 
 
 def step_directory(root: Path, name: str) -> Path:

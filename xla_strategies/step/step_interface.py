@@ -14,9 +14,11 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jax.sharding import Mesh
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies.passes.bridge.layouts import mark_model_dims
+from xla_strategies.core.layout import Layout
+from xla_strategies.passes.bridge.layouts import mark_model_dims, replica_spec
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.step.arguments import Outputs, Signature
 from xla_strategies.step.state import DeclaredState, declared_outputs, state_pairs
@@ -54,6 +56,23 @@ def hold_split_over_stages(graph: Graph, arrays: Sequence[Any], stacked: Sequenc
     for out in io.outputs:
         if out.state_of is not None and io.inputs[out.state_of].stage_split:
             out.stage_split = True
+
+
+def traced_arguments(specs: Sequence[Any], mesh: Mesh) -> list[jax.ShapeDtypeStruct]:
+    """The abstract arguments a step is traced with on `mesh`: per-replica ones split over
+    its replica axes, mirrored ones whole."""
+    split = replica_spec(mesh)
+    return [
+        jax.ShapeDtypeStruct(
+            spec.shape,
+            spec.dtype,
+            sharding=NamedSharding(
+                mesh, PartitionSpec() if spec.layout is Layout.MIRRORED else split
+            ),
+            weak_type=spec.weak_type,
+        )
+        for spec in specs
+    ]
 
 
 def declare_interface(
