@@ -284,3 +284,9 @@ def test_the_dump_draws_the_schedule(tmp_path, monkeypatch):
     assert drawn[2].split()[2:] == ["F0", "F1", ".", "B0", "F2", "B1", "F3", "B2", ".", "B3"]
     events = json.loads((tmp_path / "pipelined" / "schedule.trace.json").read_text())
     assert sum(e["ph"] == "X" for e in events["traceEvents"]) == 2 * 2 * 4
+
+
+def test_a_renamed_replica_axis_is_refused_before_xla_sees_it():
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    with pytest.raises(ValueError, match="axis_name='batch' renames the replica axis"):
+        strategy.compile(lambda p: p, axis_name="batch")

@@ -34,9 +34,13 @@ def capture_mesh(
     mesh, replicas = strategy.mesh, strategy.replica_axes
     if axis_name is None or replicas == (axis_name,):
         return mesh, {}
-    model = mesh.axis_names[len(replicas) :]  # the model axis, or nothing
-    devices = mesh.devices.reshape(strategy.num_replicas_in_sync, *[mesh.shape[a] for a in model])
-    return Mesh(devices, (axis_name, *model)), {axis_name: replicas}
+    names = list(mesh.axis_names)
+    others = [a for a in names if a not in replicas]  # the stage and model axes, or none
+    order = [names.index(a) for a in (*replicas, *others)]
+    devices = mesh.devices.transpose(order).reshape(
+        strategy.num_replicas_in_sync, *[mesh.shape[a] for a in others]
+    )
+    return Mesh(devices, (axis_name, *others)), {axis_name: replicas}
 
 
 def hold_split_over_stages(graph: Graph, arrays: Sequence[Any], stacked: Sequence[Any]) -> None:
