@@ -1,0 +1,99 @@
+"""Pipeline stages across TPU slices, judged by XLA's TPU compiler beside data parallelism.
+
+One model of `benchmarks.tpu_models` (flax linen, layers under `nn.scan` with `nn.remat`),
+one train step as its users write it (the loss closes over the batch), compiled for a
+multislice topology at one global batch:
+
+- `jit DP`: plain `jax.jit`, parameters replicated (the peer);
+- `ours DP`: `TPUStrategy(topology).compile(step)`, the library's default;
+- `ours S stages, <schedule>`: `TPUStrategy(topology, pipeline_stages=S)` with
+  `compile(microbatches=M, schedule=...)`: the layers split over the slices.
+
+Each row: memory per chip (arguments + outputs - aliased + temporaries), the estimated step
+with its calibration (`hardware.calibration`), and the bytes a step moves across slices.
+
+    JAX_PLATFORMS=cpu python -m benchmarks.tpu_pipeline --model gpt2-medium --topology 2xv5e-256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import optax
+
+import xla_strategies as xs
+from benchmarks.tpu_aot import _batch, abstract_state, peer
+from benchmarks.tpu_models import WORKLOADS
+from xla_strategies.hardware.compiled_report import compiled_report
+
+RESULTS = Path(__file__).parent / "results" / "tpu_pipeline.json"
+
+
+def _ours(strategy: Any, workload: Any, **options: Any) -> Any:
+    tx = optax.adamw(1e-4)
+    variables, opt_state = abstract_state(workload, tx)
+    state = strategy.replicate(variables), strategy.replicate(opt_state)
+    step = strategy.compile(workload.step(tx, None), donate_argnums=(0, 1), **options)
+    return step.lower(*state, _batch(strategy, workload)).compile()
+
+
+def _row(label: str, strategy: Any, compile_one: Any) -> dict[str, Any]:
+    start = time.perf_counter()
+    try:
+        compiled = compile_one()
+    except xs.errors.OutOfMemoryError as exc:
+        return {"program": label, "fits": False, "error": str(exc)[:300]}
+    report = compiled_report(compiled, strategy)
+    across = sum(c.nbytes * c.times for c in report.collectives if c.across_slices)
+    return {
+        "program": label,
+        "fits": report.fits,
+        "memory_gib": report.memory.total_bytes / 2**30,
+        "step_ms": 1e3 * report.estimate["step_s"],
+        "across_slices_mb": across / 1e6,
+        "calibration": report.calibration,
+        "compile_s": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-medium", choices=sorted(WORKLOADS))
+    parser.add_argument("--topology", default="2xv5e-256")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
+    args = parser.parse_args()
+    workload = WORKLOADS[args.model]()
+    flat = xs.TPUStrategy(args.topology, compile_only=True)
+    rows = [
+        _row("jit DP", flat, lambda: peer(flat, workload, fsdp=False)),
+        _row("ours DP", flat, lambda: _ours(flat, workload)),
+    ]
+    staged = xs.TPUStrategy(args.topology, compile_only=True, pipeline_stages=args.stages)
+    for schedule in args.schedules:
+        label = f"ours {args.stages} stages, {schedule}, M={args.microbatches}"
+        options = {"schedule": schedule, "microbatches": args.microbatches}
+        rows.append(_row(label, staged, lambda o=options: _ours(staged, workload, **o)))
+    print(f"{workload.name} on {args.topology}, {workload.batch_per_chip} per chip")
+    print(f"{'program':36s} {'GiB/chip':>9s} {'step ms':>9s} {'DCN MB':>8s}")
+    for row in rows:
+        if not row.get("fits", False) and "error" in row:
+            print(f"{row['program']:36s} does not fit: {row['error'][:60]}")
+            continue
+        print(
+            f"{row['program']:36s} {row['memory_gib']:9.2f} {row['step_ms']:9.1f} "
+            f"{row['across_slices_mb']:8.1f}"
+        )
+    print(rows[-1].get("calibration", ""))
+    found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    found[f"{args.model} {args.topology} S={args.stages}"] = rows
+    RESULTS.write_text(json.dumps(found, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
