@@ -44,7 +44,6 @@ class LayerStack:
     layers: Callable[[list, list, list], list]
     after: Callable[[list, list], list]
     length: int
-    carry_rows: tuple[int, ...]  # the first dimension of each value the layers carry
     closed_over: tuple[Any, ...]  # values the function reads from its closure: inputs first
     depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
     outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
@@ -136,16 +135,11 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
                 flagged.update(eqn.outvars)
         return grouped([isinstance(v, jex.Var) and v in flagged for v in scan_in + kept])
 
-    rows = tuple(
-        v.aval.shape[0] if v.aval.ndim else 0
-        for v in scan.invars[num_consts : num_consts + num_carry]
-    )
     return LayerStack(
         split_before,
         layers,
         lambda c, k: after(*c, *k),
         int(scan.params["length"]),
-        rows,
         tuple(consts),
         depends,
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),

@@ -283,26 +283,6 @@ def _merge(mask: list[bool], rows: list, shared: list) -> list:
     return [next(r) if is_row else next(s) for is_row in mask]
 
 
-def _rows(carry: list, microbatches: int) -> Callable[[Any], int | None]:
-    """Whether a value has the carry's rows: it varies across replicas (it is the
-    replica's data, never a mirrored weight) and its first dimension is the batch's."""
-    batch = {x.shape[0] for x in carry if x.ndim}
-    if len(batch) != 1:
-        raise ValueError(
-            "pipeline stages split the layers' activations into microbatches by their first "
-            f"dimension; the layer scan carries values of shapes {[x.shape for x in carry]}"
-        )
-    (rows,) = batch
-    if rows % microbatches:
-        raise ValueError(
-            f"microbatches={microbatches} does not divide the {rows} rows each replica's layers see"
-        )
-    replicas = set(_manual_axes())
-    return lambda x: (
-        rows if x.ndim and x.shape[0] == rows and (not replicas or vma(x) & replicas) else None
-    )
-
-
 def _cotangents(result: executor.StageResult, mb_mask: tuple, virtual_stages: int) -> list:
     """The executor's gradients, one per output of `before` (per microbatch where that
     output is)."""
@@ -344,7 +324,3 @@ def _manual_axes() -> frozenset[str]:
 
 def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _leaves(tree: Any) -> list:
-    return jax.tree.leaves(tree)

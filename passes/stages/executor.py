@@ -114,7 +114,7 @@ def run(
         state["F"] = _put(state["F"], row["arrive_f"], state["recv_f"])
         state["B"] = _put(state["B"], row["arrive_b"], state["recv_b"])
         g = row["chunk"] * stages + stage
-        where = _Where(row, g == 0, g == last, m_count)
+        where = _Where(row, g == 0, g == last)
         actions = [
             lambda s: (s, zeros(x0), zeros(x0)),
             lambda s: _forward(
@@ -153,7 +153,6 @@ class _Where:
     row: dict
     first: Any
     last: Any
-    microbatches: int
 
     def __getattr__(self, name: str) -> Any:
         return self.row[name]
@@ -300,10 +299,6 @@ def _add_at(tree: Any, index: Any, value: Any) -> Any:
 
 def _plus(tree: Any, value: Any) -> Any:
     return jax.tree.map(lambda a, v: a + v.astype(a.dtype), tree, value)
-
-
-def _first(tree: Any) -> Any:
-    return jax.tree.map(lambda a: a[0], tree)
 
 
 def _tables(schedule: Schedule) -> dict[str, np.ndarray]:
