@@ -17,13 +17,9 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
-import numpy as np
 
 from xla_strategies.passes.bridge import jax_compat
-from xla_strategies.passes.bridge.replay import equation_context
-from xla_strategies.passes.bridge.trace_hooks import varying_over
-
-_CALLS = {"jit", "pjit", "closed_call", "core_call"}
+from xla_strategies.passes.bridge.jaxpr_eval import CALLS, evaluate
 
 
 class NothingToPipeline(ValueError):
@@ -163,31 +159,6 @@ def _inlined(
 ) -> tuple[jex.Jaxpr, list]:
     """`jaxpr` traced again with its nested calls (`jit`) run inline, so a scan a model
     wraps in a `jit` is found at the top level."""
-    if not any(e.primitive.name in _CALLS for e in jaxpr.eqns):
+    if not any(e.primitive.name in CALLS for e in jaxpr.eqns):
         return jaxpr, list(consts)
     return jax_compat.jaxpr_parts(jax.make_jaxpr(lambda *a: evaluate(jaxpr, consts, a))(*args))
-
-
-def evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
-    """`jax.core.eval_jaxpr` in the current context (the stage's manual mesh, not the
-    mesh the equations were traced on), with a call's equations run in place of the
-    call."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    # a literal as a plain array of its type: its own type names the mesh it was traced on
-    read = lambda v: np.asarray(v.val, v.aval.dtype) if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name == "pvary":  # a value may vary already where it did not
-            outs = [varying_over(x, frozenset(eqn.params["axes"])) for x in invals]
-        elif eqn.primitive.name in _CALLS:
-            inner, inner_consts = jax_compat.jaxpr_parts(eqn.params["jaxpr"])
-            outs = evaluate(inner, inner_consts, invals)
-        else:
-            bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before 0.12
-            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-            with equation_context(eqn.ctx) as move:  # its shardings moved to this mesh
-                outs = eqn.primitive.bind(*subfuns, *invals, **move(params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]

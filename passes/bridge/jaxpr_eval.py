@@ -1,0 +1,133 @@
+"""Running a captured jaxpr again in another program: the stage program of a pipeline.
+
+`jax.core.eval_jaxpr` binds each equation as it was traced. In the stage program that
+goes wrong three ways, each handled here:
+
+- an equation's context and shardings name the mesh it was traced on, where the stage
+  program is manual over the stage axis too: they are moved to the current mesh;
+- a literal's own type names that mesh: it is read as a plain array of its dtype;
+- the program's types are unchecked, and an equation with a body (a `scan`, `while`,
+  `cond`, a rematerialised block) bound with its traced body keeps the traced varying
+  types, which then disagree with a loop carry's: such bodies are re-emitted through
+  `lax.scan`, `lax.while_loop`, `lax.switch` and `jax.checkpoint`, as the lowering
+  re-emits regions, and a `pvary` adds only what JAX's own `pvary` would.
+
+Nested calls (`jit`) run inline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+from jax import lax
+
+from xla_strategies.passes.bridge import jax_compat
+from xla_strategies.passes.bridge.replay import equation_context
+from xla_strategies.passes.bridge.trace_hooks import vma
+
+#: call equations run inline
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def evaluate(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
+    """The outputs of `jaxpr` on `args` (its constants `consts`), traced into the current
+    program."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: np.asarray(v.val, v.aval.dtype) if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        rule = _RULES.get(eqn.primitive.name)
+        outs = rule(eqn, invals) if rule is not None else _bound(eqn, invals)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bound(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before 0.12
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    with equation_context(eqn.ctx) as move:  # its shardings moved to this mesh
+        outs = eqn.primitive.bind(*subfuns, *invals, **move(params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _body(closed: Any) -> Callable[..., list]:
+    jaxpr, consts = jax_compat.jaxpr_parts(closed)
+    return lambda *args: evaluate(jaxpr, consts, args)
+
+
+def _call(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    return _body(eqn.params["jaxpr"])(*invals)
+
+
+def _pvary(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    """`pvary` as JAX's own runs it: over the axes a value does not vary over already, and
+    not at all in a program whose types are unchecked."""
+    from jax._src import core
+
+    out = []
+    for x in invals:
+        missing = tuple(a for a in eqn.params["axes"] if a not in vma(x))
+        out.append(core.pvary(x, missing) if missing else x)
+    return out
+
+
+def _scan(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    params = eqn.params
+    num_consts, num_carry = jax_compat.scan_counts(params)
+    consts, carry = invals[:num_consts], invals[num_consts : num_consts + num_carry]
+    body = _body(params["jaxpr"])
+
+    def step(carry: list, x: list) -> tuple[list, list]:
+        outs = body(*consts, *carry, *x)
+        return outs[:num_carry], outs[num_carry:]
+
+    carry, ys = lax.scan(
+        step,
+        list(carry),
+        list(invals[num_consts + num_carry :]),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _while(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    params = eqn.params
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+    cond, body = _body(params["cond_jaxpr"]), _body(params["body_jaxpr"])
+    return list(
+        lax.while_loop(
+            lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), list(init)
+        )
+    )
+
+
+def _cond(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    branches = [_body(branch) for branch in eqn.params["branches"]]
+    return list(lax.switch(invals[0], branches, *invals[1:]))
+
+
+def _remat(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    params = eqn.params
+    fn = jax.checkpoint(
+        _body(params["jaxpr"]), prevent_cse=params["prevent_cse"], policy=params["policy"]
+    )
+    return list(fn(*invals))
+
+
+_RULES: dict[str, Callable[[jex.JaxprEqn, list[Any]], list[Any]]] = {
+    **{name: _call for name in CALLS},
+    "pvary": _pvary,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+    "remat2": _remat,
+    "checkpoint": _remat,
+}
