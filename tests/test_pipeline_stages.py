@@ -316,3 +316,10 @@ def test_a_remat_scanned_language_model_trains_as_one_device_does(monkeypatch):
     want = train(xs.OneDeviceStrategy())
     got = train(xs.MirroredStrategy(pipeline_stages=2), microbatches=2)
     _assert_mirrored_and_equal(got, want)
+
+
+@pytest.mark.parametrize("option", ["shard_parameters", "shard_weight_updates"])
+def test_sharding_options_the_stages_cannot_honour_are_refused(option):
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    with pytest.raises(ValueError, match=f"{option}=True is not supported with pipeline stages"):
+        strategy.compile(lambda p: p, **{option: True})
