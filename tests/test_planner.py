@@ -89,3 +89,25 @@ def test_the_command_line_plans_a_scripts_first_step(tmp_path):
         "step = strategy.compile(" in done.stdout or "<lambda> = strategy.compile(" in done.stdout
     )
     assert "plan: compiling 1/" in done.stderr
+
+
+def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
+    tmp_path, monkeypatch
+):
+    """24 layers of 6656 x 6656 float32 weights with Adam (12.8 GB of state) on two v5e-4
+    slices: replicated it does not fit a chip (18.2 GB); split over two pipeline stages,
+    each slice its 12 layers, it does (11.9 GiB)."""
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    strategy = xs.TPUStrategy("2xv5e-4", compile_only=True)
+    tx = optax.adam(1e-3)
+    w = jax.ShapeDtypeStruct((24, 6656, 6656), jnp.float32)
+    state = (w, jax.eval_shape(tx.init, w))
+    x = jax.ShapeDtypeStruct((16, 6656), jnp.float32, sharding=strategy.split_sharding())
+    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1))
+    found = strategy.plan(step, *state, x, model_axes=(1,), batch_doublings=0, stages=(1, 2))
+    fits = {(row.sharding, row.stages): row.fits for row in found.rows}
+    assert fits[("replicated", 1)] is False
+    assert fits[("replicated", 2)] is True
+    staged = next(row for row in found.rows if row.stages == 2)
+    assert staged.microbatches == 4  # 16 rows over 4 replicas: 4 a replica, at most 8
+    assert "stages" in found.table().splitlines()[1]

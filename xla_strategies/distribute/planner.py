@@ -7,6 +7,9 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
   state split (weight-update sharding), the parameters split too (parameter sharding);
 - a model axis of 1, 2, 4 or 8 devices per replica, where the strategy can build one
   (`Strategy.with_logical_devices_per_replica`) and it divides the topology's fastest axis;
+- pipeline stages across 2 or 4 slices, where the strategy can cut its slices so
+  (`Strategy.with_pipeline_stages`): the state replicated within each stage, 1F1B over as
+  many microbatches as divide a replica's rows, at most 4 per stage;
 - the per-chip batch: the one given, then doubled while it fits (every batch argument,
   the ones split over the replicas, grows together).
 
@@ -49,6 +52,7 @@ SHARDINGS = {
     "parameter sharding": {"shard_parameters": True},
 }
 MODEL_AXES = (1, 2, 4, 8)
+STAGES = (1, 2, 4)
 #: how many times the per-chip batch is doubled at most
 BATCH_DOUBLINGS = 3
 
@@ -65,6 +69,8 @@ class Row:
     step_s: float | None
     items_per_s_per_chip: float | None
     note: str = ""
+    stages: int = 1
+    microbatches: int = 0  # with stages: the pipeline's microbatches
 
     def line(self) -> str:
         gib = "   -   " if self.memory_bytes is None else f"{self.memory_bytes / 2**30:7.2f}"
@@ -72,8 +78,8 @@ class Row:
         rate = "-" if self.items_per_s_per_chip is None else f"{self.items_per_s_per_chip:,.1f}"
         fits = "yes" if self.fits else "NO"
         return (
-            f"{self.sharding:<24} {self.devices_per_replica:>5} {self.batch_per_chip:>7} "
-            f"{gib} {fits:>4} {step} {rate:>14}  {self.note}"
+            f"{self.sharding:<24} {self.stages:>6} {self.devices_per_replica:>5} "
+            f"{self.batch_per_chip:>7} {gib} {fits:>4} {step} {rate:>14}  {self.note}"
         )
 
 
@@ -91,7 +97,7 @@ class Plan:
 
     def table(self) -> str:
         header = (
-            f"{'configuration':<24} {'model':>5} {'batch':>7} {'GiB':>7} {'fits':>4} "
+            f"{'configuration':<24} {'stages':>6} {'model':>5} {'batch':>7} {'GiB':>7} {'fits':>4} "
             f"{'step ms':>9} {'items/s/chip':>14}"
         )
         lines = [f"plan for {self.strategy} (estimate: {self.calibration})", header]
@@ -105,12 +111,15 @@ class Plan:
         best = self.best()
         if best is None:
             return "# no configuration fits: a larger topology, or a smaller batch per chip"
-        options = ", ".join(f"{k}={v}" for k, v in SHARDINGS[best.sharding].items())
+        chosen = _options(best.sharding, best.stages, best.microbatches)
+        options = ", ".join(f"{k}={v!r}" for k, v in chosen.items())
+        staged = f", {best.stages} pipeline stages" if best.stages > 1 else ""
         return (
-            f"# {best.sharding}, {best.devices_per_replica} device(s) per replica, "
+            f"# {best.sharding}{staged}, {best.devices_per_replica} device(s) per replica, "
             f"{best.batch_per_chip} per chip: the most items/s per chip that fits\n"
-            f"strategy = strategy.with_logical_devices_per_replica({best.devices_per_replica})\n"
-            f"{step_name} = strategy.compile({step_name}{', ' if options else ''}{options})"
+            f"strategy = strategy.with_logical_devices_per_replica({best.devices_per_replica})"
+            + (f".with_pipeline_stages({best.stages})" if best.stages > 1 else "")
+            + f"\n{step_name} = strategy.compile({step_name}{', ' if options else ''}{options})"
         )
 
 
@@ -122,13 +131,14 @@ def plan(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     model_axes: tuple[int, ...] = MODEL_AXES,
     batch_doublings: int = BATCH_DOUBLINGS,
+    stages: tuple[int, ...] = STAGES,
 ) -> Plan:
     """Compile `step` (a function, or a compiled step whose own options are kept) on `args`
     (abstract `jax.ShapeDtypeStruct`s: state mirrored, batches with
     `strategy.split_sharding()`) in every candidate configuration; see the module."""
     started = time.monotonic()
     rows: list[Row] = []
-    candidates = list(_candidates(strategy, model_axes))
+    candidates = list(_candidates(strategy, model_axes, stages))
     calibration = calibration_label(strategy.topology)
     for index, (variant, sharding, model) in enumerate(candidates, 1):
         for doubling in range(batch_doublings + 1):
@@ -136,8 +146,9 @@ def plan(
                 return Plan(tuple(rows), calibration, repr(strategy), finished=False)
             scaled = _on(variant, args, 2**doubling, strategy)
             per_chip = _batch_per_chip(variant, scaled)
-            log(f"plan: compiling {index}/{len(candidates)}: {sharding}, {model} per replica, "
-                f"{per_chip} per chip{_best_so_far(rows)}")  # fmt: skip
+            staged = f", {variant.pipeline_stages} stages" if variant.pipeline_stages > 1 else ""
+            log(f"plan: compiling {index}/{len(candidates)}: {sharding}{staged}, {model} per "
+                f"replica, {per_chip} per chip{_best_so_far(rows)}")  # fmt: skip
             row = _compiled_row(variant, step, scaled, sharding, model, per_chip)
             rows.append(row)
             if not row.fits or not per_chip:
@@ -146,14 +157,18 @@ def plan(
 
 
 def _candidates(
-    strategy: Strategy, model_axes: tuple[int, ...]
+    strategy: Strategy, model_axes: tuple[int, ...], stages: tuple[int, ...]
 ) -> Iterator[tuple[Strategy, str, int]]:
-    for model in model_axes:
-        variant = strategy if model == 1 else strategy.with_logical_devices_per_replica(model)
-        if variant is None:
-            continue
-        for sharding in SHARDINGS:
-            yield variant, sharding, model
+    for count in stages:
+        staged = strategy.with_pipeline_stages(count)
+        for model in model_axes if staged is not None else ():
+            variant = staged.with_logical_devices_per_replica(model)
+            if variant is None:
+                continue
+            # with stages, the state is replicated within each: the passes that shard it
+            # do not know the stages yet (`step.stage_plan.staged_pipeline`)
+            for sharding in SHARDINGS if count == 1 else ("replicated",):
+                yield variant, sharding, model
 
 
 def _on(strategy: Strategy, args: tuple[Any, ...], factor: int, given: Strategy) -> tuple[Any, ...]:
@@ -182,16 +197,33 @@ def _compiled_row(
     model: int,
     per_chip: int,
 ) -> Row:
-    options = dataclasses.replace(_options_of(step), **SHARDINGS[sharding])
+    stages = strategy.pipeline_stages
+    microbatches = _microbatches(strategy, args) if stages > 1 else 0
+    chosen = _options(sharding, stages, microbatches)
+    options = dataclasses.replace(_options_of(step), **chosen)
     compiled_step = strategy.compile(getattr(step, "fn", step), options=options)
-    where = (sharding, model, str(strategy.topology))  # the IR leaves the model axis out
+    where = (sharding, model, str(strategy.topology), stages, microbatches)
     key = fingerprint(print_graph(compiled_step.graph(*args)), strategy.topology, where)
     cached = verdict_cache.read("plan_rows", key)
     if cached is not None:
         return Row(**cached)
     row = _compile(compiled_step, strategy, args, sharding, model, per_chip)
+    row = dataclasses.replace(row, stages=stages, microbatches=microbatches)
     verdict_cache.write("plan_rows", key, dataclasses.asdict(row))
     return row
+
+
+def _options(sharding: str, stages: int, microbatches: int) -> dict[str, Any]:
+    """The compile options of a row: its sharding's, and with stages its microbatches."""
+    return {**SHARDINGS[sharding], **({"microbatches": microbatches} if stages > 1 else {})}
+
+
+def _microbatches(strategy: Strategy, args: tuple[Any, ...]) -> int:
+    """The most microbatches, at most 4 per stage, that divide a replica's rows."""
+    rows = [a.shape[0] for a in jax.tree.leaves(args) if strategy.layout(a) is Layout.SPLIT]
+    per_replica = max(rows, default=0) // strategy.num_replicas_in_sync
+    most = min(per_replica, 4 * strategy.pipeline_stages)
+    return next((m for m in range(most, 0, -1) if per_replica % m == 0), 1)
 
 
 def _compile(

@@ -165,13 +165,19 @@ class Strategy(MeshLayout):
         its fastest axis."""
         return self if k == self.logical_devices_per_replica else None
 
+    def with_pipeline_stages(self, stages: int) -> Strategy | None:
+        """This strategy with its layers split over `stages` pipeline stages, for the
+        planner; None where this kind of strategy cannot build them for its topology."""
+        return self if stages == self.pipeline_stages else None
+
     def plan(
         self, step: Callable[..., Any], *args: Any, budget: float | None = None, **search: Any
     ) -> planner.Plan:
         """Compile `step` on abstract `args` in every candidate configuration for this
         strategy's topology, before launch: what fits, and what is fastest
         (`xla_strategies.distribute.planner`). `budget`: seconds, then the best so far;
-        `search`: `model_axes` (devices per replica to try) and `batch_doublings`."""
+        `search`: `model_axes` (devices per replica to try), `stages` (pipeline stages to
+        try) and `batch_doublings`."""
         if not self.compile_only or self.topology is None:
             raise ValueError(
                 f"plan compiles for a topology without its chips: build the strategy with "

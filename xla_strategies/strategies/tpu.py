@@ -119,14 +119,27 @@ class TPUStrategy(Strategy):
     def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
         return replicate_to_logical_devices(tensor, self.logical_devices_per_replica)
 
+    def with_pipeline_stages(self, stages: int) -> TPUStrategy | None:
+        """These slices with `stages` pipeline stages across them (compile-only), for the
+        planner; None where the topology cannot be cut so (one slice, or a count that
+        does not divide the slices)."""
+        if stages == self.pipeline_stages:
+            return self
+        return self._laid_out(stages, self.logical_devices_per_replica)
+
     def with_logical_devices_per_replica(self, k: int) -> TPUStrategy | None:
         """This slice with `k` chips per replica (compile-only, or emulated), for the
         planner; None where `k` does not divide the slice's fastest axis."""
         if k == self.logical_devices_per_replica:
             return self
+        return self._laid_out(self.pipeline_stages, k)
+
+    def _laid_out(self, stages: int, k: int) -> TPUStrategy | None:
+        """A compile-only strategy on these chips with `stages` and `k` chips per replica;
+        None where the topology cannot be cut so, or the chips are this process's own."""
         whole = self._topology_whole
         try:
-            whole.split_stage_axis(self.pipeline_stages).split_model_axis(k)
+            whole.split_stage_axis(stages).split_model_axis(k)
         except ValueError:
             return None
         if not self.compile_only:
@@ -136,7 +149,7 @@ class TPUStrategy(Strategy):
             compile_only=True,
             logical_devices_per_replica=k,
             generation_compiler_options=self.generation_compiler_options,
-            pipeline_stages=self.pipeline_stages,
+            pipeline_stages=stages,
         )
 
     @property
