@@ -323,3 +323,16 @@ def test_sharding_options_the_stages_cannot_honour_are_refused(option):
     strategy = xs.MirroredStrategy(pipeline_stages=2)
     with pytest.raises(ValueError, match=f"{option}=True is not supported with pipeline stages"):
         strategy.compile(lambda p: p, **{option: True})
+
+
+def test_stages_compose_with_a_model_axis_inside_each():
+    """2 replicas of 2 stages of 2 model devices: the stages cut from the slowest devices,
+    the model axis the fastest; trains as one device does."""
+    strategy = xs.MirroredStrategy(pipeline_stages=2, logical_devices_per_replica=2)
+    assert dict(strategy.mesh.shape) == {"replica": 2, "stage": 2, "model": 2}
+    stage_of = {d.id: s for s in range(2) for d in strategy.mesh.devices[:, s].flat}
+    assert [stage_of[i] for i in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    params, batches = _plain_params(), _plain_batches()
+    want = _train(xs.OneDeviceStrategy(), _plain_loss, params, batches)
+    got = _train(strategy, _plain_loss, params, batches, microbatches=4)
+    _assert_mirrored_and_equal(got, want)

@@ -50,8 +50,8 @@ class MeshLayout:
         self._compile_only = compile_only
         if array.ndim != len(axis_names):
             raise ValueError(f"{len(axis_names)} mesh axes need a {len(axis_names)}-d device array")
-        array, axis_names = with_stage_axis(array, axis_names, pipeline_stages)
         array, axis_names = with_model_axis(array, axis_names, logical_devices_per_replica)
+        array, axis_names = with_stage_axis(array, axis_names, pipeline_stages)
         self._mesh = Mesh(array, axis_names)
         self._replica_axes = replica_axes(axis_names)
         # read for every argument of every step (`model_dim`): kept, not derived each time

@@ -47,9 +47,12 @@ def with_model_axis(
 def with_stage_axis(
     devices: np.ndarray, axis_names: tuple[str, ...], stages: int
 ) -> tuple[np.ndarray, tuple[str, ...]]:
-    """`devices` with a leading stage axis of `stages` cut from the slowest (first) axis:
-    across slices over DCN first, then across hosts, so stages pass activations over the
-    slow links and replicas keep the fast ones; unchanged for 1."""
+    """`devices` with a stage axis of `stages` cut from the slowest (first) axis: across
+    slices over DCN first, then across hosts, so stages pass activations over the slow
+    links and replicas keep the fast ones; unchanged for 1. The axis is named after the
+    replica axes (before a model axis): a program manual over the replica axes and then
+    the stage axis lists its manual axes in the mesh's order, as XLA's partitioner
+    requires where a model axis is left to it (out of order, it aborts the process)."""
     if isinstance(stages, bool) or not isinstance(stages, int | np.integer) or stages < 1:
         raise ValueError(f"pipeline_stages must be a positive int, not {stages!r}")
     if stages == 1:
@@ -60,8 +63,10 @@ def with_stage_axis(
             f"pipeline_stages={stages} does not divide the mesh's slowest axis {first!r} "
             f"({size} of {devices.size} devices); use a divisor of {size}"
         )
-    shape = (stages, size // stages, *devices.shape[1:])
-    return devices.reshape(shape), (STAGE_AXIS, *axis_names)
+    cut = devices.reshape(stages, size // stages, *devices.shape[1:])
+    at = axis_names.index(MODEL_AXIS) if MODEL_AXIS in axis_names else len(axis_names)
+    names = (*axis_names[:at], STAGE_AXIS, *axis_names[at:])
+    return np.moveaxis(cut, 0, at), names
 
 
 class UnmappedLogicalNames(NamedTuple):

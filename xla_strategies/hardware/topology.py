@@ -237,7 +237,9 @@ class Topology:
                 f"{first.name!r} groups"
             )
         stage = replace(first, name=STAGE_AXIS, size=stages, bidirectional=False)
-        return replace(self, axes=(stage, replace(first, size=first.size // stages), *rest))
+        axes = [replace(first, size=first.size // stages), *rest]
+        at = next((i for i, a in enumerate(axes) if a.name == MODEL_AXIS), len(axes))
+        return replace(self, axes=(*axes[:at], stage, *axes[at:]))  # as the mesh orders it
 
     @property
     def model_axis_size(self) -> int:

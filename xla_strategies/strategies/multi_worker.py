@@ -116,8 +116,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         topology = Topology.from_name(f"{jax.process_count()}xcpu-gloo")
         if topology.mesh_axes.get("local") != jax.local_device_count():
             return None
-        staged = topology.split_stage_axis(self.pipeline_stages)
-        return staged.split_model_axis(self.logical_devices_per_replica)
+        split = topology.split_model_axis(self.logical_devices_per_replica)
+        return split.split_stage_axis(self.pipeline_stages)
 
     def __repr__(self) -> str:
         if self.compile_only:

@@ -98,7 +98,7 @@ class TPUStrategy(Strategy):
             tpus = [d for d in jax.devices() if d.platform == "tpu"]
             topology = _check_tpus(topology, tpus)
             devices = _slice_mesh(topology, tpus)
-        split = topology.split_stage_axis(pipeline_stages).split_model_axis(k)
+        split = topology.split_model_axis(k).split_stage_axis(pipeline_stages)
         axes = tuple(topology.mesh_axes)
         super().__init__(devices, axes, compile_only, k, layout_map, pipeline_stages)
         self._topology = split
@@ -139,7 +139,7 @@ class TPUStrategy(Strategy):
         None where the topology cannot be cut so, or the chips are this process's own."""
         whole = self._topology_whole
         try:
-            whole.split_stage_axis(stages).split_model_axis(k)
+            whole.split_model_axis(k).split_stage_axis(stages)
         except ValueError:
             return None
         if not self.compile_only:
