@@ -220,9 +220,10 @@ class Topology:
         return replace(self, axes=(*rest, replicas, model))
 
     def split_stage_axis(self, stages: int) -> Topology:
-        """This topology with its first (slowest) axis cut in two: a leading stage axis of
-        `stages` (`pipeline_stages`) and the replicas' part. On TPUs the stages are cut
-        from the slices (DCN): a stage never splits a slice's torus."""
+        """This topology with its first (slowest) axis cut in two: a stage axis of
+        `stages` (`pipeline_stages`), placed as the mesh places it (before a model axis,
+        else last), and the replicas' part. On TPUs the stages are cut from the slices
+        (DCN): a stage never splits a slice's torus."""
         first, *rest = self.axes
         if stages == 1:
             return self

@@ -34,10 +34,11 @@ class MirroredStrategy(Strategy):
     `layout_map` (a `keras.distribution.LayoutMap` naming "model") lays out the variables
     of a Keras model built under `scope()`.
 
-    `pipeline_stages=S` splits each replica's layers over S devices (a leading "stage"
-    axis; `num_replicas_in_sync` is the device count / (S * k)): a gradient the step takes
-    with `jax.grad` or `jax.value_and_grad` of a model whose layers are a scan over stacked
-    weights runs as a pipeline schedule (`compile(microbatches=, schedule=)`).
+    `pipeline_stages=S` splits each replica's layers over S devices (a "stage" axis cut
+    from the first devices; `num_replicas_in_sync` is the device count / (S * k)): a
+    gradient the step takes with `jax.grad` or `jax.value_and_grad` of a model whose layers
+    are a scan over stacked weights runs as a pipeline schedule
+    (`compile(microbatches=, schedule=)`).
     """
 
     pipeline_label = "mirrored"

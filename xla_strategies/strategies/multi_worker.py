@@ -61,7 +61,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         trailing "model" axis inside each node, over NVLink on GPUs), and `layout_map`
         lays a Keras model's variables out over it, as on `MirroredStrategy`.
         `pipeline_stages=S`: each replica's layers split over S groups of workers (a
-        leading "stage" axis cut from the workers), as on `MirroredStrategy`."""
+        "stage" axis cut from the workers), as on `MirroredStrategy`."""
         self.communication_options = communication_options or CommunicationOptions()
         nodes, gpus = compile_only_nodes(
             "MultiWorkerMirroredStrategy", topology, compile_only, several=True

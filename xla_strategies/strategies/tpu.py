@@ -49,8 +49,8 @@ class TPUStrategy(Strategy):
             variables of a Keras model built under `scope()`.
         experimental_device_assignment: None, or tf's assignment: its
             `num_cores_per_replica` is `logical_devices_per_replica`.
-        pipeline_stages: slices each replica's layers are split over (a leading "stage"
-            axis cut from the slices, over DCN); see `MirroredStrategy`. 1 by default.
+        pipeline_stages: slices each replica's layers are split over (a "stage" axis
+            cut from the slices, over DCN); see `MirroredStrategy`. 1 by default.
         experimental_spmd_xla_partitioning: kept for tf.distribute's signature; a replica
             spanning several chips is always partitioned by XLA's SPMD partitioner.
         generation_compiler_options: compile every step with the XLA options tuned for
