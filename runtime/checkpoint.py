@@ -59,7 +59,7 @@ from xla_strategies.runtime.checkpoint_tree import (
 )
 
 if TYPE_CHECKING:
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
 
 
 class CheckpointManager:

@@ -13,7 +13,7 @@ from xla_strategies.core.layout import Layout, fold_stacked
 from xla_strategies.runtime.checkpoint_tree import CheckpointError, normalized
 
 if TYPE_CHECKING:
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
 
 
 def restore_plan(

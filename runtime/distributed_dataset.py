@@ -24,7 +24,7 @@ from xla_strategies.runtime.input_options import InputContext, InputOptions, Inp
 from xla_strategies.runtime.prefetch import Producer
 
 if TYPE_CHECKING:
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
 
 
 class DistributedDataset:

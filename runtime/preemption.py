@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 if TYPE_CHECKING:
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
     from xla_strategies.runtime.checkpoint import CheckpointManager
 
 # What a preempted worker exits with, so a supervisor can tell "restart me" from a crash.

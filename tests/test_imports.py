@@ -148,8 +148,8 @@ def test_every_strategy_is_what_the_lower_layers_read():
     """The Protocols the layers below the Strategy base type a strategy with name members
     every strategy has (a member renamed in one place would fail here)."""
     import xla_strategies as xs
-    from xla_strategies.core.protocols import StrategyLike
-    from xla_strategies.step.protocols import StepStrategy
+    from xla_strategies.core.strategy_like import StrategyLike
+    from xla_strategies.step.step_strategy import StepStrategy
 
     strategies = [
         xs.OneDeviceStrategy(),

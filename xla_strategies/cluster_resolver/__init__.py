@@ -12,7 +12,7 @@ cluster and which one this process is, and `MultiWorkerMirroredStrategy` (or
 from xla_strategies.cluster_resolver.cloud import GCEClusterResolver, KubernetesClusterResolver
 from xla_strategies.cluster_resolver.slurm import SlurmClusterResolver
 from xla_strategies.cluster_resolver.tf_config import SimpleClusterResolver, TFConfigClusterResolver
-from xla_strategies.cluster_resolver.tpu import TPUClusterResolver
+from xla_strategies.cluster_resolver.tpu_cluster_resolver import TPUClusterResolver
 from xla_strategies.cluster_resolver.union import UnionResolver
 
 __all__ = [

@@ -20,7 +20,7 @@ from jax import lax
 from xla_strategies.core.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
 
 _local = threading.local()
 

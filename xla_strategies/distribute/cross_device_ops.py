@@ -39,7 +39,7 @@ from xla_strategies.passes import (
     ShardParameters,
     ShardWeightUpdates,
 )
-from xla_strategies.step.protocols import PipelineChanges
+from xla_strategies.step.step_strategy import PipelineChanges
 
 # Buckets of reductions to one device: big, because XLA combines all-reduces but not
 # collective permutes, and every bucket costs log2(N) rounds (one bucket: 79.8 ms a step,

@@ -16,7 +16,7 @@ from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.hardware.devices import resolve_device, resolve_devices
 
 if TYPE_CHECKING:
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
 
 _FUNCTIONAL_STATE = (
     "state is functional here: there are no tf.Variables to {what}; a step takes the "

@@ -31,7 +31,7 @@ from xla_strategies.passes.bridge.trace_hooks import varying_axes
 
 if TYPE_CHECKING:
     from xla_strategies.core.context import ReplicaContext
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
 
 
 def merge_call(

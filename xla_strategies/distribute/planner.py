@@ -42,7 +42,7 @@ from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.verdict_cache import fingerprint
 
 if TYPE_CHECKING:
-    from xla_strategies.step.protocols import StepStrategy as Strategy
+    from xla_strategies.step.step_strategy import StepStrategy as Strategy
 
 #: the state's sharding, as compile options (each forced: the default pipeline's own
 #: choice between them is what the plan checks)

@@ -56,8 +56,8 @@ from xla_strategies.runtime.distributed_dataset import (
 from xla_strategies.runtime.input_options import InputContext, InputOptions
 from xla_strategies.step.compile_options import CompileOptions, defaults_of
 from xla_strategies.step.compiled_step import CompiledStep
-from xla_strategies.step.protocols import PipelineChanges, Setting
 from xla_strategies.step.step_pipeline import PipelineOptions, step_pipeline
+from xla_strategies.step.step_strategy import PipelineChanges, Setting
 
 
 class Strategy(MeshLayout):

@@ -19,7 +19,7 @@ import numpy as np
 from xla_strategies.core.trees import as_array, path_str
 
 if TYPE_CHECKING:
-    from xla_strategies.core.protocols import StrategyLike
+    from xla_strategies.core.strategy_like import StrategyLike
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.hardware.compiled_report import Memory
 
 if TYPE_CHECKING:
-    from xla_strategies.step.protocols import StepStrategy
+    from xla_strategies.step.step_strategy import StepStrategy
 
 _NEEDED = re.compile(r"\(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)")
 

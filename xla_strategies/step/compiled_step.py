@@ -75,7 +75,7 @@ from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_op
 from xla_strategies.step.verdict_cache import fingerprint
 
 if TYPE_CHECKING:
-    from xla_strategies.step.protocols import StepStrategy
+    from xla_strategies.step.step_strategy import StepStrategy
 
 
 # Executables a compiled step keeps, the least recently used dropped first (jax.jit's own

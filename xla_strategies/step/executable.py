@@ -17,7 +17,7 @@ from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.step.arguments import Outputs
 
 if TYPE_CHECKING:
-    from xla_strategies.step.protocols import StepStrategy
+    from xla_strategies.step.step_strategy import StepStrategy
 
 
 @dataclass

@@ -24,7 +24,7 @@ from xla_strategies.step.arguments import Outputs, Signature
 from xla_strategies.step.state import DeclaredState, declared_outputs, state_pairs
 
 if TYPE_CHECKING:
-    from xla_strategies.step.protocols import StepStrategy
+    from xla_strategies.step.step_strategy import StepStrategy
 
 
 def capture_mesh(

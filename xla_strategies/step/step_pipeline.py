@@ -28,7 +28,7 @@ from xla_strategies.passes.pipeline import (
 from xla_strategies.passes.transforms.insert_reductions import InsertReductions
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
-from xla_strategies.step.protocols import Setting, StepStrategy
+from xla_strategies.step.step_strategy import Setting, StepStrategy
 
 
 @dataclass(frozen=True)

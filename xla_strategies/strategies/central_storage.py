@@ -11,7 +11,7 @@ from jax.sharding import SingleDeviceSharding
 from xla_strategies.distribute.cross_device_ops import reduce_to_one_changes
 from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.devices import resolve_device, resolve_devices
-from xla_strategies.step.protocols import PipelineChanges
+from xla_strategies.step.step_strategy import PipelineChanges
 
 
 class CentralStorageStrategy(Strategy):

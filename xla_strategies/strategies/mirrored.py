@@ -9,7 +9,7 @@ from xla_strategies.distribute.cross_device_ops import CrossDeviceOps, Reduction
 from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.devices import resolve_devices
 from xla_strategies.hardware.topology import Topology
-from xla_strategies.step.protocols import PipelineChanges
+from xla_strategies.step.step_strategy import PipelineChanges
 from xla_strategies.strategies.gpu_nodes import compile_only_nodes
 
 

@@ -29,7 +29,7 @@ from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes import CombineAllReduces, DecomposeAllReduces
 from xla_strategies.runtime import cluster_health, cluster_rendezvous
-from xla_strategies.step.protocols import PipelineChanges, Setting
+from xla_strategies.step.step_strategy import PipelineChanges, Setting
 from xla_strategies.strategies.gpu_nodes import compile_only_nodes
 
 

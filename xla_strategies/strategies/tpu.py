@@ -19,7 +19,7 @@ import numpy as np
 from xla_strategies.distribute.strategy import Strategy
 from xla_strategies.hardware.topology import Topology, aot_topology
 from xla_strategies.passes import DecomposeAllReduces
-from xla_strategies.step.protocols import PipelineChanges
+from xla_strategies.step.step_strategy import PipelineChanges
 from xla_strategies.strategies.logical_devices import (
     assign_to_logical_device,
     cores_per_replica,

@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from xla_strategies.core.protocols import StrategyLike
 from xla_strategies.core.reduce_op import ReduceOp
+from xla_strategies.core.strategy_like import StrategyLike
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.base import Pass
 from xla_strategies.passes.pipeline import PassPipeline

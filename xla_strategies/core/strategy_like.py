@@ -1,7 +1,7 @@
 """What the layers below the `Strategy` base read of a strategy, as Protocols: the replica
 context, the runtime (datasets, checkpoints, preemption) and tf.distribute's helpers type
 their strategy as `StrategyLike`, so they never import the class that imports them.
-`xla_strategies.step.protocols.StepStrategy` adds what the compiled step reads. Every
+`xla_strategies.step.step_strategy.StepStrategy` adds what the compiled step reads. Every
 strategy satisfies both (`tests/test_imports.py`)."""
 
 from __future__ import annotations
