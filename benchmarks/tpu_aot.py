@@ -218,6 +218,9 @@ def _read(report: Any) -> dict[str, Any]:
         "matmul_ms": 1e3 * (estimate["matmul_s"] or math.nan),
         "exposed_share": (estimate["exposed_s"] or 0.0) / (estimate["step_s"] or math.inf),
         "opaque_kernels": report.opaque_kernels,
+        # the estimate's rates (calibrated or the datasheet's) and the compiler that compiled
+        "calibration": report.calibration,
+        "libtpu": (report.compiler or {}).get("libtpu", "-"),
     }
 
 
@@ -281,8 +284,9 @@ def _strategy_and_workload(
 
 def model_ms(workload: Any, topology: str) -> float:
     """One chip's share of the model's flops per step (`train_flops_per_item`) at the chip's
-    bf16 peak, in ms: MFU is this over the estimated step."""
-    peak = xs.Topology.from_name(topology).peak_flops
+    bf16 peak (the datasheet's, not the calibrated rate), in ms: MFU is this over the
+    estimated step."""
+    peak = xs.Topology.from_name(topology).at_datasheet_rates().peak_flops
     return 1e3 * workload.train_flops_per_item * workload.batch_per_chip / peak
 
 

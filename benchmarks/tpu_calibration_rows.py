@@ -37,7 +37,6 @@ XLA's schedule hides behind compute.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os
@@ -472,7 +471,7 @@ def read_row(recipe: Recipe) -> dict[str, Any]:
     """One recipe's row: the compile's note, and our reading of its HLO."""
     note = json.loads(note_path(recipe).read_text()) if note_path(recipe).exists() else {}
     calibrated = Topology.from_name(recipe.topology)
-    topology = datasheet(calibrated)
+    topology = calibrated.at_datasheet_rates()
     published_step = recipe.tokens_per_chip / recipe.published_tokens_per_s
     row: dict[str, Any] = {
         "recipe": recipe.name,
@@ -526,30 +525,6 @@ def read_row(recipe: Recipe) -> dict[str, Any]:
         kernel_s_at_peak=roofline["opaque_kernel_flops"] / (topology.peak_flops or 1),
     )
     return row
-
-
-def datasheet(topology: Topology) -> Topology:
-    """`topology` at its hardware file's datasheet rates: the `[calibration]` fractions
-    `Topology.from_name` applied taken back out (a fit's rows must not be read with the
-    fit)."""
-    fitted = topology.calibration
-    if fitted is None:
-        return topology
-
-    def rate(value: float | None, fraction: float) -> float | None:
-        return None if value is None else value / fraction
-
-    return dataclasses.replace(
-        topology,
-        axes=tuple(
-            dataclasses.replace(a, bandwidth=a.bandwidth / fitted.link_fraction)
-            for a in topology.axes
-        ),
-        memory_bandwidth=rate(topology.memory_bandwidth, fitted.memory_fraction),
-        peak_flops=rate(topology.peak_flops, fitted.matmul_fraction),
-        peak_f32_flops=rate(topology.peak_f32_flops, fitted.matmul_fraction),
-        calibration=None,
-    )
 
 
 def _communication(report: Any, topology: Topology, text: str) -> dict[str, dict[str, float]]:

@@ -57,4 +57,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "\n† leaves out the compute of kernels (Pallas) whose flops the HLO does not "
             "show: a step too short, so an MFU too high"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + estimates(rows))
+
+
+def estimates(rows: list[dict[str, Any]]) -> list[str]:
+    """Per topology, what its rows' step estimate was fitted to and the libtpu that
+    compiled them: the lines under a table."""
+    seen: dict[str, set[str]] = {}
+    for r in rows:
+        if "error" not in r:
+            said = r.get("calibration") or "recorded before calibration: the datasheet's rates"
+            seen.setdefault(r["topology"], set()).add(f"{said}; libtpu {r.get('libtpu', '-')}")
+    lines = [f"- {topology}: {' / '.join(sorted(said))}" for topology, said in seen.items()]
+    return ["", "Step estimates, per topology:", *lines] if lines else []

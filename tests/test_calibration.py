@@ -40,6 +40,12 @@ def test_a_calibration_scales_every_rate_the_estimate_reads(monkeypatch):
     assert fitted.collective_time("all_reduce", 2**30) > 3 * raw.collective_time(
         "all_reduce", 2**30
     )
+    # MFU and a new fit read the datasheet's rates: the fractions come back out exactly
+    back = fitted.at_datasheet_rates()
+    assert (back.peak_flops, back.memory_bandwidth, back.calibration) == pytest.approx(
+        (raw.peak_flops, raw.memory_bandwidth, None)
+    )
+    assert [a.bandwidth for a in back.axes] == pytest.approx([a.bandwidth for a in raw.axes])
     assert fitted.calibration.describe() == (
         "calibrated against 2 measured step(s), checked on 1 more, within ±7% "
         "(tpu_configs/ [calibration])"

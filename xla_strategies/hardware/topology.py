@@ -203,6 +203,21 @@ class Topology:
         )
         return replace(base, axes=axes)
 
+    def at_datasheet_rates(self) -> Topology:
+        """This topology with the `[calibration]` fractions taken back out of its rates: the
+        datasheet's peaks, which MFU is measured against and a fit starts from."""
+        fitted = self.calibration
+        if fitted is None:
+            return self
+        return replace(
+            self,
+            axes=tuple(replace(a, bandwidth=a.bandwidth / fitted.link_fraction) for a in self.axes),
+            memory_bandwidth=_scaled(self.memory_bandwidth, 1 / fitted.memory_fraction),
+            peak_flops=_scaled(self.peak_flops, 1 / fitted.matmul_fraction),
+            peak_f32_flops=_scaled(self.peak_f32_flops, 1 / fitted.matmul_fraction),
+            calibration=None,
+        )
+
     def split_model_axis(self, size: int) -> Topology:
         """This topology with its last (fastest) axis cut in two: the replicas' part, and a
         trailing model axis of `size` devices that are neighbours on that axis (a replica
