@@ -56,7 +56,7 @@ def compute_seconds(
     else:
         peak = topology.peak_flops or FLOPS_PER_S
         bandwidth = topology.memory_bandwidth or BYTES_PER_S
-        devices = topology.model_axis_size
+        devices = topology.devices_per_replica
     return max(flops / peak, moved / bandwidth) / devices
 
 

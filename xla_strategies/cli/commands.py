@@ -138,6 +138,7 @@ def report(args: Namespace) -> int:
     with the reader the step reports use, and print its collectives and their cost."""
     import json
 
+    from xla_strategies.core.layout import checked_devices_per_replica
     from xla_strategies.hardware.compiled_report import hlo_report
     from xla_strategies.hardware.report_text import summary_text
     from xla_strategies.hardware.topology import Topology
@@ -145,15 +146,13 @@ def report(args: Namespace) -> int:
     text = Path(args.file).read_text(errors="replace")
     if "HloModule" not in text.split("\n", 1)[0]:
         raise ValueError(f"{args.file} is not HLO text: its first line is not an HloModule")
-    per_replica = args.logical_devices_per_replica
-    if per_replica < 1:
-        raise ValueError(f"--logical-devices-per-replica {per_replica} must be at least 1")
-    if per_replica > 1 and not args.topology:
+    devices_per_replica = checked_devices_per_replica(args.logical_devices_per_replica)
+    if devices_per_replica > 1 and not args.topology:
         raise ValueError("--logical-devices-per-replica needs --topology: the replicas' axis")
     topology = Topology.from_name(args.topology) if args.topology else None
     if topology is not None:
-        topology = topology.split_model_axis(per_replica)
-    found = hlo_report(text, topology, per_replica)
+        topology = topology.split_model_axis(devices_per_replica)
+    found = hlo_report(text, topology, devices_per_replica)
     if args.json:
         print(json.dumps(found.to_json(), indent=1))
     else:

@@ -27,6 +27,23 @@ def replica_axes(axis_names: Any) -> tuple[str, ...]:
     return tuple(a for a in axis_names if str(a).rpartition(":")[2] not in (MODEL_AXIS, STAGE_AXIS))
 
 
+def checked_devices_per_replica(
+    value: Any, fastest: str = "", fastest_size: int = 0, of: str = "the mesh"
+) -> int:
+    """`logical_devices_per_replica` checked where it enters (the strategies' meshes, the
+    topology's cost model, the CLI's reader): a positive int that divides the fastest axis
+    (`fastest`, of `fastest_size` devices, of the mesh or topology `of`; unchecked where
+    `fastest_size` is 0), from which the model axis is cut."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"logical_devices_per_replica must be a positive int, not {value!r}")
+    if fastest_size and fastest_size % value:
+        raise ValueError(
+            f"logical_devices_per_replica={value} does not divide {of}'s fastest axis "
+            f"{fastest!r} ({fastest_size} devices); use a divisor of {fastest_size}"
+        )
+    return int(value)
+
+
 def model_dim(spec: Any) -> int | None:
     """The dimension a `PartitionSpec` of a strategy's mesh (or its sharded mesh) splits
     over the model axis, alone or after replica axes; None where it splits none."""

@@ -18,7 +18,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xla_strategies.core.layout import MODEL_AXIS, STAGE_AXIS, model_dim
+from xla_strategies.core.layout import (
+    MODEL_AXIS,
+    STAGE_AXIS,
+    checked_devices_per_replica,
+    model_dim,
+)
 from xla_strategies.core.trees import is_function_leaf
 
 
@@ -27,19 +32,12 @@ def with_model_axis(
 ) -> tuple[np.ndarray, tuple[str, ...]]:
     """`devices` (one dimension per axis name) with a trailing model axis of
     `devices_per_replica` neighbours on the last axis; unchanged for 1."""
-    k = devices_per_replica
-    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-        raise ValueError(f"logical_devices_per_replica must be a positive int, not {k!r}")
+    last, size = axis_names[-1], devices.shape[-1]
+    k = checked_devices_per_replica(devices_per_replica, last, size)
     if k == 1:
         return devices, axis_names
     if MODEL_AXIS in axis_names:
         raise ValueError(f"the mesh already has a {MODEL_AXIS!r} axis: {list(axis_names)}")
-    last, size = axis_names[-1], devices.shape[-1]
-    if size % k:
-        raise ValueError(
-            f"logical_devices_per_replica={k} does not divide the mesh's fastest axis "
-            f"{last!r} ({size} devices, of {devices.size}); use a divisor of {size}"
-        )
     shape = (*devices.shape[:-1], size // k, k)
     return devices.reshape(shape), (*axis_names, MODEL_AXIS)
 

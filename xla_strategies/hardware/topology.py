@@ -18,7 +18,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from xla_strategies.core.layout import MODEL_AXIS, STAGE_AXIS
+from xla_strategies.core.layout import MODEL_AXIS, STAGE_AXIS, checked_devices_per_replica
 from xla_strategies.hardware.calibration import Calibration
 from xla_strategies.passes.cost import model as cost_model
 from xla_strategies.passes.cost.model import AxisLink
@@ -218,18 +218,14 @@ class Topology:
             calibration=None,
         )
 
-    def split_model_axis(self, size: int) -> Topology:
+    def split_model_axis(self, devices_per_replica: int) -> Topology:
         """This topology with its last (fastest) axis cut in two: the replicas' part, and a
-        trailing model axis of `size` devices that are neighbours on that axis (a replica
-        spanning several devices: `logical_devices_per_replica`). Neither part wraps."""
+        trailing model axis of `devices_per_replica` devices that are neighbours on that
+        axis (`logical_devices_per_replica`). Neither part wraps."""
         *rest, last = self.axes
+        size = checked_devices_per_replica(devices_per_replica, last.name, last.size, self.name)
         if size == 1:
             return self
-        if last.size % size:
-            raise ValueError(
-                f"logical_devices_per_replica={size} does not divide {self.name}'s fastest "
-                f"axis {last.name!r} ({last.size} devices); use a divisor of {last.size}"
-            )
         replicas = replace(last, size=last.size // size, bidirectional=False)
         model = replace(last, name=MODEL_AXIS, size=size, bidirectional=False)
         return replace(self, axes=(*rest, replicas, model))
@@ -258,7 +254,7 @@ class Topology:
         return replace(self, axes=(*axes[:at], stage, *axes[at:]))  # as the mesh orders it
 
     @property
-    def model_axis_size(self) -> int:
+    def devices_per_replica(self) -> int:
         """Devices per replica: the model axis's size (1 without one)."""
         return self.mesh_axes.get(MODEL_AXIS, 1)
 
@@ -275,7 +271,7 @@ class Topology:
         if config["kind"] != "tpu":
             raise ValueError(f"{self.name} is not a TPU topology")
         shape = [a.size for a in self.axes if a.level == "ici" and a.name != MODEL_AXIS]
-        shape[-1] *= self.model_axis_size  # the model axis is cut from the last torus axis
+        shape[-1] *= self.devices_per_replica  # the model axis is cut from the last torus axis
         return f"{self.hardware}:{'x'.join(map(str, shape))}"
 
     @property
