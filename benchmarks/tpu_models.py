@@ -373,6 +373,12 @@ def _llama2_70b(tensor_parallel: bool, **settings: Any) -> TransformerConfig:
     )  # fmt: skip
 
 
+def _plain_gpt2(name: str, cfg: TransformerConfig, cast_first: bool = False) -> Workload:
+    from benchmarks.plain_jax_models import gpt2_workload  # it builds on this module
+
+    return gpt2_workload(name, cfg, cast_first)
+
+
 WORKLOADS = {
     "resnet50": _resnet50,
     "bert-large": lambda: _lm(
@@ -381,6 +387,16 @@ WORKLOADS = {
     ),
     "gpt2-medium": lambda: _lm(
         "GPT-2 medium", TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8)
+    ),
+    # GPT-2 medium as a plain JAX user writes it (`benchmarks.plain_jax_models`)
+    "gpt2-medium-plain": lambda: _plain_gpt2(
+        "GPT-2 medium plain JAX",
+        TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8),
+    ),
+    "gpt2-medium-plain-cast": lambda: _plain_gpt2(
+        "GPT-2 medium plain JAX, cast first",
+        TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8),
+        cast_first=True,
     ),
     "llama2-7b": lambda tp=False: _lm(
         "Llama-2-7B",

@@ -1,0 +1,111 @@
+"""Transformers written as a plain JAX user writes them, with no library: the parameters a
+dict of arrays, the layers' weights stacked on a leading axis and run by `jax.lax.scan`
+over a `jax.checkpoint`ed block, bf16 compute on f32 weights, tied input and output
+embeddings, adamw. The same architectures as `benchmarks.tpu_models`' flax programs,
+spelled another way: a pass that wins on one spelling and loses on the other is found here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks.tpu_models import TransformerConfig, Workload
+
+COMPUTE = jnp.bfloat16
+
+
+def init_params(cfg: TransformerConfig, key: jax.Array) -> dict[str, Any]:
+    """GPT-2's parameters: token and position embeddings (the token table also the output
+    layer), and each layer's weights stacked on a leading axis of `cfg.layers`."""
+    w, m, n = cfg.width, cfg.mlp, cfg.layers
+    keys = iter(jax.random.split(key, 8))
+
+    def normal(shape: tuple[int, ...]) -> jax.Array:
+        return 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
+
+    return {
+        "wte": normal((cfg.vocab, w)),
+        "wpe": normal((cfg.seq_len, w)),
+        "blocks": {
+            "ln1": {"scale": jnp.ones((n, w)), "bias": jnp.zeros((n, w))},
+            "qkv": {"kernel": normal((n, w, 3 * w)), "bias": jnp.zeros((n, 3 * w))},
+            "out": {"kernel": normal((n, w, w)), "bias": jnp.zeros((n, w))},
+            "ln2": {"scale": jnp.ones((n, w)), "bias": jnp.zeros((n, w))},
+            "fc": {"kernel": normal((n, w, m)), "bias": jnp.zeros((n, m))},
+            "proj": {"kernel": normal((n, m, w)), "bias": jnp.zeros((n, w))},
+        },
+        "ln_f": {"scale": jnp.ones((w,)), "bias": jnp.zeros((w,))},
+    }
+
+
+def layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def dense(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    return x @ p["kernel"].astype(COMPUTE) + p["bias"].astype(COMPUTE)
+
+
+def block(cfg: TransformerConfig, x: jax.Array, p: dict[str, Any]) -> jax.Array:
+    """One pre-norm GPT-2 layer: causal self-attention, then a GELU MLP."""
+    batch, length, width = x.shape
+    heads, depth = cfg.heads, width // cfg.heads
+    q, k, v = jnp.split(dense(layer_norm(x, p["ln1"]).astype(COMPUTE), p["qkv"]), 3, axis=-1)
+    q, k, v = (t.reshape(batch, length, heads, depth) for t in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(depth).astype(COMPUTE)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    scores = jnp.where(causal, scores.astype(jnp.float32), -1e9)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(COMPUTE), v)
+    x = x + dense(attended.reshape(batch, length, width), p["out"]).astype(x.dtype)
+    hidden = jax.nn.gelu(dense(layer_norm(x, p["ln2"]).astype(COMPUTE), p["fc"]))
+    return x + dense(hidden, p["proj"]).astype(x.dtype)
+
+
+def forward(cfg: TransformerConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """Logits (f32) of `tokens`: the layers one `lax.scan` over a checkpointed block."""
+    x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]
+
+    @jax.checkpoint
+    def layer(x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, None]:
+        return block(cfg, x, p), None
+
+    x, _ = jax.lax.scan(layer, x, params["blocks"])
+    x = layer_norm(x, params["ln_f"]).astype(COMPUTE)
+    return (x @ params["wte"].astype(COMPUTE).T).astype(jnp.float32)
+
+
+def gpt2_workload(name: str, cfg: TransformerConfig, cast_first: bool = False) -> Workload:
+    """GPT-2's train step; `cast_first`: the loss casts every parameter to bf16 before the
+    model (mixed precision as many JAX users spell it), instead of each layer casting the
+    weight it uses."""
+
+    def init() -> Any:
+        return init_params(cfg, jax.random.key(0))
+
+    def batch(size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"tokens": jax.ShapeDtypeStruct((size, cfg.seq_len + 1), jnp.int32)}
+
+    def step(tx: optax.GradientTransformation, axis_name: str | None) -> Callable[..., Any]:
+        def train_step(params, opt_state, batch):
+            tokens = batch["tokens"]
+
+            def loss_fn(p):
+                if cast_first:
+                    p = jax.tree.map(lambda leaf: leaf.astype(COMPUTE), p)
+                logits = forward(cfg, p, tokens[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return train_step
+
+    return Workload(name, init, batch, cfg.batch_per_chip, step, cfg.train_flops_per_sequence)
