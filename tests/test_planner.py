@@ -53,6 +53,16 @@ def test_a_state_too_big_to_replicate_is_planned_split(tmp_path, monkeypatch):
     assert found.best().sharding == "parameter sharding"
     assert "shard_parameters=True" in found.recommendation()
     assert "uncalibrated" in found.table() and "NO" in found.table()
+    # what holds the memory where it does not fit: the weights and Adam's two moments
+    # (6 GiB each), named by argument, and what XLA counts of the peak, within 5 %
+    missed = found.rows[0]
+    assert {what for _, _, what in missed.largest_held} >= {
+        "args[0]",
+        "args[1][0].mu",
+        "args[1][0].nu",
+    }
+    assert sum(missed.held_by_group.values()) >= 0.95 * missed.memory_bytes
+    assert "what holds the memory, does not fit: replicated" in found.memory()
     assert len(lines) == 3 and "compiling 3/3" in lines[-1]
     again = strategy.plan(step, *state, x, model_axes=(1,), batch_doublings=0)
     assert again.rows == found.rows  # from the cache: nothing compiled again

@@ -24,7 +24,9 @@ step again compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,6 +38,11 @@ import jax
 from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.core.layout import Layout
 from xla_strategies.hardware.compiled_report import calibration_label, compiled_report
+from xla_strategies.hardware.memory_at_peak import (
+    dump_options,
+    library_directories,
+    memory_at_peak,
+)
 from xla_strategies.passes.ir.text import print_graph
 from xla_strategies.step import verdict_cache
 from xla_strategies.step.compile_options import CompileOptions
@@ -52,6 +59,8 @@ SHARDINGS = {
     "parameter sharding": {"shard_parameters": True},
 }
 MODEL_AXES = (1, 2, 4, 8)
+#: how many of the largest buffers at the peak a row keeps
+HELD_SHOWN = 8
 STAGES = (1, 2, 4)
 #: how many times the per-chip batch is doubled at most
 BATCH_DOUBLINGS = 3
@@ -71,6 +80,31 @@ class Row:
     note: str = ""
     stages: int = 1
     microbatches: int = 0  # with stages: the pipeline's microbatches
+    #: what holds the memory at XLA's peak (`hardware.memory_at_peak`), fitting or not:
+    #: bytes per group, and the largest buffers as (bytes, shape, what made it)
+    held_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
+    largest_held: tuple[tuple[int, str, str], ...] = ()
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> Row:
+        """A row read back from the cache (JSON keeps tuples as lists)."""
+        largest = tuple(tuple(entry) for entry in row.get("largest_held", ()))
+        return cls(**{**row, "largest_held": largest})
+
+    def held(self) -> str:
+        """What holds this configuration's memory, a line per group and largest buffer."""
+        if not self.held_by_group:
+            return "  (XLA wrote no buffer assignment for this configuration)"
+        lines = [f"  {n / 2**30:8.2f} GiB  {group}" for group, n in self.held_by_group.items()]
+        unlisted = (self.memory_bytes or 0) - sum(self.held_by_group.values())
+        if unlisted > 0:  # the heap beyond what is live at its peak, XLA's own scratch
+            lines.append(
+                f"  {unlisted / 2**30:8.2f} GiB  counted by XLA, live in no buffer it lists"
+            )
+        lines += [
+            f"  {n / 2**20:10.1f} MiB  {shape:<24} {what}" for n, shape, what in self.largest_held
+        ]
+        return "\n".join(lines)
 
     def line(self) -> str:
         gib = "   -   " if self.memory_bytes is None else f"{self.memory_bytes / 2**30:7.2f}"
@@ -105,6 +139,20 @@ class Plan:
         if not self.finished:
             lines.append("(the budget ran out: the rows above are what was compiled)")
         return "\n".join(lines)
+
+    def memory(self) -> str:
+        """What holds the memory of the recommended row and of the largest that does not
+        fit (the configuration one step too big), at XLA's peak."""
+        best = self.best()
+        missed = [r for r in self.rows if not r.fits and r.held_by_group]
+        shown = [("recommended", best)] if best else []
+        if missed:
+            shown.append(("does not fit", min(missed, key=lambda r: r.memory_bytes or 0)))
+        return "\n".join(
+            f"what holds the memory, {label}: {row.sharding}, {row.devices_per_replica} per "
+            f"replica, {row.batch_per_chip} per chip\n{row.held()}"
+            for label, row in shown
+        )
 
     def recommendation(self, step_name: str = "step") -> str:
         """The lines to paste, and the reason in one line."""
@@ -206,7 +254,7 @@ def _compiled_row(
     key = fingerprint(print_graph(compiled_step.graph(*args)), strategy.topology, where)
     cached = verdict_cache.read("plan_rows", key)
     if cached is not None:
-        return Row(**cached)
+        return Row.from_json(cached)
     row = _compile(compiled_step, strategy, args, sharding, model, per_chip)
     row = dataclasses.replace(row, stages=stages, microbatches=microbatches)
     verdict_cache.write("plan_rows", key, dataclasses.asdict(row))
@@ -234,20 +282,47 @@ def _compile(
     model: int,
     per_chip: int,
 ) -> Row:
+    with tempfile.TemporaryDirectory() as dump:
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # an option that did nothing
+                warnings.simplefilter("always")
+                lowered = compiled_step.lower(*args)
+                compiled = lowered.compile(compiler_options=dump_options(dump))
+                report = compiled_report(compiled, strategy)
+        except OutOfMemoryError as exc:
+            memory = _needed_bytes(str(exc))
+            row = Row(sharding, model, per_chip, False, memory, None, None, str(exc).split(":")[0])
+            return _with_held(row, dump, args)
+        except (ValueError, TypeError) as exc:  # a configuration this step cannot take
+            note = f"not compiled: {str(exc).splitlines()[0][:120]}"
+            return Row(sharding, model, per_chip, False, None, None, None, note)
+        step_s = report.estimate.get("step_s")
+        rate = per_chip / step_s if step_s and per_chip else None
+        memory = report.memory.total_bytes if report.memory else None
+        note = str(caught[0].message).splitlines()[0][:160] if caught else ""
+        fits = report.fits is not False
+        row = Row(sharding, model, per_chip, fits, memory, step_s, rate, note)
+        return _with_held(row, dump, args)
+
+
+def _with_held(row: Row, dump: str, args: tuple[Any, ...]) -> Row:
+    """`row` with what holds its memory, read from XLA's dump; as it was where XLA wrote
+    none (a compile refused before its buffer assignment)."""
     try:
-        with warnings.catch_warnings(record=True) as caught:  # an option that did nothing
-            warnings.simplefilter("always")
-            report = compiled_report(compiled_step.lower(*args).compile(), strategy)
-    except OutOfMemoryError as exc:
-        return Row(sharding, model, per_chip, False, None, None, None, str(exc).split(":")[0])
-    except (ValueError, TypeError) as exc:  # a configuration this step cannot take
-        note = f"not compiled: {str(exc).splitlines()[0][:120]}"
-        return Row(sharding, model, per_chip, False, None, None, None, note)
-    step_s = report.estimate.get("step_s")
-    rate = per_chip / step_s if step_s and per_chip else None
-    memory = report.memory.total_bytes if report.memory else None
-    note = str(caught[0].message).splitlines()[0][:160] if caught else ""
-    return Row(sharding, model, per_chip, report.fits is not False, memory, step_s, rate, note)
+        held = memory_at_peak(dump, library_directories())
+    except FileNotFoundError:
+        return row
+    names = [f"args{jax.tree_util.keystr(path)}" for path, _ in jax.tree.leaves_with_path(args)]
+    largest = tuple((b.nbytes, b.shape, held.describe(b, names)) for b in held.buffers[:HELD_SHOWN])
+    return dataclasses.replace(row, held_by_group=held.by_group(), largest_held=largest)
+
+
+def _needed_bytes(message: str) -> int | None:
+    """The bytes per chip an out-of-memory refusal says the step needs."""
+    found = re.search(r"needs ([\d.]+)([KMGT]?)i?B per", message)
+    if found is None:
+        return None
+    return int(float(found[1]) * 1024 ** "_KMGT".index(found[2] or "_"))
 
 
 def _options_of(step: Any) -> CompileOptions:

@@ -194,6 +194,7 @@ class CompiledStep:
         seconds = None if budget == "none" else float(budget)
         found = self.strategy.plan(self, *args, budget=seconds)
         print(found.table())
+        print(found.memory())
         print(found.recommendation(self.name), flush=True)
         raise StoppedAfterCompile(f"{self.name} planned; stopping ({PLAN})")
 
