@@ -12,6 +12,9 @@ DEMO_STAMP := $(VENV)/.demo-stamp
 STAMP := $(VENV)/.installed-stamp
 OLDEST_VENV := .venv-oldest-jax
 OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
+CORPUS_VENV := .venv-corpus
+CORPUS_STAMP := $(CORPUS_VENV)/.installed-stamp
+CORPUS_MODELS := gemma3-1b keras-hub-gpt2-medium keras-hub-llama3.2-1b
 # The suite in parts: `make test` runs most of it on two test workers; `make test-slow`
 # the long end-to-end cases (tests/conftest.py lists them), then the parameter-server
 # tests by themselves (Ray's task processes start 5x slower beside a busy test worker).
@@ -19,7 +22,7 @@ RUN_ALONE := tests/test_parameter_server.py
 PARALLEL = $(1) -m pytest -q -n 2 --dist loadfile -m "$(2)" --ignore=$(RUN_ALONE)
 ALONE = $(1) -m pytest -q $(RUN_ALONE)
 
-.PHONY: demo test test-slow test-oldest-jax fuzz bench lint clean
+.PHONY: demo test test-slow test-oldest-jax fuzz bench bench-corpus lint clean
 
 $(STAMP): pyproject.toml tools/make-venv
 	tools/make-venv $(VENV) "$(PYTHON)"
@@ -27,6 +30,10 @@ $(STAMP): pyproject.toml tools/make-venv
 
 $(DEMO_STAMP): pyproject.toml tools/make-venv
 	EXTRAS=examples STAMP_FILE=.demo-stamp tools/make-venv $(VENV) "$(PYTHON)"
+
+# Models others wrote (keras-hub, DeepMind's gemma), for `make bench-corpus` only.
+$(CORPUS_STAMP): pyproject.toml constraints/corpus.txt tools/make-corpus-venv tools/make-venv
+	tools/make-corpus-venv $(CORPUS_VENV) "$(PYTHON)"
 
 $(OLDEST_STAMP): pyproject.toml tools/make-venv constraints/oldest-jax.txt
 	tools/make-venv $(OLDEST_VENV) "$(OLDEST_PYTHON)" -c constraints/oldest-jax.txt
@@ -71,8 +78,16 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.torch_step
 	$(BIN)/python -m benchmarks.torch_lr_schedule
 
+# The TPU table's rows of models others wrote: plain JAX (here), keras-hub and gemma (their
+# own environment), ours beside plain jax.jit on v5e-256 (hours on two cores).
+bench-corpus: $(STAMP) $(CORPUS_STAMP)
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models gpt2-medium-plain \
+		gpt2-medium-plain-cast --topologies v5e-256 --variants a c
+	JAX_PLATFORMS=cpu KERAS_BACKEND=jax $(CORPUS_VENV)/bin/python -m benchmarks.tpu_aot \
+		--models $(CORPUS_MODELS) --topologies v5e-256 --variants a c
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) $(CORPUS_VENV) *.egg-info

@@ -54,7 +54,7 @@ from tqdm import tqdm
 
 import xla_strategies as xs
 from benchmarks.results_rows import merge_rows
-from benchmarks.tpu_models import WORKLOADS, trained_params
+from benchmarks.tpu_models import CORPUS_ENVIRONMENT, WORKLOADS, trained_params
 from benchmarks.tpu_table import markdown, row_text
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.passes.cost.timeline import compute_estimate
@@ -354,7 +354,13 @@ def compute_check(results: Path, models: list[str] | None = None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=[m for m in WORKLOADS if m not in CORPUS_ENVIRONMENT],
+        choices=list(WORKLOADS),
+        help="default: every model but those of the corpus environment (make .venv-corpus)",
+    )
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
     parser.add_argument(
         "--variants", nargs="+", default=list(VARIANTS), choices=(*VARIANTS, "m", "t")

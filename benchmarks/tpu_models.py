@@ -41,6 +41,8 @@ class TransformerConfig:
     #: computed again). "dots_with_no_batch_dims_saveable" keeps every weight's matmul
     #: output, as MaxText's `remat_policy=minimal` does
     remat_policy: str | None = None
+    #: each head's width where it is not width / heads (Gemma's 256); for the flop count
+    head_dim: int | None = None
 
     @property
     def train_flops_per_sequence(self) -> float:
@@ -50,11 +52,12 @@ class TransformerConfig:
         multiply-add, and the backward pass twice the forward. No recomputation (remat)
         and no elementwise work: the flops of the model, not of one program of it."""
         s, w = self.seq_len, self.width
-        kv = (self.kv_heads or self.heads) * (w // self.heads)
+        head = self.head_dim or w // self.heads
+        q, kv = self.heads * head, (self.kv_heads or self.heads) * head
         mlp = (3 if self.swiglu else 2) * w * self.mlp  # SwiGLU: two matrices in, one out
-        per_layer = w * (w + 2 * kv) + w * w + mlp  # queries, keys, values; out; MLP
+        per_layer = w * (q + 2 * kv) + q * w + mlp  # queries, keys, values; out; MLP
         weights = 2 * s * (self.layers * per_layer + w * self.vocab)
-        attention = 4 * s * s * w * self.layers * (0.5 if self.causal else 1.0)
+        attention = 4 * s * s * q * self.layers * (0.5 if self.causal else 1.0)
         return 3.0 * (weights + attention)
 
 
@@ -379,6 +382,16 @@ def _plain_gpt2(name: str, cfg: TransformerConfig, cast_first: bool = False) -> 
     return gpt2_workload(name, cfg, cast_first)
 
 
+#: the models of others' packages, which need the corpus environment (`make .venv-corpus`)
+CORPUS_ENVIRONMENT = ("keras-hub-gpt2-medium", "keras-hub-llama3.2-1b", "gemma3-1b", "gemma3-12b")
+
+
+def _corpus(key: str) -> Workload:
+    from benchmarks import corpus_models  # it builds on this module
+
+    return corpus_models.workload(key)
+
+
 WORKLOADS = {
     "resnet50": _resnet50,
     "bert-large": lambda: _lm(
@@ -398,6 +411,11 @@ WORKLOADS = {
         TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8),
         cast_first=True,
     ),
+    # keras-hub's own models (`benchmarks.corpus_models`; the corpus environment)
+    "keras-hub-gpt2-medium": lambda: _corpus("keras-hub-gpt2-medium"),
+    "keras-hub-llama3.2-1b": lambda: _corpus("keras-hub-llama3.2-1b"),
+    "gemma3-1b": lambda: _corpus("gemma3-1b"),
+    "gemma3-12b": lambda: _corpus("gemma3-12b"),
     "llama2-7b": lambda tp=False: _lm(
         "Llama-2-7B",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
