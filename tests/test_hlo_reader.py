@@ -27,6 +27,7 @@ from xla_strategies.hardware.hlo import (
 )
 from xla_strategies.hardware.hlo_collectives import collectives
 from xla_strategies.hardware.hlo_flops import hlo_flops
+from xla_strategies.hardware.hlo_roofline import roofline_seconds
 from xla_strategies.hardware.topology import Topology
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
@@ -315,15 +316,18 @@ ENTRY %main (p0: bf16[256,2048,16]) -> bf16[256,2048,16] {{
     assert moved.nbytes == 256 * 2048 * 16 * 2
 
 
-def test_a_conditionals_branches_are_counted_as_run_never_as_zero():
-    """A `lax.switch` inside a loop (a pipeline tick): the matmuls in its branches are
-    counted once per trip for each branch, an upper bound, where the reader once saw none."""
+def test_a_conditional_counts_its_costliest_branch_never_zero():
+    """A `lax.switch` inside a loop (a pipeline tick): one branch runs per trip, the text
+    does not say which; the step counts the costliest (two matmuls, not the other's one),
+    once per trip, where the reader once saw none. Its compute time too."""
     w = jnp.ones((64, 64), jnp.float32)
 
     def tick(i, x):
-        return jax.lax.switch(i % 2, [lambda x: x @ w, lambda x: jnp.tanh(x) @ w.T], x)
+        return jax.lax.switch(i % 2, [lambda x: x @ w, lambda x: (jnp.tanh(x) @ w) @ w.T], x)
 
     text = jax.jit(lambda x: jax.lax.fori_loop(0, 5, tick, x)).lower(w).compile().as_text()
     assert " conditional(" in text
-    per_branch = 2 * 64**3
-    assert sum(hlo_flops(text).values()) == 5 * 2 * per_branch
+    matmul = 2 * 64**3
+    assert sum(hlo_flops(text).values()) == 5 * 2 * matmul
+    topology = Topology.from_name("v5e-8")
+    assert roofline_seconds(text, topology) >= 5 * 2 * matmul / topology.peak_flops

@@ -1,6 +1,7 @@
 """Reading XLA's compiled HLO text: its computations and instructions, how often a step
 runs each computation (a while body once per trip, each branch of a conditional once per
-execution: a bound), which collectives survived
+execution: a bound) or what it adds up (a conditional's costliest branch), which
+collectives survived
 compilation, and how many devices take part in each.
 
 What it cannot read it says so (`HloReadError`), naming the instruction: a collective whose
@@ -12,6 +13,7 @@ import functools
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -291,12 +293,46 @@ def executions(comps: dict[str, list[Op]], entry: str | None) -> dict[str, int]:
     return times
 
 
+def step_total(
+    comps: dict[str, list[Op]],
+    entry: str | None,
+    own: Callable[[str], Counter[str]],
+    rank: Callable[[Counter[str]], float],
+) -> Counter[str]:
+    """What one step adds up of `own(computation)` (quantities that add: seconds, bytes,
+    flops): a while body's once per trip, a called computation's once per call, and of a
+    conditional's branches the costliest by `rank`, once per execution. One branch runs
+    and the text does not say which: the costliest is the bound a lockstep program (a
+    pipeline's tick: every stage waits for the slowest) runs at."""
+    totals: dict[str, Counter[str]] = {}
+
+    def total(name: str) -> Counter[str]:
+        if name in totals:
+            return totals[name]
+        found = Counter(own(name))
+        for _, _, opcode, rest in comps.get(name, []):
+            if opcode in FUSIONS:
+                continue  # its instructions are the fusion's, counted as one op
+            trips = trip_count(rest, comps) if opcode == "while" else 1
+            for callee in CALLEE.findall(rest):
+                body = opcode == "while" and f"body=%{callee}" in rest
+                for key, value in total(callee).items():
+                    found[key] += value * (trips if body else 1)
+            taken = [total(branch) for branch in branches(opcode, rest)]
+            if taken:
+                found.update(max(taken, key=rank))
+        totals[name] = found
+        return found
+
+    return total(entry) if entry is not None else Counter()
+
+
 def branches(opcode: str, rest: str) -> list[str]:
     """A `conditional`'s branch computations (`branch_computations={%a, %b}`, or
     `true_computation=`/`false_computation=`); none for any other instruction. One of them
-    runs per execution and the text does not say which: the reader counts each as run, an
-    upper bound (a pipeline tick's idle, forward and backward branches add up, where the
-    tick runs one)."""
+    runs per execution and the text does not say which: `executions` counts each as run
+    (an upper bound, for what must never be missed: collectives), `step_total` the
+    costliest."""
     if opcode != "conditional":
         return []
     listed = _BRANCHES.search(rest)

@@ -25,6 +25,7 @@ from xla_strategies.hardware.hlo import (
     computations,
     executions,
     operand_text,
+    step_total,
 )
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -44,11 +45,12 @@ _CONV_TARGETS = {  # where the forward output and the kernel are: (result or ope
 def hlo_flops(hlo_text: str) -> Counter[str]:
     """Flops one step runs, by element type (`bf16`, `f32`, ...)."""
     comps, entry = computations(hlo_text)
-    total: Counter[str] = Counter()
-    for name, times in executions(comps, entry).items():
-        for dtype, flops in _computation_flops(name, comps).items():
-            total[dtype] += times * flops
-    return total
+    return step_total(
+        comps,
+        entry,
+        lambda name: _computation_flops(name, comps),
+        rank=lambda flops: sum(flops.values()),
+    )
 
 
 #: Custom calls to compiled kernels (Pallas on TPU through Mosaic, Pallas on GPU through

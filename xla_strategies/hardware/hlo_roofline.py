@@ -11,7 +11,8 @@ Inside a fusion, an operand read only through slices (a layer of a stacked weigh
 scanned loop) moves only the slices, and an in-place `dynamic-update-slice` writes only
 its update (XLA's buffer is updated where it lies).
 Not counted: collectives and transfers (communication, priced apart), control flow
-(`while`, `call`: their bodies are counted, a loop's once per trip), and instructions
+(`while`, `call`: their bodies are counted, a loop's once per trip; a `conditional`: its
+costliest branch, once per execution), and instructions
 that only rename buffers (`bitcast`, `tuple`, `get-tuple-element`, `parameter`).
 Asynchronous copies (`copy-start`, `slice-start`: prefetches into on-chip memory) run
 beside the compute: they add no time of their own, but the step is never shorter than
@@ -22,6 +23,7 @@ An estimate, labelled as one: a lower bound on each instruction's time, not XLA'
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
 from xla_strategies.hardware.hlo import (
@@ -31,10 +33,10 @@ from xla_strategies.hardware.hlo import (
     Op,
     collective_kind,
     computations,
-    executions,
     hlo_bytes,
     operand_text,
     started_result,
+    step_total,
 )
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
 
@@ -85,18 +87,22 @@ def roofline_seconds(hlo_text: str, topology: Any) -> float | None:
     if not bandwidth or not getattr(topology, "peak_flops", None):
         return None
     comps, entry = computations(hlo_text)
-    serial = moved = 0.0
-    for name, times in executions(comps, entry).items():
+
+    def own(name: str) -> Counter[str]:  # one run of a computation's own instructions
         ops = comps.get(name, [])
         types = {op[0]: op[1] for op in ops}
+        found: Counter[str] = Counter()
         for op in ops:
             nbytes = hbm_bytes(op, comps, types)
-            moved += times * nbytes
+            found["moved"] += nbytes
             if op[2] in _DMA_DESTINATION:  # beside the compute, sharing the bandwidth
                 continue
             flops = matmul_seconds(instruction_flops(op, comps, types), topology) or 0.0
-            serial += times * max(flops, nbytes / bandwidth)
-    return max(serial, moved / bandwidth)
+            found["serial"] += max(flops, nbytes / bandwidth)
+        return found
+
+    step = step_total(comps, entry, own, rank=lambda c: c["serial"])
+    return max(step["serial"], step["moved"] / bandwidth)
 
 
 def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:
