@@ -1,8 +1,9 @@
 """The guarantee, on programs written the way their libraries' docs write them: compiled for
-a TPU slice and a GPU node with `select_by_compiling=True`, a step holds no more data per
-chip than plain `jax.jit` data parallelism of the same step (its compiled code may differ
-by a few percent: the instructions are named apart), and its estimated step is no longer.
-XLA's compiler is the judge (`compiled_report`)."""
+a TPU slice and a GPU node with the default options (`select_by_compiling` is on by default
+where a topology's compiler judges), a step holds no more data per chip than plain
+`jax.jit` data parallelism of the same step (its compiled code may differ by a few
+percent: the instructions are named apart), and its estimated step is no longer. XLA's
+compiler is the judge (`compiled_report`). A pipeline the user asked for is never swapped."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _reports(strategy, make):
     rows = 16 * strategy.num_replicas_in_sync
     split = strategy.split_sharding()
     inputs = [jax.ShapeDtypeStruct((rows, *s), d, sharding=split) for s, d in batch]
-    ours = strategy.compile(step, donate_argnums=(0, 1), select_by_compiling=True)
+    ours = strategy.compile(step, donate_argnums=(0, 1))  # the defaults
     ours_report = compiled_report(
         ours.lower(*strategy.replicate(state), *inputs).compile(), strategy
     )
@@ -124,6 +125,25 @@ def test_the_verdict_is_cached_by_the_programs_fingerprint_and_said(tmp_path, mo
     assert "compiled default" in remarks[0] and "replicated" in remarks[0]
     assert "(the cached verdict)" not in remarks[0] and "(the cached verdict)" in remarks[1]
     assert len(list((tmp_path / "pipeline_verdicts").glob("*.json"))) == 1
+
+
+def test_a_pipeline_the_user_asked_for_or_an_emulated_chip_is_never_swapped(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    step, state, batch = _flax_cnn()
+
+    def selected(strategy, **options):
+        rows = 16 * strategy.num_replicas_in_sync
+        split = strategy.split_sharding()
+        inputs = [jax.ShapeDtypeStruct((rows, *s), d, sharding=split) for s, d in batch]
+        compiled = strategy.compile(step, **options)
+        executable = compiled.executable(*strategy.replicate(state), *inputs)
+        return [r for r in executable.remarks if r.startswith("select-by-compiling")]
+
+    tpu = xs.TPUStrategy("v5e-16", compile_only=True)
+    assert selected(tpu)  # the default: the compiler judges
+    assert not selected(tpu, shard_weight_updates=True)  # asked for: kept as asked
+    assert not selected(tpu, select_by_compiling=False)
+    assert not selected(xs.TPUStrategy("v5e-8", emulate=True))  # CPU devices judge nothing
 
 
 def test_the_default_is_kept_only_where_it_is_at_most_the_replicated_program():

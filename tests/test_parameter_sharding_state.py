@@ -93,7 +93,9 @@ def _decision(topology, layers):
         return optax.apply_updates(stack, updates), opt_state
 
     state = strategy.replicate(stack), strategy.replicate(jax.eval_shape(tx.init, stack))
-    executable = strategy.compile(step, donate_argnums=(0, 1)).executable(*state, x)
+    # the default pipeline's own decision, never swapped for another (select_by_compiling)
+    compiled = strategy.compile(step, donate_argnums=(0, 1), select_by_compiling=False)
+    executable = compiled.executable(*state, x)
     return executable.graph, executable.pass_stats["shard-parameters"]["decision"]
 
 

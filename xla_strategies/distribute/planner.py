@@ -327,9 +327,12 @@ def _needed_bytes(message: str) -> int | None:
 
 def _options_of(step: Any) -> CompileOptions:
     """A compiled step's own options (donation, static arguments...), the sharding ones
-    reset for the planner to set; none for a plain function."""
+    reset for the planner to set; none for a plain function. Each row compiles its own
+    configuration: never swapped for another by `select_by_compiling`."""
     given = getattr(step, "options", None) or CompileOptions()
-    return dataclasses.replace(given, shard_weight_updates=None, shard_parameters=None)
+    return dataclasses.replace(
+        given, shard_weight_updates=None, shard_parameters=None, select_by_compiling=False
+    )
 
 
 def _best_so_far(rows: list[Row]) -> str:

@@ -47,8 +47,9 @@ class CompileOptions:
         select_by_compiling: True: compile the pipeline's alternatives (the default one,
             and one of only the passes that give reductions their meaning, as `jax.jit`
             runs) and keep the best by what XLA says (`step.pipeline_choice`); False:
-            never; None: where `xla-strategies aot` asks for it, for a compile-only
-            strategy with a topology, unless the step names its own pipeline.
+            never; None: for a strategy with a topology (TPU, GPU) whose pipeline is the
+            cost model's choice alone (not a spec, not `shard_parameters=True` or
+            `shard_weight_updates=True`), unless XLA_STRATEGIES_SELECT_BY_COMPILING=0.
         microbatches: on a strategy with `pipeline_stages`, the microbatches each
             replica's batch is split into for the pipeline (default: the stages).
         schedule: the pipeline's schedule: "1f1b" (the default), "gpipe",

@@ -55,7 +55,8 @@ class DumpOptions:
     print_ir: str | None = None
     pipeline: str | None = None
     stop_after_compile: bool = False
-    select_by_compiling: bool = False
+    #: XLA_STRATEGIES_SELECT_BY_COMPILING: "1" on, "0" off, unset: the step's own rule
+    select_by_compiling: bool | None = None
     plan: str | None = None
 
     @classmethod
@@ -68,9 +69,14 @@ class DumpOptions:
             print_ir=print_ir,
             pipeline=os.environ.get(PIPELINE) or None,
             stop_after_compile=os.environ.get(STOP_AFTER_COMPILE, "") not in ("", "0"),
-            select_by_compiling=os.environ.get(SELECT_BY_COMPILING, "") not in ("", "0"),
+            select_by_compiling=_switch(os.environ.get(SELECT_BY_COMPILING, "")),
             plan=os.environ.get(PLAN) or None,
         )
+
+
+def _switch(value: str) -> bool | None:
+    """An environment switch: "" unset (None), "0" off, anything else on."""
+    return None if value == "" else value != "0"
 
 
 class StepDumper:

@@ -14,7 +14,9 @@ rounding of a few instructions named differently); otherwise the replicated one 
 only the default fits. A default that trades memory for a shorter step is not kept: the
 verdict says what it would have given.
 
-On with `compile(select_by_compiling=True)`, and by default under `xla-strategies aot`.
+On by default for a strategy with a topology (TPU slices, GPU nodes) where the pipeline is
+the cost model's choice alone; `compile(select_by_compiling=...)` or
+`XLA_STRATEGIES_SELECT_BY_COMPILING=0|1` says otherwise.
 The verdict is cached by the program's fingerprint (its captured IR, the topology, the
 options and the compiler's releases; `verdict_cache`), so compiling the same step again
 pays for one compile. The dump and the step's remarks say what was compiled and why one
@@ -95,16 +97,33 @@ def alternatives(pipeline: PassPipeline) -> dict[str, PassPipeline]:
 
 
 def selects_by_compiling(options: CompileOptions, strategy: Any, dump_options: Any) -> bool:
-    """Whether a step compiles its pipeline's alternatives: `select_by_compiling`, or by
-    default where `xla-strategies aot` asks for it (`dump_options.select_by_compiling`):
-    for a compile-only strategy with a topology, whose pipeline is the library's (not a
-    spec the user wrote)."""
+    """Whether a step compiles its pipeline's alternatives: `select_by_compiling` where the
+    step says, else `XLA_STRATEGIES_SELECT_BY_COMPILING` where set, else by default for a
+    strategy whose topology's compiler compiles its steps (`judged`) and whose pipeline is
+    the cost model's choice alone. A pipeline the user asked for (a spec,
+    `shard_parameters=True`, `shard_weight_updates=True`) is never swapped for another."""
     chosen = options.select_by_compiling
     if chosen is not None:
         return chosen
-    written = options.pipeline is not None or dump_options.pipeline is not None
-    judged = strategy.compile_only and strategy.topology is not None
-    return dump_options.select_by_compiling and judged and not written
+    asked = (
+        options.pipeline is not None
+        or dump_options.pipeline is not None
+        or options.shard_parameters is True
+        or options.shard_weight_updates is True
+    )
+    if asked:
+        return False
+    if dump_options.select_by_compiling is not None:
+        return dump_options.select_by_compiling
+    return judged(strategy)
+
+
+def judged(strategy: Any) -> bool:
+    """Whether XLA's compiler for the strategy's topology compiles its steps: a TPU slice
+    or GPU nodes, compile-only or real (not one emulated on CPU devices, whose compile
+    says nothing of the chips)."""
+    platform = strategy.devices[0].platform if strategy.devices else "cpu"
+    return strategy.topology is not None and (strategy.compile_only or platform != "cpu")
 
 
 def choose(
