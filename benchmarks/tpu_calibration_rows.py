@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xla_strategies.hardware.compiled_report import _collective_seconds, hlo_report
+from xla_strategies.hardware.compiled_report import collective_seconds, hlo_report
 from xla_strategies.hardware.hlo import OPERAND, computations, executions, operand_text
 from xla_strategies.hardware.hlo_collectives import total_cycles
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
@@ -536,7 +536,7 @@ def _communication(report: Any, topology: Topology, text: str) -> dict[str, dict
         lambda: {"count": 0, "bytes": 0, "seconds": 0.0, "hidden_s": 0.0, "exposed_s": 0.0}
     )
     for c in report.collectives:
-        seconds = _collective_seconds(c, topology)
+        seconds = collective_seconds(c, topology)
         hidden = compute * c.overlapped_cycles / cycles if c.asynchronous and cycles else 0.0
         kind = kinds[c.kind + (" (dcn)" if c.across_slices else "")]
         kind["count"] += c.times

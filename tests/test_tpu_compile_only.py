@@ -165,6 +165,10 @@ def test_aot_compiles_an_unchanged_training_script_for_a_topology(tmp_path):
     assert report["platform"] == "tpu" and report["fits"] is True
     assert report["memory"]["total_bytes"] > 0 and report["collectives"]
     assert "T(8,128)" in (out / "train_step" / "compiled.hlo.txt").read_text()
+    # the step as XLA scheduled it, for Perfetto and as a picture
+    scheduled = json.loads((out / "train_step" / "compiled_timeline.json").read_text())
+    assert scheduled["metadata"]["step_s"] > 0
+    assert (out / "train_step" / "compiled_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_report_counts_a_layer_loops_collectives_once_per_layer():

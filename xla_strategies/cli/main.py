@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         "report",
         help="read any compiled program's HLO text: its collectives and their cost",
         usage="xla-strategies report FILE.hlo.txt --topology v5e-256 "
-        "[--logical-devices-per-replica K] [--json]",
+        "[--logical-devices-per-replica K] [--json] [--timeline OUT.json]",
     )
     report.add_argument("file", help="HLO text after optimizations (compiled.as_text())")
     report.add_argument("--topology", help="the topology it was compiled for, e.g. v5e-256")
@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
         "the model axis's, as the step's own report reads them",
     )
     report.add_argument("--json", action="store_true", help="print the report as JSON")
+    report.add_argument(
+        "--timeline",
+        metavar="OUT.json",
+        help="write the step's estimated timeline as XLA scheduled it: a Chrome trace "
+        "(Perfetto, TensorBoard) at OUT.json and a picture at OUT.png (needs --topology)",
+    )
 
     show = commands.add_parser("show", help="show a dumped step's IR")
     show.add_argument("directory")

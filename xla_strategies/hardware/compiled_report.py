@@ -198,7 +198,7 @@ def step_estimate(
     # the share of the compute beside an asynchronous collective that measured steps hide
     hides = (getattr(topology, "calibration", None) or Calibration()).hidden_fraction
     for c in report.collectives:
-        seconds = _collective_seconds(c, topology)
+        seconds = collective_seconds(c, topology)
         hidden = 0.0
         if c.asynchronous and compute is not None and cycles:
             hidden = compute * c.overlapped_cycles / cycles * hides
@@ -221,7 +221,7 @@ _COST_OP = {
 }
 
 
-def _collective_seconds(c: Collective, topology: Any) -> float:
+def collective_seconds(c: Collective, topology: Any) -> float:
     """The cost model's time for `c` over the fastest axes that hold its group: the model
     axis for a collective inside a replica, the replica axes for the others (and then the
     model axis, for a group of every device of several replicas: MaxText's tensor-parallel

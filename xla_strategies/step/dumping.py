@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from xla_strategies.hardware.compiled_report import compiled_report
+from xla_strategies.hardware.hlo_timeline import hlo_timeline, timeline_png
 from xla_strategies.hardware.report_text import summary_text
 from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.cost.ledger import LedgerRecorder
@@ -175,7 +176,8 @@ def write_artifacts(
 ) -> None:
     """Write the ledger, the timeline, the StableHLO, XLA's compiled HLO of one step and
     what XLA says of it (`compiled_report.json`, `summary.txt`: memory per chip, the
-    collectives kept, the step estimate)."""
+    collectives kept, the step estimate; `compiled_timeline.json` and `.png`: the step as
+    XLA scheduled it, where the topology knows its chip's rates)."""
     directory.mkdir(parents=True, exist_ok=True)
     topology = strategy.topology
     (directory / "ledger.json").write_text(json.dumps(ledger.to_json(), indent=1) + "\n")
@@ -192,6 +194,11 @@ def write_artifacts(
     report = compiled_report(compiled, strategy, compiler_options)
     (directory / "compiled_report.json").write_text(json.dumps(report.to_json(), indent=1))
     (directory / "summary.txt").write_text(summary_text(report, name) + "\n")
+    if getattr(topology, "memory_bandwidth", None) and getattr(topology, "peak_flops", None):
+        per_replica = getattr(strategy, "logical_devices_per_replica", 1)
+        scheduled = hlo_timeline(compiled.as_text(), topology, per_replica)
+        (directory / "compiled_timeline.json").write_text(json.dumps(scheduled) + "\n")
+        (directory / "compiled_timeline.png").write_bytes(timeline_png(scheduled))
 
 
 def abstract(shapes: list[tuple[tuple[int, ...], str]], shardings: list[Any]) -> list[Any]:
