@@ -121,3 +121,33 @@ def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
     staged = next(row for row in found.rows if row.stages == 2)
     assert staged.microbatches == 4  # 16 rows over 4 replicas: 4 a replica, at most 8
     assert "stages" in found.table().splitlines()[1]
+
+
+def test_remat_policies_are_tried_where_the_steps_blocks_have_none(tmp_path, monkeypatch):
+    """A scan over `jax.checkpoint`ed layers with no policy: on the best configuration, the
+    planner compiles the policies that keep more for the backward pass too; a policy that
+    keeps more holds more memory, and the recommendation names the one it chose."""
+    from tests.test_remat_policy import _step
+
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx = optax.sgd(0.1)
+    stack = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=strategy.split_sharding())
+    found = strategy.plan(
+        _step(tx), stack, jax.eval_shape(tx.init, stack), x, model_axes=(1,), batch_doublings=0,
+        stages=(1,), log=lambda line: None,
+    )  # fmt: skip
+    tried = [row for row in found.rows if row.remat_policy]
+    assert [row.remat_policy for row in tried] == [
+        "dots_with_no_batch_dims_saveable", "dots_saveable", "everything_saveable"
+    ]  # fmt: skip
+    best_written = max(
+        (r for r in found.rows if r.fits and not r.remat_policy),
+        key=lambda r: r.items_per_s_per_chip,
+    )
+    assert {row.sharding for row in tried} == {best_written.sharding}  # on the best one
+    assert tried[-1].memory_bytes > best_written.memory_bytes  # keeping all costs memory
+    best = found.best()
+    if best.remat_policy:
+        assert f"remat_policy={best.remat_policy!r}" in found.recommendation()

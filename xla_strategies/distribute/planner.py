@@ -11,7 +11,10 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
   (`Strategy.with_pipeline_stages`): the state replicated within each stage, 1F1B over as
   many microbatches as divide a replica's rows, at most 4 per stage;
 - the per-chip batch: the one given, then doubled while it fits (every batch argument,
-  the ones split over the replicas, grows together).
+  the ones split over the replicas, grows together);
+- on the best configuration found, where the step has remat blocks (`jax.checkpoint`,
+  `nn.remat`) without a policy of their own: the policies of `REMAT_POLICIES`, which keep
+  more for the backward pass and compute less again (`compile(remat_policy=...)`).
 
 Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
 (labelled with what the estimate was fitted to) and items per second per chip (the batch
@@ -30,19 +33,26 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
 
 from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.core.layout import Layout
+from xla_strategies.distribute.plan_rows import (
+    SHARDINGS,
+    Plan,
+    Row,
+    best_so_far,
+    row_options,
+)
 from xla_strategies.hardware.compiled_report import calibration_label, compiled_report
 from xla_strategies.hardware.memory_at_peak import (
     dump_options,
     library_directories,
     memory_at_peak,
 )
+from xla_strategies.passes.bridge.remat_policy import given_remat_policy
 from xla_strategies.passes.ir.text import print_graph
 from xla_strategies.step import verdict_cache
 from xla_strategies.step.compile_options import CompileOptions
@@ -51,124 +61,15 @@ from xla_strategies.step.verdict_cache import fingerprint
 if TYPE_CHECKING:
     from xla_strategies.step.step_strategy import StepStrategy as Strategy
 
-#: the state's sharding, as compile options (each forced: the default pipeline's own
-#: choice between them is what the plan checks)
-SHARDINGS = {
-    "replicated": {"shard_parameters": False, "shard_weight_updates": False},
-    "weight-update sharding": {"shard_parameters": False, "shard_weight_updates": True},
-    "parameter sharding": {"shard_parameters": True},
-}
 MODEL_AXES = (1, 2, 4, 8)
 #: how many of the largest buffers at the peak a row keeps
 HELD_SHOWN = 8
+#: what a step's remat blocks without a policy are tried with, beside as written (keeping
+#: only their inputs), on the best configuration found: more kept, less computed again
+REMAT_POLICIES = ("dots_with_no_batch_dims_saveable", "dots_saveable", "everything_saveable")
 STAGES = (1, 2, 4)
 #: how many times the per-chip batch is doubled at most
 BATCH_DOUBLINGS = 3
-
-
-@dataclass(frozen=True)
-class Row:
-    """One compiled configuration."""
-
-    sharding: str
-    devices_per_replica: int
-    batch_per_chip: int
-    fits: bool
-    memory_bytes: int | None
-    step_s: float | None
-    items_per_s_per_chip: float | None
-    note: str = ""
-    stages: int = 1
-    microbatches: int = 0  # with stages: the pipeline's microbatches
-    #: what holds the memory at XLA's peak (`hardware.memory_at_peak`), fitting or not:
-    #: bytes per group, and the largest buffers as (bytes, shape, what made it)
-    held_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
-    largest_held: tuple[tuple[int, str, str], ...] = ()
-
-    @classmethod
-    def from_json(cls, row: dict[str, Any]) -> Row:
-        """A row read back from the cache (JSON keeps tuples as lists)."""
-        largest = tuple(tuple(entry) for entry in row.get("largest_held", ()))
-        return cls(**{**row, "largest_held": largest})
-
-    def held(self) -> str:
-        """What holds this configuration's memory, a line per group and largest buffer."""
-        if not self.held_by_group:
-            return "  (XLA wrote no buffer assignment for this configuration)"
-        lines = [f"  {n / 2**30:8.2f} GiB  {group}" for group, n in self.held_by_group.items()]
-        unlisted = (self.memory_bytes or 0) - sum(self.held_by_group.values())
-        if unlisted > 0:  # the heap beyond what is live at its peak, XLA's own scratch
-            lines.append(
-                f"  {unlisted / 2**30:8.2f} GiB  counted by XLA, live in no buffer it lists"
-            )
-        lines += [
-            f"  {n / 2**20:10.1f} MiB  {shape:<24} {what}" for n, shape, what in self.largest_held
-        ]
-        return "\n".join(lines)
-
-    def line(self) -> str:
-        gib = "   -   " if self.memory_bytes is None else f"{self.memory_bytes / 2**30:7.2f}"
-        step = "    -    " if self.step_s is None else f"{self.step_s * 1e3:9.2f}"
-        rate = "-" if self.items_per_s_per_chip is None else f"{self.items_per_s_per_chip:,.1f}"
-        fits = "yes" if self.fits else "NO"
-        return (
-            f"{self.sharding:<24} {self.stages:>6} {self.devices_per_replica:>5} "
-            f"{self.batch_per_chip:>7} {gib} {fits:>4} {step} {rate:>14}  {self.note}"
-        )
-
-
-@dataclass(frozen=True)
-class Plan:
-    rows: tuple[Row, ...]
-    calibration: str
-    strategy: str
-    finished: bool  # False: the budget ran out first
-
-    def best(self) -> Row | None:
-        """The fitting row with the most items per second per chip."""
-        fitting = [r for r in self.rows if r.fits and r.items_per_s_per_chip]
-        return max(fitting, key=lambda r: r.items_per_s_per_chip, default=None)
-
-    def table(self) -> str:
-        header = (
-            f"{'configuration':<24} {'stages':>6} {'model':>5} {'batch':>7} {'GiB':>7} {'fits':>4} "
-            f"{'step ms':>9} {'items/s/chip':>14}"
-        )
-        lines = [f"plan for {self.strategy} (estimate: {self.calibration})", header]
-        lines += [row.line() for row in self.rows]
-        if not self.finished:
-            lines.append("(the budget ran out: the rows above are what was compiled)")
-        return "\n".join(lines)
-
-    def memory(self) -> str:
-        """What holds the memory of the recommended row and of the largest that does not
-        fit (the configuration one step too big), at XLA's peak."""
-        best = self.best()
-        missed = [r for r in self.rows if not r.fits and r.held_by_group]
-        shown = [("recommended", best)] if best else []
-        if missed:
-            shown.append(("does not fit", min(missed, key=lambda r: r.memory_bytes or 0)))
-        return "\n".join(
-            f"what holds the memory, {label}: {row.sharding}, {row.devices_per_replica} per "
-            f"replica, {row.batch_per_chip} per chip\n{row.held()}"
-            for label, row in shown
-        )
-
-    def recommendation(self, step_name: str = "step") -> str:
-        """The lines to paste, and the reason in one line."""
-        best = self.best()
-        if best is None:
-            return "# no configuration fits: a larger topology, or a smaller batch per chip"
-        chosen = _options(best.sharding, best.stages, best.microbatches)
-        options = ", ".join(f"{k}={v!r}" for k, v in chosen.items())
-        staged = f", {best.stages} pipeline stages" if best.stages > 1 else ""
-        return (
-            f"# {best.sharding}{staged}, {best.devices_per_replica} device(s) per replica, "
-            f"{best.batch_per_chip} per chip: the most items/s per chip that fits\n"
-            f"strategy = strategy.with_logical_devices_per_replica({best.devices_per_replica})"
-            + (f".with_pipeline_stages({best.stages})" if best.stages > 1 else "")
-            + f"\n{step_name} = strategy.compile({step_name}{', ' if options else ''}{options})"
-        )
 
 
 def plan(
@@ -180,6 +81,7 @@ def plan(
     model_axes: tuple[int, ...] = MODEL_AXES,
     batch_doublings: int = BATCH_DOUBLINGS,
     stages: tuple[int, ...] = STAGES,
+    remat_policies: tuple[str, ...] = REMAT_POLICIES,
 ) -> Plan:
     """Compile `step` (a function, or a compiled step whose own options are kept) on `args`
     (abstract `jax.ShapeDtypeStruct`s: state mirrored, batches with
@@ -188,20 +90,45 @@ def plan(
     rows: list[Row] = []
     candidates = list(_candidates(strategy, model_axes, stages))
     calibration = calibration_label(strategy.topology)
-    for index, (variant, sharding, model) in enumerate(candidates, 1):
+
+    def search(variant: Strategy, sharding: str, model: int, what: str, policy: str = "") -> bool:
+        """Rows of one configuration, the batch doubled while it fits; False: out of time."""
         for doubling in range(batch_doublings + 1):
             if budget is not None and time.monotonic() - started > budget:
-                return Plan(tuple(rows), calibration, repr(strategy), finished=False)
+                return False
             scaled = _on(variant, args, 2**doubling, strategy)
             per_chip = _batch_per_chip(variant, scaled)
             staged = f", {variant.pipeline_stages} stages" if variant.pipeline_stages > 1 else ""
-            log(f"plan: compiling {index}/{len(candidates)}: {sharding}{staged}, {model} per "
-                f"replica, {per_chip} per chip{_best_so_far(rows)}")  # fmt: skip
-            row = _compiled_row(variant, step, scaled, sharding, model, per_chip)
+            remat = f", remat {policy}" if policy else ""
+            log(f"plan: compiling {what}: {sharding}{staged}{remat}, {model} per replica, "
+                f"{per_chip} per chip{best_so_far(rows)}")  # fmt: skip
+            row = _compiled_row(variant, step, scaled, sharding, model, per_chip, policy)
             rows.append(row)
             if not row.fits or not per_chip:
                 break  # a larger batch fits no better
+        return True
+
+    for index, (variant, sharding, model) in enumerate(candidates, 1):
+        if not search(variant, sharding, model, f"{index}/{len(candidates)}"):
+            return Plan(tuple(rows), calibration, repr(strategy), finished=False)
+    best = Plan(tuple(rows), calibration, repr(strategy), True).best()
+    variants = {(s, m, v.pipeline_stages): v for v, s, m in candidates}
+    if best is not None and remat_policies and _has_unpoliced_remat(strategy, step, args):
+        variant = variants[(best.sharding, best.devices_per_replica, best.stages)]
+        for index, policy in enumerate(remat_policies, 1):
+            what = f"remat {index}/{len(remat_policies)}"
+            if not search(variant, best.sharding, best.devices_per_replica, what, policy):
+                return Plan(tuple(rows), calibration, repr(strategy), finished=False)
     return Plan(tuple(rows), calibration, repr(strategy), finished=True)
+
+
+def _has_unpoliced_remat(strategy: Strategy, step: Callable[..., Any], args: tuple) -> bool:
+    """Whether the step has a remat block without a policy of its own (the policies are
+    tried only where one would take them): its capture, counted."""
+    options = dataclasses.replace(_options_of(step), remat_policy=None)
+    with given_remat_policy("nothing_saveable") as blocks:
+        strategy.compile(getattr(step, "fn", step), options=options).graph(*args)
+    return blocks()[0] > 0
 
 
 def _candidates(
@@ -244,26 +171,24 @@ def _compiled_row(
     sharding: str,
     model: int,
     per_chip: int,
+    remat_policy: str = "",
 ) -> Row:
     stages = strategy.pipeline_stages
     microbatches = _microbatches(strategy, args) if stages > 1 else 0
-    chosen = _options(sharding, stages, microbatches)
+    chosen = row_options(sharding, stages, microbatches, remat_policy)
     options = dataclasses.replace(_options_of(step), **chosen)
     compiled_step = strategy.compile(getattr(step, "fn", step), options=options)
-    where = (sharding, model, str(strategy.topology), stages, microbatches)
+    where = (sharding, model, str(strategy.topology), stages, microbatches, remat_policy)
     key = fingerprint(print_graph(compiled_step.graph(*args)), strategy.topology, where)
     cached = verdict_cache.read("plan_rows", key)
     if cached is not None:
         return Row.from_json(cached)
     row = _compile(compiled_step, strategy, args, sharding, model, per_chip)
-    row = dataclasses.replace(row, stages=stages, microbatches=microbatches)
+    row = dataclasses.replace(
+        row, stages=stages, microbatches=microbatches, remat_policy=remat_policy
+    )
     verdict_cache.write("plan_rows", key, dataclasses.asdict(row))
     return row
-
-
-def _options(sharding: str, stages: int, microbatches: int) -> dict[str, Any]:
-    """The compile options of a row: its sharding's, and with stages its microbatches."""
-    return {**SHARDINGS[sharding], **({"microbatches": microbatches} if stages > 1 else {})}
 
 
 def _microbatches(strategy: Strategy, args: tuple[Any, ...]) -> int:
@@ -332,14 +257,4 @@ def _options_of(step: Any) -> CompileOptions:
     given = getattr(step, "options", None) or CompileOptions()
     return dataclasses.replace(
         given, shard_weight_updates=None, shard_parameters=None, select_by_compiling=False
-    )
-
-
-def _best_so_far(rows: list[Row]) -> str:
-    best = Plan(tuple(rows), "", "", True).best()
-    if best is None:
-        return ""
-    return (
-        f"; best so far: {best.sharding}, {best.devices_per_replica} per replica, "
-        f"{best.batch_per_chip} per chip, {best.items_per_s_per_chip:,.1f} items/s/chip"
     )

@@ -177,7 +177,7 @@ class Strategy(MeshLayout):
         strategy's topology, before launch: what fits, and what is fastest
         (`xla_strategies.distribute.planner`). `budget`: seconds, then the best so far;
         `search`: `model_axes` (devices per replica to try), `stages` (pipeline stages to
-        try) and `batch_doublings`."""
+        try), `batch_doublings` and `remat_policies` (tried on the best configuration)."""
         if not self.compile_only or self.topology is None:
             raise ValueError(
                 f"plan compiles for a topology without its chips: build the strategy with "

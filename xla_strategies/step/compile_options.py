@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xla_strategies.core.reduce_op import ReduceOp
+from xla_strategies.passes.bridge.remat_policy import checked_policy
 
 if TYPE_CHECKING:
     from xla_strategies.passes.pipeline import PassPipeline
@@ -55,6 +56,10 @@ class CompileOptions:
         schedule: the pipeline's schedule: "1f1b" (the default), "gpipe",
             "interleaved-1f1b" or "zero-bubble-h1".
         virtual_stages: chunks of layers per stage for "interleaved-1f1b" (default 2).
+        remat_policy: what every rematerialised block (`jax.checkpoint`, `nn.remat`)
+            without a policy of its own keeps for the backward pass: a policy of
+            `jax.checkpoint_policies` by name ("nothing_saveable", "dots_saveable",
+            "dots_with_no_batch_dims_saveable", "everything_saveable"); None: as written.
         name: the step's name in dumps and errors (default: the function's).
     """
 
@@ -73,6 +78,7 @@ class CompileOptions:
     microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
+    remat_policy: str | None = None
     name: str | None = None
 
     #: the options `set_compile_defaults` takes: the ones the library's own compiles
@@ -91,6 +97,8 @@ class CompileOptions:
             not isinstance(self.axis_name, str) or not self.axis_name
         ):
             raise TypeError(f"axis_name must be a non-empty string, got {self.axis_name!r}")
+        if self.remat_policy is not None:
+            checked_policy(self.remat_policy)
         for flag in ("shard_weight_updates", "shard_parameters", "select_by_compiling"):
             if getattr(self, flag) not in (None, True, False):
                 raise TypeError(f"{flag} must be True, False or None, got {getattr(self, flag)!r}")

@@ -24,6 +24,7 @@ from xla_strategies.passes.bridge.capture import capture
 from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.bridge.pipelined_gradients import pipelining_gradients
+from xla_strategies.passes.bridge.remat_policy import given_remat_policy, warn_if_none_given
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.text import print_graph
@@ -292,7 +293,10 @@ class CompiledStep:
             check_unchanged(self.name, before, args, kwargs, result, written.indices)
             return outputs.split(result, written)
 
-        with pipelining_gradients(self.stage_plan) as pipelined:
+        with (
+            pipelining_gradients(self.stage_plan) as pipelined,
+            given_remat_policy(self.options.remat_policy) as remat_blocks,
+        ):
             graph = capture(
                 on_microbatches(step, self.stage_plan, specs, self.gradient_reduction),
                 flat_args,
@@ -304,6 +308,7 @@ class CompiledStep:
                 name=self.name,
             )
         check_pipelined(self.stage_plan, pipelined, self.name)
+        warn_if_none_given(self.options.remat_policy, *remat_blocks(), self.name)
         declare_interface(
             graph, signature, outputs, self.declared_state, self.mirrored_outputs, self.name
         )

@@ -79,11 +79,15 @@ def staged_pipeline(
     MiB and 73.8 MB across slices a step with them, 55.1 MiB and 5.8 MB without."""
     if plan is None or options.pipeline is not None:
         return pipeline
-    asked = [o for o in ("shard_parameters", "shard_weight_updates") if getattr(options, o)]
+    asked = [
+        o
+        for o in ("shard_parameters", "shard_weight_updates", "remat_policy")
+        if getattr(options, o)
+    ]
     if asked:  # their passes are the ones left out: the option would do nothing
         raise ValueError(
-            f"{asked[0]}=True is not supported with pipeline stages yet: the passes that "
-            "shard state do not know which gradients are held split over the stages"
+            f"{asked[0]}={getattr(options, asked[0])!r} is not supported with pipeline stages "
+            "yet: a pipelined step runs only the passes that give its reductions meaning"
         )
     return alternatives(pipeline).get("replicated", pipeline)
 

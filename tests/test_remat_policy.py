@@ -1,0 +1,71 @@
+"""`compile(remat_policy=...)`: every rematerialised block without a policy of its own keeps
+what the named `jax.checkpoint_policies` policy says; the numbers do not change, the memory
+XLA's compiler needs does, and an option that changes nothing says so."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import xla_strategies as xs
+from xla_strategies.hardware.compiled_report import compiled_report
+
+
+def _step(tx, policy=None):
+    """A scan over checkpointed tanh layers, as JAX's docs write remat (`jax.checkpoint`)."""
+
+    def step(stack, opt_state, x):
+        def loss(stack):
+            layer = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None), policy=policy)
+            h, _ = jax.lax.scan(layer, x, stack)
+            return jnp.mean(h**2)
+
+        value, grads = jax.value_and_grad(loss)(stack)
+        updates, opt_state = tx.update(grads, opt_state, stack)
+        return optax.apply_updates(stack, updates), opt_state, value
+
+    return step
+
+
+def test_a_policy_keeps_the_numbers_of_the_step_as_written():
+    tx = optax.sgd(0.1)
+    stack = jax.random.normal(jax.random.key(0), (4, 16, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    reference = xs.OneDeviceStrategy("cpu:0").compile(_step(tx))(stack, tx.init(stack), x)
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(_step(tx), remat_policy="dots_saveable")
+    found = step(strategy.replicate(stack), strategy.replicate(tx.init(stack)), x)
+    np.testing.assert_allclose(np.asarray(found[0]), np.asarray(reference[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_keeping_more_for_the_backward_pass_costs_memory_on_the_chip():
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx = optax.sgd(0.1)
+    stack = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=strategy.split_sharding())
+    state = strategy.replicate(stack), strategy.replicate(jax.eval_shape(tx.init, stack))
+
+    def temporaries(**options):
+        step = strategy.compile(_step(tx), select_by_compiling=False, **options)
+        return compiled_report(step.lower(*state, x).compile(), strategy).memory.temp_bytes
+
+    kept_nothing, kept_everything = temporaries(), temporaries(remat_policy="everything_saveable")
+    # the layers keep their matmul outputs (4 MiB a layer on each chip's 1024 rows) for the
+    # backward pass instead of computing them again: more than one layer's more
+    assert kept_everything > kept_nothing + 1024 * 1024 * 4
+
+
+def test_an_option_that_changes_nothing_says_so_and_a_misspelt_policy_names_the_closest():
+    strategy = xs.MirroredStrategy()
+    tx = optax.sgd(0.1)
+    stack, x = jnp.zeros((2, 4, 4)), jnp.zeros((8, 4))
+    own = strategy.compile(
+        _step(tx, jax.checkpoint_policies.nothing_saveable), remat_policy="dots_saveable"
+    )
+    with pytest.warns(UserWarning, match=r"changed nothing: each of its remat blocks names its own"):
+        own(strategy.replicate(stack), strategy.replicate(tx.init(stack)), x)
+    with pytest.raises(ValueError, match=r"did you mean 'dots_saveable'\?"):
+        strategy.compile(_step(tx), remat_policy="dot_saveable")

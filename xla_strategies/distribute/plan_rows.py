@@ -1,0 +1,149 @@
+"""The planner's answer (`planner.plan`): a row per compiled configuration, and the plan
+that ranks them, says what holds the memory and gives the lines to paste."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+#: the state's sharding, as compile options (each forced: the default pipeline's own
+#: choice between them is what the plan checks)
+SHARDINGS = {
+    "replicated": {"shard_parameters": False, "shard_weight_updates": False},
+    "weight-update sharding": {"shard_parameters": False, "shard_weight_updates": True},
+    "parameter sharding": {"shard_parameters": True},
+}
+#: the remat policies the planner tries, as its table names them
+REMAT_SHORT = {
+    "": "written",
+    "dots_with_no_batch_dims_saveable": "dots-nb",
+    "dots_saveable": "dots",
+    "everything_saveable": "all",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compiled configuration."""
+
+    sharding: str
+    devices_per_replica: int
+    batch_per_chip: int
+    fits: bool
+    memory_bytes: int | None
+    step_s: float | None
+    items_per_s_per_chip: float | None
+    note: str = ""
+    stages: int = 1
+    microbatches: int = 0  # with stages: the pipeline's microbatches
+    remat_policy: str = ""  # the policy its remat blocks were given; "": as written
+    #: what holds the memory at XLA's peak (`hardware.memory_at_peak`), fitting or not:
+    #: bytes per group, and the largest buffers as (bytes, shape, what made it)
+    held_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
+    largest_held: tuple[tuple[int, str, str], ...] = ()
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> Row:
+        """A row read back from the cache (JSON keeps tuples as lists)."""
+        largest = tuple(tuple(entry) for entry in row.get("largest_held", ()))
+        return cls(**{**row, "largest_held": largest})
+
+    def held(self) -> str:
+        """What holds this configuration's memory, a line per group and largest buffer."""
+        if not self.held_by_group:
+            return "  (XLA wrote no buffer assignment for this configuration)"
+        lines = [f"  {n / 2**30:8.2f} GiB  {group}" for group, n in self.held_by_group.items()]
+        unlisted = (self.memory_bytes or 0) - sum(self.held_by_group.values())
+        if unlisted > 0:  # the heap beyond what is live at its peak, XLA's own scratch
+            lines.append(
+                f"  {unlisted / 2**30:8.2f} GiB  counted by XLA, live in no buffer it lists"
+            )
+        lines += [
+            f"  {n / 2**20:10.1f} MiB  {shape:<24} {what}" for n, shape, what in self.largest_held
+        ]
+        return "\n".join(lines)
+
+    def line(self) -> str:
+        gib = "   -   " if self.memory_bytes is None else f"{self.memory_bytes / 2**30:7.2f}"
+        step = "    -    " if self.step_s is None else f"{self.step_s * 1e3:9.2f}"
+        rate = "-" if self.items_per_s_per_chip is None else f"{self.items_per_s_per_chip:,.1f}"
+        fits = "yes" if self.fits else "NO"
+        remat = REMAT_SHORT.get(self.remat_policy, self.remat_policy)
+        return (
+            f"{self.sharding:<24} {self.stages:>6} {self.devices_per_replica:>5} {remat:>8} "
+            f"{self.batch_per_chip:>7} {gib} {fits:>4} {step} {rate:>14}  {self.note}"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: tuple[Row, ...]
+    calibration: str
+    strategy: str
+    finished: bool  # False: the budget ran out first
+
+    def best(self) -> Row | None:
+        """The fitting row with the most items per second per chip."""
+        fitting = [r for r in self.rows if r.fits and r.items_per_s_per_chip]
+        return max(fitting, key=lambda r: r.items_per_s_per_chip, default=None)
+
+    def table(self) -> str:
+        header = (
+            f"{'configuration':<24} {'stages':>6} {'model':>5} {'remat':>8} {'batch':>7} "
+            f"{'GiB':>7} {'fits':>4} {'step ms':>9} {'items/s/chip':>14}"
+        )
+        lines = [f"plan for {self.strategy} (estimate: {self.calibration})", header]
+        lines += [row.line() for row in self.rows]
+        if not self.finished:
+            lines.append("(the budget ran out: the rows above are what was compiled)")
+        return "\n".join(lines)
+
+    def memory(self) -> str:
+        """What holds the memory of the recommended row and of the largest that does not
+        fit (the configuration one step too big), at XLA's peak."""
+        best = self.best()
+        missed = [r for r in self.rows if not r.fits and r.held_by_group]
+        shown = [("recommended", best)] if best else []
+        if missed:
+            shown.append(("does not fit", min(missed, key=lambda r: r.memory_bytes or 0)))
+        return "\n".join(
+            f"what holds the memory, {label}: {row.sharding}, {row.devices_per_replica} per "
+            f"replica, {row.batch_per_chip} per chip\n{row.held()}"
+            for label, row in shown
+        )
+
+    def recommendation(self, step_name: str = "step") -> str:
+        """The lines to paste, and the reason in one line."""
+        best = self.best()
+        if best is None:
+            return "# no configuration fits: a larger topology, or a smaller batch per chip"
+        chosen = row_options(best.sharding, best.stages, best.microbatches, best.remat_policy)
+        options = ", ".join(f"{k}={v!r}" for k, v in chosen.items())
+        staged = f", {best.stages} pipeline stages" if best.stages > 1 else ""
+        return (
+            f"# {best.sharding}{staged}, {best.devices_per_replica} device(s) per replica, "
+            f"{best.batch_per_chip} per chip: the most items/s per chip that fits\n"
+            f"strategy = strategy.with_logical_devices_per_replica({best.devices_per_replica})"
+            + (f".with_pipeline_stages({best.stages})" if best.stages > 1 else "")
+            + f"\n{step_name} = strategy.compile({step_name}{', ' if options else ''}{options})"
+        )
+
+
+def row_options(
+    sharding: str, stages: int, microbatches: int, remat_policy: str = ""
+) -> dict[str, Any]:
+    """The compile options of a row: its sharding's, with stages its microbatches, and the
+    remat policy it tried."""
+    found = {**SHARDINGS[sharding], **({"microbatches": microbatches} if stages > 1 else {})}
+    return {**found, **({"remat_policy": remat_policy} if remat_policy else {})}
+
+
+def best_so_far(rows: list[Row]) -> str:
+    best = Plan(tuple(rows), "", "", True).best()
+    if best is None:
+        return ""
+    return (
+        f"; best so far: {best.sharding}, {best.devices_per_replica} per replica, "
+        f"{best.batch_per_chip} per chip, {best.items_per_s_per_chip:,.1f} items/s/chip"
+    )
