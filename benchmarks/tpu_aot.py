@@ -220,8 +220,23 @@ def _read(report: Any) -> dict[str, Any]:
         "opaque_kernels": report.opaque_kernels,
         # the estimate's rates (calibrated or the datasheet's) and the compiler that compiled
         "calibration": report.calibration,
-        "libtpu": (report.compiler or {}).get("libtpu", "-"),
+        "compiled_by": compiled_by(report),
     }
+
+
+def compiled_by(report: Any) -> str:
+    """The compiler's release: libtpu's for a TPU program, jaxlib's (and its CUDA plugin's)
+    for a GPU one."""
+    found = report.compiler or {}
+    if report.platform == "tpu":
+        return f"libtpu {found.get('libtpu', '-')}"
+    from importlib import metadata
+
+    try:
+        plugin = f", jax-cuda12-plugin {metadata.version('jax-cuda12-plugin')}"
+    except metadata.PackageNotFoundError:
+        plugin = ""
+    return f"jaxlib {found.get('jaxlib', '-')}{plugin}"
 
 
 def compile_only_strategy(topology: str, devices_per_replica: int = 1, tuned: bool = True) -> Any:

@@ -61,12 +61,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def estimates(rows: list[dict[str, Any]]) -> list[str]:
-    """Per topology, what its rows' step estimate was fitted to and the libtpu that
-    compiled them: the lines under a table."""
+    """Per topology, what its rows' step estimate was fitted to and the compiler release
+    that compiled them: the lines under a table."""
     seen: dict[str, set[str]] = {}
     for r in rows:
         if "error" not in r:
             said = r.get("calibration") or "recorded before calibration: the datasheet's rates"
-            seen.setdefault(r["topology"], set()).add(f"{said}; libtpu {r.get('libtpu', '-')}")
+            compiler = r.get("compiled_by") or f"libtpu {r.get('libtpu', '-')}"
+            seen.setdefault(r["topology"], set()).add(f"{said}; {compiler}")
     lines = [f"- {topology}: {' / '.join(sorted(said))}" for topology, said in seen.items()]
     return ["", "Step estimates, per topology:", *lines] if lines else []
