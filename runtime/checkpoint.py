@@ -62,6 +62,11 @@ if TYPE_CHECKING:
     from xla_strategies.core.strategy_like import StrategyLike
 
 
+#: a reader opening beside a writer lists the steps and then reads each one's time; a step
+#: the writer deletes between the two is gone: the reader lists them again
+_OPEN_ATTEMPTS = 10
+
+
 class CheckpointManager:
     """Save and restore training state every `save_interval_steps`, keeping `max_to_keep`.
 
@@ -128,9 +133,15 @@ class CheckpointManager:
             "input": ocp.JsonCheckpointHandler(),
             "layout": ocp.JsonCheckpointHandler(),
         }
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=handlers
-        )
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                self._manager = ocp.CheckpointManager(
+                    self.directory, options=options, item_handlers=handlers
+                )
+                break
+            except FileNotFoundError:  # a reader's: the writer deleted a step orbax listed
+                if not read_only or attempt == _OPEN_ATTEMPTS - 1:
+                    raise
 
     def _take_directory(self) -> WriterLock | None:
         """The writer's lock, and the clean-up of what a crashed writer left (deleted
