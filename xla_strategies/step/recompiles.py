@@ -23,7 +23,7 @@ def warn_if_recompiling(name: str, compiled: int, previous: Signature, new: Sign
     warnings.warn(
         f"{name} has compiled {compiled} programs: {_difference(previous, new)} changes "
         "between calls, and every new value compiles again. Pass a value that changes as an "
-        "array (a torch optimizer setting: README's PyTorch section lists the optimizers "
+        "array (a torch optimizer setting: docs/pytorch.md lists the optimizers "
         "whose scheduled learning rate compiles once)",
         stacklevel=4,
     )
