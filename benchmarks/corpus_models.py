@@ -16,15 +16,13 @@ Needs the corpus environment (`make .venv-corpus`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from benchmarks.tpu_models import TransformerConfig, Workload
+from benchmarks.tpu_models import TransformerConfig, Workload, lm_workload
 
 
 @cache
@@ -102,27 +100,11 @@ def gemma_workload(key: str) -> Workload:
     def init() -> Any:
         return model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
 
-    def batch(size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {"tokens": jax.ShapeDtypeStruct((size, cfg.seq_len + 1), jnp.int32)}
-
-    def step(tx: optax.GradientTransformation, axis_name: str | None) -> Callable[..., Any]:
-        def train_step(params, opt_state, batch):
-            tokens = batch["tokens"]
-
-            def loss_fn(p):
-                logits = model.apply({"params": p}, tokens=tokens[:, :-1]).logits
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits.astype(jnp.float32), tokens[:, 1:]
-                ).mean()
-
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return train_step
+    def logits(params: Any, tokens: jax.Array) -> jax.Array:
+        return model.apply({"params": params}, tokens=tokens).logits
 
     name = f"{class_name.replace('_', ' ')} gemma"
-    return Workload(name, init, batch, cfg.batch_per_chip, step, cfg.train_flops_per_sequence)
+    return lm_workload(name, cfg, init, logits)
 
 
 def keras_hub_workload(key: str) -> Workload:
@@ -139,27 +121,9 @@ def keras_hub_workload(key: str) -> Workload:
     if non_trainable:  # state the step would have to carry: none in these configs
         raise ValueError(f"{name}: {len(non_trainable)} non-trainable variables")
 
-    def batch(size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {"tokens": jax.ShapeDtypeStruct((size, cfg.seq_len + 1), jnp.int32)}
+    def logits(trainable_variables: list[Any], tokens: jax.Array) -> jax.Array:
+        inputs = {"token_ids": tokens, "padding_mask": jnp.ones_like(tokens, bool)}
+        found, _ = model.stateless_call(trainable_variables, [], inputs)
+        return found
 
-    def step(tx: optax.GradientTransformation, axis_name: str | None) -> Callable[..., Any]:
-        def compute_loss(trainable_variables, tokens):
-            inputs = {
-                "token_ids": tokens[:, :-1],
-                "padding_mask": jnp.ones_like(tokens[:, :-1], bool),
-            }
-            logits, _ = model.stateless_call(trainable_variables, [], inputs)
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits.astype(jnp.float32), tokens[:, 1:]
-            ).mean()
-
-        def train_step(trainable_variables, opt_state, batch):
-            loss, grads = jax.value_and_grad(compute_loss)(trainable_variables, batch["tokens"])
-            updates, opt_state = tx.update(grads, opt_state, trainable_variables)
-            return optax.apply_updates(trainable_variables, updates), opt_state, loss
-
-        return train_step
-
-    return Workload(
-        name, lambda: trainable, batch, cfg.batch_per_chip, step, cfg.train_flops_per_sequence
-    )
+    return lm_workload(name, cfg, lambda: trainable, logits)

@@ -7,14 +7,12 @@ spelled another way: a pass that wins on one spelling and loses on the other is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from benchmarks.tpu_models import TransformerConfig, Workload
+from benchmarks.tpu_models import TransformerConfig, Workload, lm_workload
 
 COMPUTE = jnp.bfloat16
 
@@ -86,26 +84,9 @@ def gpt2_workload(name: str, cfg: TransformerConfig, cast_first: bool = False) -
     model (mixed precision as many JAX users spell it), instead of each layer casting the
     weight it uses."""
 
-    def init() -> Any:
-        return init_params(cfg, jax.random.key(0))
+    def logits(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+        if cast_first:
+            params = jax.tree.map(lambda leaf: leaf.astype(COMPUTE), params)
+        return forward(cfg, params, tokens)
 
-    def batch(size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {"tokens": jax.ShapeDtypeStruct((size, cfg.seq_len + 1), jnp.int32)}
-
-    def step(tx: optax.GradientTransformation, axis_name: str | None) -> Callable[..., Any]:
-        def train_step(params, opt_state, batch):
-            tokens = batch["tokens"]
-
-            def loss_fn(p):
-                if cast_first:
-                    p = jax.tree.map(lambda leaf: leaf.astype(COMPUTE), p)
-                logits = forward(cfg, p, tokens[:, :-1])
-                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return train_step
-
-    return Workload(name, init, batch, cfg.batch_per_chip, step, cfg.train_flops_per_sequence)
+    return lm_workload(name, cfg, lambda: init_params(cfg, jax.random.key(0)), logits)

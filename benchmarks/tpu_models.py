@@ -308,11 +308,16 @@ class Workload:
     train_flops_per_item: float
 
 
-def _lm(name: str, cfg: TransformerConfig) -> Workload:
-    model = Transformer(cfg)
-
-    def init() -> Any:
-        return model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+def lm_workload(
+    name: str,
+    cfg: TransformerConfig,
+    init: Callable[[], Any],
+    logits: Callable[[Any, jax.Array], jax.Array],
+) -> Workload:
+    """A language model's workload, whoever wrote the model: `init()` makes its
+    parameters, `logits(params, tokens)` its logits of `tokens`; the step takes the next
+    token's cross entropy (in f32) and an optax update, a batch being `cfg.seq_len + 1`
+    token ids a sequence."""
 
     def batch(size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {"tokens": jax.ShapeDtypeStruct((size, cfg.seq_len + 1), jnp.int32)}
@@ -322,8 +327,8 @@ def _lm(name: str, cfg: TransformerConfig) -> Workload:
             tokens = batch["tokens"]
 
             def loss_fn(p):
-                logits = model.apply({"params": p}, tokens[:, :-1]).astype(jnp.float32)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+                out = logits(p, tokens[:, :-1]).astype(jnp.float32)
+                return optax.softmax_cross_entropy_with_integer_labels(out, tokens[:, 1:]).mean()
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -332,6 +337,15 @@ def _lm(name: str, cfg: TransformerConfig) -> Workload:
         return train_step
 
     return Workload(name, init, batch, cfg.batch_per_chip, step, cfg.train_flops_per_sequence)
+
+
+def _lm(name: str, cfg: TransformerConfig) -> Workload:
+    model = Transformer(cfg)
+
+    def init() -> Any:
+        return model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+
+    return lm_workload(name, cfg, init, lambda p, tokens: model.apply({"params": p}, tokens))
 
 
 def _resnet50() -> Workload:
