@@ -279,18 +279,27 @@ def executions(comps: dict[str, list[Op]], entry: str | None) -> dict[str, int]:
     def visit(name: str, count: int) -> None:
         times[name] = times.get(name, 0) + count
         for _, _, opcode, rest in comps.get(name, []):
-            if opcode in FUSIONS:
-                continue  # its instructions are the fusion's, counted as one op
-            trips = trip_count(rest, comps) if opcode == "while" else 1
-            for callee in CALLEE.findall(rest):
-                body = opcode == "while" and f"body=%{callee}" in rest
-                visit(callee, count * (trips if body else 1))
+            for callee, runs in called(opcode, rest, comps):
+                visit(callee, count * runs)
             for branch in branches(opcode, rest):  # each as if it ran: a bound
                 visit(branch, count)
 
     if entry is not None:
         visit(entry, 1)
     return times
+
+
+def called(opcode: str, rest: str, comps: dict[str, list[Op]]) -> list[tuple[str, int]]:
+    """The computations one execution of an instruction runs, each with how many times: a
+    while body once per trip, its condition and any other callee once; none for a fusion
+    (its instructions are the fusion's, counted as one op) or a conditional (`branches`)."""
+    if opcode in FUSIONS:
+        return []
+    trips = trip_count(rest, comps) if opcode == "while" else 1
+    return [
+        (callee, trips if opcode == "while" and f"body=%{callee}" in rest else 1)
+        for callee in CALLEE.findall(rest)
+    ]
 
 
 def step_total(
@@ -311,13 +320,9 @@ def step_total(
             return totals[name]
         found = Counter(own(name))
         for _, _, opcode, rest in comps.get(name, []):
-            if opcode in FUSIONS:
-                continue  # its instructions are the fusion's, counted as one op
-            trips = trip_count(rest, comps) if opcode == "while" else 1
-            for callee in CALLEE.findall(rest):
-                body = opcode == "while" and f"body=%{callee}" in rest
+            for callee, runs in called(opcode, rest, comps):
                 for key, value in total(callee).items():
-                    found[key] += value * (trips if body else 1)
+                    found[key] += value * runs
             taken = [total(branch) for branch in branches(opcode, rest)]
             if taken:
                 found.update(max(taken, key=rank))

@@ -97,12 +97,26 @@ def roofline_seconds(hlo_text: str, topology: Any) -> float | None:
             found["moved"] += nbytes
             if op[2] in _DMA_DESTINATION:  # beside the compute, sharing the bandwidth
                 continue
-            flops = matmul_seconds(instruction_flops(op, comps, types), topology) or 0.0
-            found["serial"] += max(flops, nbytes / bandwidth)
+            found["serial"] += instruction_seconds(op, comps, types, topology, nbytes)
         return found
 
     step = step_total(comps, entry, own, rank=lambda c: c["serial"])
     return max(step["serial"], step["moved"] / bandwidth)
+
+
+def instruction_seconds(
+    op: Op,
+    comps: dict[str, list[Op]],
+    types: dict[str, str],
+    topology: Any,
+    nbytes: int | None = None,
+) -> float:
+    """One execution of `op` by the roofline: the longer of its matmul flops at the chip's
+    peak and its device-memory bytes (`nbytes`, `hbm_bytes` where not given) at the
+    memory's bandwidth."""
+    flops = matmul_seconds(instruction_flops(op, comps, types), topology) or 0.0
+    moved = hbm_bytes(op, comps, types) if nbytes is None else nbytes
+    return max(flops, moved / topology.memory_bandwidth)
 
 
 def hbm_bytes(op: Op, comps: dict[str, list[Op]], types: dict[str, str]) -> int:

@@ -31,8 +31,7 @@ from xla_strategies.hardware.hlo import (
     trip_count,
 )
 from xla_strategies.hardware.hlo_collectives import Collective, collectives
-from xla_strategies.hardware.hlo_flops import instruction_flops, matmul_seconds
-from xla_strategies.hardware.hlo_roofline import hbm_bytes
+from xla_strategies.hardware.hlo_roofline import instruction_seconds
 
 COMPUTE, COLLECTIVES = 1, 2
 #: events drawn at most; the ones after are timed but not drawn (the metadata counts them)
@@ -115,23 +114,18 @@ class _Walk:
         return False
 
     def compute(self, op: Op, types: dict[str, str]) -> None:
-        seconds = _roofline(op, self.comps, types, self.topology)
+        seconds = instruction_seconds(op, self.comps, types, self.topology)
         self.slice(op[2] if op[2] not in FUSIONS else op[0], COMPUTE, self.now, seconds)
         self.now += seconds
 
     def cost(self, name: str) -> float:
         ops = self.comps.get(name, [])
         types = {op[0]: op[1] for op in ops}
-        return sum(_roofline(op, self.comps, types, self.topology) for op in ops)
+        return sum(instruction_seconds(op, self.comps, types, self.topology) for op in ops)
 
 
 def _uses(rest: str, name: str) -> bool:
     return name in OPERAND.findall(rest)
-
-
-def _roofline(op: Op, comps: dict[str, list[Op]], types: dict[str, str], topology: Any) -> float:
-    flops = matmul_seconds(instruction_flops(op, comps, types), topology) or 0.0
-    return max(flops, hbm_bytes(op, comps, types) / topology.memory_bandwidth)
 
 
 def hlo_timeline(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> dict[str, Any]:
