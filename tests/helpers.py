@@ -204,6 +204,21 @@ def lm_step(model: nn.Module, tx: optax.GradientTransformation) -> Callable[...,
     return step
 
 
+def scanned_tanh_step(tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """A stack of tanh layers run by `lax.scan` over the stacked weights, and an optax
+    update: step(stack, opt_state, x) -> (stack, opt_state)."""
+
+    def step(stack, opt_state, x):
+        def loss(stack):
+            h, _ = jax.lax.scan(lambda h, w: (jax.numpy.tanh(h @ w), None), x, stack)
+            return jax.numpy.mean(h**2)
+
+        updates, opt_state = tx.update(jax.grad(loss)(stack), opt_state, stack)
+        return optax.apply_updates(stack, updates), opt_state
+
+    return step
+
+
 def train_on(strategy, step_fn, params, tx, batches, **options):
     """(params, opt_state) after training on `strategy`, and the compiled step."""
     state = strategy.replicate(params), strategy.replicate(tx.init(params))

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import xla_strategies as xs
+from tests import helpers
 from tests.test_hlo_reader_gpu import _ASYNC
 from xla_strategies.cli import main as cli
 from xla_strategies.hardware.compiled_report import collective_seconds, compiled_report
@@ -48,15 +49,7 @@ def test_a_compiled_tpu_step_is_drawn_as_long_as_the_report_estimates(tmp_path):
     tx = optax.adam(1e-3)
     stack = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.float32)
 
-    @strategy.compile(select_by_compiling=False)
-    def step(stack, opt_state, x):
-        def loss(stack):
-            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, stack)
-            return jnp.mean(h**2)
-
-        updates, opt_state = tx.update(jax.grad(loss)(stack), opt_state, stack)
-        return optax.apply_updates(stack, updates), opt_state
-
+    step = strategy.compile(helpers.scanned_tanh_step(tx), select_by_compiling=False)
     x = jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=strategy.split_sharding())
     state = strategy.replicate(stack), strategy.replicate(jax.eval_shape(tx.init, stack))
     compiled = step.lower(*state, x).compile()

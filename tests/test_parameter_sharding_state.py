@@ -84,17 +84,11 @@ def _decision(topology, layers):
         (8 * strategy.num_replicas_in_sync, 4096), jnp.float32, sharding=strategy.split_sharding()
     )
 
-    def step(stack, opt_state, x):
-        def loss(stack):
-            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, stack)
-            return jnp.mean(h**2)
-
-        updates, opt_state = tx.update(jax.grad(loss)(stack), opt_state, stack)
-        return optax.apply_updates(stack, updates), opt_state
-
     state = strategy.replicate(stack), strategy.replicate(jax.eval_shape(tx.init, stack))
     # the default pipeline's own decision, never swapped for another (select_by_compiling)
-    compiled = strategy.compile(step, donate_argnums=(0, 1), select_by_compiling=False)
+    compiled = strategy.compile(
+        helpers.scanned_tanh_step(tx), donate_argnums=(0, 1), select_by_compiling=False
+    )
     executable = compiled.executable(*state, x)
     return executable.graph, executable.pass_stats["shard-parameters"]["decision"]
 
