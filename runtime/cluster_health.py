@@ -29,8 +29,6 @@ import jax
 
 from xla_strategies.core.errors import UnavailableError
 
-# How long a failed step waits for the service to say which peer is gone.
-_CONFIRM_SECONDS = 3.0
 # How long the coordinator lets the service's last shutdown reply travel before it exits.
 _REPLY_SECONDS = 0.5
 # What a collective says when its peer's process has ended.
@@ -57,19 +55,6 @@ def _ask_service() -> list[int]:
     except Exception:  # noqa: BLE001 - the service itself is gone: it runs in worker 0
         return [0]
     return [w for w in everyone if w not in live]
-
-
-def dead_workers(wait: float | None = None) -> list[int] | None:
-    """The dead workers, asking the service for up to `wait` seconds (None: as long as it
-    takes); None when it has not answered by then."""
-    if _dead:
-        return list(_dead)
-    answer: concurrent.futures.Future = concurrent.futures.Future()
-    _in_thread(_ask_service, answer)  # not an executor: this also runs at exit
-    try:
-        return answer.result(timeout=wait)
-    except concurrent.futures.TimeoutError:
-        return None
 
 
 def wait_until_others_left(seconds: float) -> None:
@@ -101,11 +86,14 @@ def unavailable(cause: BaseException | None = None) -> UnavailableError | None:
     """The error for a step once a peer worker is gone: one the watcher confirmed, or one
     whose connection `cause` (the step's own failure) says closed. None otherwise."""
     if cause is None:
-        dead: list[int] | None = known_dead()
+        dead = known_dead()
         if not dead and not _lost:
             return None
     elif _dead or any(s in str(cause) for s in _PEER_GONE):
-        dead = dead_workers(wait=_CONFIRM_SECONDS)
+        # Named only if the watcher already knows: the service confirms a death only after
+        # its heartbeat timeout, and the user's handler (an emergency save before a
+        # preemption ends the process) must not wait for that.
+        dead = known_dead()
         _lost.append(str(cause).splitlines()[0])
     else:
         return None

@@ -9,6 +9,7 @@ Each `iter()` is one pass (epoch) over the dataset.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -252,11 +253,15 @@ class DistributedIterator:
         self._stages, self._source, self._closed = [], None, False
         self._peeked = None
 
-    def close(self) -> None:
-        """Stop the background threads and drop prefetched batches. Idempotent."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the background threads, waiting up to `timeout` seconds in all for them,
+        and drop prefetched batches. Idempotent."""
         self._closed, self._peeked = True, None
         for stage in self._stages:  # upstream first, so the next stage sees its end
-            stage.close()
+            stage.stop()
+        deadline = time.monotonic() + timeout
+        for stage in self._stages:
+            stage.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> DistributedIterator:
         return self
@@ -265,9 +270,12 @@ class DistributedIterator:
         self.close()
 
     def __del__(self) -> None:
+        # Never waits: an iterator dropped by an exception (a step that met a dead peer)
+        # is collected on the way to the user's handler, while its input thread may still
+        # wait on that peer to agree on the next batch.
         try:
             for stage in getattr(self, "_stages", []):
-                stage.close()
+                stage.stop()
         except Exception:  # noqa: BLE001 - at interpreter exit the modules may be gone
             pass
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,8 +29,10 @@ import jax
 import numpy as np
 
 from xla_strategies.core.errors import UnavailableError
+from xla_strategies.runtime import cluster_health
 
 _END = "end"
+_POLL_SECONDS = 1.0  # how often a wait for a peer's batch checks that the peer lives
 _iterators = itertools.count()  # every worker makes its iterators in the same order
 
 
@@ -73,13 +76,21 @@ def agreed(items: Iterator[Any], shapes_of: Any, timeout_s: float = 600.0) -> It
 
 
 def _read(client: Any, key: str, timeout_s: float, worker: int) -> str:
-    try:
-        return client.blocking_key_value_get(key, int(timeout_s * 1000))
-    except Exception as exc:  # noqa: BLE001 - DEADLINE_EXCEEDED, or the store is gone
-        raise UnavailableError(
-            f"worker {worker} did not say within {timeout_s:g} s whether it has the next "
-            f"batch ({str(exc).splitlines()[0]}): it is stuck or gone"
-        ) from None
+    """`key`'s value, waited for in short reads: between them, a peer the cluster's
+    watcher has found dead ends the wait at once (the dead peer never publishes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait = max(0.001, min(_POLL_SECONDS, deadline - time.monotonic()))
+        try:
+            return client.blocking_key_value_get(key, int(wait * 1000))
+        except Exception as exc:  # noqa: BLE001 - DEADLINE_EXCEEDED, or the store is gone
+            if (gone := cluster_health.unavailable()) is not None:
+                raise gone from None
+            if "DEADLINE_EXCEEDED" not in str(exc) or time.monotonic() >= deadline:
+                raise UnavailableError(
+                    f"worker {worker} did not say within {timeout_s:g} s whether it has the "
+                    f"next batch ({str(exc).splitlines()[0]}): it is stuck or gone"
+                ) from None
 
 
 def host_shapes(item: tuple[int, Any, Any]) -> list:

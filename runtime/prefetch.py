@@ -1,14 +1,16 @@
 """A background producer: a daemon thread fills a bounded queue from an iterator.
 
 The thread holds no reference to its owner, so an abandoned iterator is garbage collected
-and its `close()` (from `__del__`) stops the thread. An exception in the producer is passed
-through the queue and re-raised in the consumer with its original traceback.
+and its `stop()` (from `__del__`) stops the thread without waiting for it. An exception in
+the producer is passed through the queue and re-raised in the consumer with its original
+traceback.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,22 +57,36 @@ class Producer:
             except StopIteration:
                 return
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread. It finishes at most the item its source is producing."""
+    def stop(self) -> None:
+        """Ask the thread to stop, without waiting for it: the thread may be inside a
+        blocking call (a read that waits on a dead peer worker), and a finalizer or an
+        exception on its way to the user's handler must not wait with it."""
         self._stop.set()
-        while self._thread.is_alive():
+        self._wake_next_stage()
+
+    def _wake_next_stage(self) -> None:
+        """Wake a next stage blocked on `get`: nothing more is coming."""
+        try:
+            self._queue.put_nowait(_END)
+        except queue.Full:  # a full queue: the next stage is not waiting on it
+            pass
+
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a stopped thread to end."""
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
             try:  # unblock a producer waiting for room in the queue
                 self._queue.get(timeout=_POLL_SECONDS)
             except queue.Empty:
                 pass
             self._thread.join(timeout=_POLL_SECONDS)
-            timeout -= _POLL_SECONDS
-            if timeout <= 0:
-                break
-        try:  # wake a next stage blocked on `get`: nothing more is coming
-            self._queue.put_nowait(_END)
-        except queue.Full:
-            pass
+        self._wake_next_stage()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait up to `timeout` seconds for it. It finishes at most the
+        item its source is producing."""
+        self.stop()
+        self.join(timeout)
 
 
 def _produce(

@@ -25,7 +25,7 @@ class Worker:
     index: int
     process: subprocess.Popen
     lines: list[str] = field(default_factory=list)
-    killed_at: int | None = None
+    killed_at: int | str | None = None
     killed_time: float | None = None  # time.time() of the kill
 
     @property
@@ -56,13 +56,13 @@ def run_workers(
     argv: list[str],
     count: int = 2,
     timeout: float = 240,
-    kill: tuple[int, int] | None = None,
+    kill: tuple[int, int | str] | None = None,
     start: list[int] | None = None,
     kill_signal: int = signal.SIGKILL,
 ) -> list[Worker]:
     """Run `python argv...` as `count` workers (only those in `start`, if given); send
-    `kill_signal` to worker `kill[0]` when it prints `STEP kill[1]`. Returns when all have
-    exited."""
+    `kill_signal` to worker `kill[0]` when it prints `STEP kill[1]` (or the line
+    `kill[1]`, a string). Returns when all have exited."""
     configs = tf_configs(count)
     workers = []
     for index in start if start is not None else range(count):
@@ -95,10 +95,12 @@ def run_workers(
     return workers
 
 
-def _read(worker: Worker, kill: tuple[int, int] | None, kill_signal: int) -> None:
+def _read(worker: Worker, kill: tuple[int, int | str] | None, kill_signal: int) -> None:
+    if kill:
+        signal_line = kill[1] if isinstance(kill[1], str) else f"STEP {kill[1]}"
     for line in worker.process.stdout:
         worker.lines.append(line)
-        if kill and worker.index == kill[0] and line.strip() == f"STEP {kill[1]}":
+        if kill and worker.index == kill[0] and line.strip() == signal_line:
             os.kill(worker.process.pid, kill_signal)
             worker.killed_at, worker.killed_time = kill[1], time.time()
 

@@ -65,7 +65,9 @@ def test_an_option_that_changes_nothing_says_so_and_a_misspelt_policy_names_the_
     own = strategy.compile(
         _step(tx, jax.checkpoint_policies.nothing_saveable), remat_policy="dots_saveable"
     )
-    with pytest.warns(UserWarning, match=r"changed nothing: each of its remat blocks names its own"):
+    with pytest.warns(
+        UserWarning, match=r"changed nothing: each of its remat blocks names its own"
+    ):
         own(strategy.replicate(stack), strategy.replicate(tx.init(stack)), x)
     with pytest.raises(ValueError, match=r"did you mean 'dots_saveable'\?"):
         strategy.compile(_step(tx), remat_policy="dot_saveable")

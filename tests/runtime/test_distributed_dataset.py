@@ -139,6 +139,28 @@ def test_early_break_close_and_garbage_collection_leak_no_thread(strategy):
         next(iterator)  # closed
 
 
+def test_dropping_an_iterator_whose_source_is_stuck_does_not_wait_for_it(strategy):
+    # An exception (a step that met a dead peer) drops the loop's iterator on its way to
+    # the user's handler while the input thread still waits on that peer; the handler must
+    # not wait with it.
+    released = threading.Event()
+
+    def stuck_after_two():
+        yield from _batches([8, 8])
+        released.wait()  # a read that never returns while the test looks
+        yield from _batches([8])
+
+    iterator = iter(strategy.experimental_distribute_dataset(stuck_after_two()))
+    next(iterator)
+    dropped = threading.Thread(target=lambda: iterator.__del__())
+    dropped.start()
+    dropped.join(timeout=2.0)  # the old finalizer joined each stage for 5 s
+    was_waiting = dropped.is_alive()
+    released.set()
+    assert not was_waiting
+    assert not _wait_for_no_input_threads()  # released, the stopped threads end
+
+
 def test_state_round_trip_resumes_at_the_next_batch(strategy):
     batches = _batches([8] * 10)
     dataset = strategy.experimental_distribute_dataset(batches, xs.InputOptions(buffer_size=3))

@@ -1,11 +1,14 @@
-"""A worker whose peer dies mid-training: it trains until a step fails, then runs an
-emergency handler (a save that takes `--handler-seconds`) and exits with status 7. Prints
-`STEP n` after each step, `CAUGHT <error>` and `SAVED` as it goes."""
+"""A worker whose peer dies mid-training: it trains until a step (or the wait for the
+next batch) fails, then runs an emergency handler (a save that takes `--handler-seconds`)
+and exits with status 7. Prints `STEP n` after each step, `CAUGHT <error>` and `SAVED` as
+it goes. `--stall-at N`: worker 1's data never yields batch N (it prints `STALLED` once
+every earlier step has finished), so its peer waits for that batch, not in a step."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--handler-seconds", type=float, default=20)
     parser.add_argument("--timeout", type=float, default=10)
+    parser.add_argument("--stall-at", type=int, default=None)
     args = parser.parse_args()
     options = xs.CommunicationOptions(timeout_seconds=args.timeout)
     strategy = xs.MultiWorkerMirroredStrategy(communication_options=options)
@@ -35,11 +39,16 @@ def main() -> None:
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
     step = strategy.compile(models.mlp_train_step(graphdef, tx), donate_argnums=(0, 1))
     batches = helpers.mlp_batches(1000)
+    stepped = threading.Event()
+    if args.stall_at is not None and jax.process_index() == 1:
+        batches = _stalling(batches, args.stall_at, stepped)
     try:
         for n, batch in enumerate(strategy.experimental_distribute_dataset(batches)):
             *state, _ = step(*state, batch)
             jax.block_until_ready(state[0])
             print(f"STEP {n}", flush=True)
+            if n + 1 == args.stall_at:
+                stepped.set()
     except Exception as exc:  # noqa: BLE001 - what a user's emergency handler catches
         started = time.monotonic()
         print(
@@ -53,6 +62,14 @@ def main() -> None:
         np.save(args.out, np.zeros(4))
         print(f"SAVED after {time.monotonic() - started:.1f} s", flush=True)
         sys.exit(7)
+
+
+def _stalling(batches: list, stall_at: int, stepped: threading.Event):
+    """`batches` up to `stall_at`, then a read that never returns (a stuck file system)."""
+    yield from batches[:stall_at]
+    stepped.wait()
+    print("STALLED", flush=True)
+    threading.Event().wait()
 
 
 if __name__ == "__main__":
