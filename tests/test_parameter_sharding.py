@@ -107,7 +107,9 @@ def test_prefetching_the_next_layer_keeps_the_numbers():
 
 def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update():
     """A [5] bias divides by no replica count: it stays replicated (a remark says so),
-    and the rest is held split; the numbers are the replicated update's."""
+    and the rest is held split; the numbers are the replicated update's. The layers are
+    not a scan: a kernel read by its backward after later layers' gathers is gathered
+    again there (without a chip memory size to weigh), not held across the step."""
     with jax.enable_x64(True):
         strategy = xs.MirroredStrategy()
         graphdef, params = helpers.mlp(np.float64)
@@ -126,6 +128,12 @@ def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update
         executable = step.executable(p_on, s_on, batch)
         replicated = executable.pass_stats["shard-parameters"]["replicated"]
         assert {"f64[5]"} <= {r["type"] for r in replicated}
+    # the middle kernel: the last one's backward read comes before any other gather, and
+    # the first one's input gradient is not computed (the batch has none)
+    assert executable.pass_stats["shard-weight-updates"]["regathered_reads"] == 1
+    copy = [n for n in executable.graph.nodes if n.op == "all_gather" and n.attrs.get("parameter")]
+    assert len(copy) == 1  # the forward's gathers share a bucket; the copy, after them, not
+    assert executable.graph.producers()[copy[0].inputs[0]].op == "after"  # waits its turn
 
 
 def test_a_stacks_moments_are_split_where_the_stack_is_when_its_layers_divide():

@@ -139,3 +139,52 @@ def test_the_pass_works_from_a_pipeline_spec():
     (p_ref, s_ref), _ = train_on(xs.OneDeviceStrategy(), step_fn, params, tx, batches)
     assert_close_to_scale((p_spec, s_spec), (p_ref, s_ref), 1e-5)
     assert sum(held_split(p_spec, strategy)) == len(held_split(p_spec, strategy)) - 1  # not the [5]
+
+
+WIDTH = 4096  # narrower layers' gathers fit the chip's on-chip memory
+
+
+def _unscanned_layers_on_v5e(layers: int, width: int = WIDTH):
+    """XLA's TPU compile (v5e 2x4) of an adamw step over unscanned bf16 matmul layers,
+    with parameter sharding."""
+    from xla_strategies.hardware.compiled_report import compiled_report
+
+    def loss(params, x):
+        for w in params:
+            x = jnp.tanh(x @ w.astype(jnp.bfloat16))
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+
+    tx = optax.adamw(1e-3)
+
+    def step(params, opt_state, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    strategy = xs.TPUStrategy("v5e-8", compile_only=True)
+    params = [jax.ShapeDtypeStruct((width, width), jnp.float32)] * layers
+    state = strategy.replicate(params), strategy.replicate(jax.eval_shape(tx.init, params))
+    x = jax.ShapeDtypeStruct((8 * 32, width), jnp.bfloat16, sharding=strategy.split_sharding())
+    compiled = strategy.compile(step, donate_argnums=(0, 1), shard_parameters=True)
+    return compiled_report(compiled.lower(*state, x).compile(), strategy)
+
+
+@pytest.mark.slow  # two compiles of a 400 MiB model
+def test_the_tpu_compiler_gathers_unscanned_layers_one_at_a_time_and_again_if_asked(
+    monkeypatch,
+):
+    """Unscanned layers' gathers are left apart on TPU, as a layer loop's are (a bucket of
+    them is copied out whole and held until its last member's reads). Where holding the
+    forward's gathers for the backward pass would take too much of a chip (forced here),
+    the backward pass gathers each layer again: XLA keeps the copies apart from the
+    forward's gathers (it neither merges them nor hoists them to the step's start)."""
+    pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
+    from xla_strategies.passes.transforms import shard_weight_updates
+
+    layers = 6
+    held = _unscanned_layers_on_v5e(layers)
+    assert len([c for c in held.collectives if c.kind == "all-gather"]) == layers
+    monkeypatch.setattr(shard_weight_updates, "REGATHER_SHARE_OF_HBM", 0.0)
+    again = _unscanned_layers_on_v5e(layers)
+    # every layer but the last (its backward comes first) and the first (no input gradient)
+    assert len([c for c in again.collectives if c.kind == "all-gather"]) == 2 * layers - 2

@@ -54,6 +54,7 @@ from xla_strategies.passes.cost.model import SLOW_LEVELS
 from xla_strategies.passes.ir.graph import Graph, Node
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.rewrites.bucket_lowering import Bucket, combine, combine_blocks
+from xla_strategies.passes.rewrites.regather_reads import PARAMETER_GATHER
 
 # Without a topology (CPU, plain MirroredStrategy): chosen from the sweep in
 # benchmarks/README.md ("Bucket threshold sweep").
@@ -138,6 +139,9 @@ class CombineAllReduces(Pass):
                 kinds_here = tuple(k for k in kinds if k not in BLOCK_COLLECTIVES)
             else:
                 kinds_here = kinds
+            if apart and id(region) not in unbucketed:
+                # an unscanned layer's weights, gathered where read: apart, as in a loop
+                kinds_here = _without_parameter_gathers(region, kinds_here)
             # Packs are fixed before any bucket is made: combining removes their members.
             packs = _pack_of(region, self.num_packs, kinds_here) if self.num_packs else {}
             # One bucket at a time, then look again: combining moves nodes.
@@ -259,6 +263,15 @@ def _own_bytes(ctx: PassContext, member: Node, spans: bool) -> int:
 
 def _leaves_layer_collectives(ctx: PassContext) -> bool:
     return ctx.topology is not None and not ctx.topology.bucket_layer_collectives
+
+
+def _without_parameter_gathers(graph: Graph, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """`kinds`, less the gathers, where `graph` gathers held parameters outside a loop
+    (`regather_reads.PARAMETER_GATHER`); its other gathers are the updated blocks of
+    weight-update sharding, few and small beside them."""
+    if any(n.attrs.get(PARAMETER_GATHER) for n in graph.nodes):
+        return tuple(k for k in kinds if k != "all_gather")
+    return kinds
 
 
 def _layer_loop_regions(graph: Graph) -> set[int]:

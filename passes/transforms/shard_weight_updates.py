@@ -56,6 +56,11 @@ from xla_strategies.passes.rewrites.block_sharder import (
     is_gradient_reduction,
 )
 from xla_strategies.passes.rewrites.held_state import require_state, warn_if_nothing_held
+from xla_strategies.passes.rewrites.regather_reads import regather_reads
+
+# Gather a held parameter again for a later read where holding the first gathers would
+# take more than this share of a chip's memory (the activations' and temporaries' room).
+REGATHER_SHARE_OF_HBM = 0.1
 
 
 @dataclass(frozen=True)
@@ -90,12 +95,29 @@ class ShardWeightUpdates(ModePass):
             axes, ctx.mesh_axes, self.name, min_elements=small, lookups=ctx.devices_per_replica == 1
         )
         sharder.rewrite(graph)
+        if held_split:
+            sharder.stats["regathered_reads"] = self._regather(graph, ctx)
         ctx.stats[self.name] = {**sharder.stats, "decision": decision}
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
         if self.mode == "on" and not held_split:
             held = sharder.stats["sharded_state"] + sharder.stats["sharded_gradients"]
             warn_if_nothing_held(self.name, "shard_weight_updates", held, sharder.remarks)
         return sharder.stats["sharded_gradients"] > 0 or bool(held_split)
+
+    def _regather(self, graph: Graph, ctx: PassContext) -> int:
+        """Held parameters read again after other layers' gathers (an unscanned model's
+        backward pass) are gathered again there, where keeping the first gathers alive
+        would hold more than `REGATHER_SHARE_OF_HBM` of a chip (always, without a chip
+        memory size): a second gather against the whole model's weights per chip."""
+        hbm = ctx.topology.hbm_bytes if ctx.topology is not None else None
+        limit = REGATHER_SHARE_OF_HBM * hbm if hbm else None
+        copied = regather_reads(graph, self.name, limit)
+        if copied:
+            ctx.remarks.append(
+                f"{self.name}: {copied} reads of held parameters after other layers' gathers "
+                "gather again, rather than hold the first gathers across the step"
+            )
+        return copied
 
 
 def _cost_model_decision(graph: Graph, ctx: PassContext) -> dict[str, Any]:
