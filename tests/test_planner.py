@@ -3,6 +3,7 @@ ones that do not fit said so by XLA's compiler, and the fastest that fits recomm
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -99,6 +100,11 @@ def test_the_command_line_plans_a_scripts_first_step(tmp_path):
         "step = strategy.compile(" in done.stdout or "<lambda> = strategy.compile(" in done.stdout
     )
     assert "plan: compiling 1/" in done.stderr
+    # the recommended configuration's step, drawn as XLA scheduled it
+    (timeline,) = (tmp_path / "out").glob("*/plan_timeline.json")
+    trace = json.loads(timeline.read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])  # instructions with times
+    assert timeline.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(

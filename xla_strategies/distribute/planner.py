@@ -27,12 +27,14 @@ step again compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -47,6 +49,7 @@ from xla_strategies.distribute.plan_rows import (
     row_options,
 )
 from xla_strategies.hardware.compiled_report import calibration_label, compiled_report
+from xla_strategies.hardware.hlo_timeline import hlo_timeline, timeline_png
 from xla_strategies.hardware.memory_at_peak import (
     dump_options,
     library_directories,
@@ -82,10 +85,30 @@ def plan(
     batch_doublings: int = BATCH_DOUBLINGS,
     stages: tuple[int, ...] = STAGES,
     remat_policies: tuple[str, ...] = REMAT_POLICIES,
+    timeline_to: Path | None = None,
 ) -> Plan:
     """Compile `step` (a function, or a compiled step whose own options are kept) on `args`
     (abstract `jax.ShapeDtypeStruct`s: state mirrored, batches with
-    `strategy.split_sharding()`) in every candidate configuration; see the module."""
+    `strategy.split_sharding()`) in every candidate configuration; see the module.
+    `timeline_to`: where the recommended configuration's timeline goes (`write_timeline`)."""
+    found = _search(strategy, step, args, budget, log, model_axes, batch_doublings, stages,
+                    remat_policies)  # fmt: skip
+    if timeline_to is not None and write_timeline(strategy, step, args, found, timeline_to):
+        log(f"plan: the recommended step as XLA schedules it: {timeline_to} and its .png")
+    return found
+
+
+def _search(
+    strategy: Strategy,
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    budget: float | None,
+    log: Callable[[str], None],
+    model_axes: tuple[int, ...],
+    batch_doublings: int,
+    stages: tuple[int, ...],
+    remat_policies: tuple[str, ...],
+) -> Plan:
     started = time.monotonic()
     rows: list[Row] = []
     candidates = list(_candidates(strategy, model_axes, stages))
@@ -176,8 +199,7 @@ def _compiled_row(
     stages = strategy.pipeline_stages
     microbatches = _microbatches(strategy, args) if stages > 1 else 0
     chosen = row_options(sharding, stages, microbatches, remat_policy)
-    options = dataclasses.replace(_options_of(step), **chosen)
-    compiled_step = strategy.compile(getattr(step, "fn", step), options=options)
+    compiled_step = _configured(strategy, step, chosen)
     where = (sharding, model, str(strategy.topology), stages, microbatches, remat_policy)
     key = fingerprint(print_graph(compiled_step.graph(*args)), strategy.topology, where)
     cached = verdict_cache.read("plan_rows", key)
@@ -189,6 +211,34 @@ def _compiled_row(
     )
     verdict_cache.write("plan_rows", key, dataclasses.asdict(row))
     return row
+
+
+def _configured(strategy: Strategy, step: Callable[..., Any], chosen: dict[str, Any]) -> Any:
+    """`step` compiled by `strategy` with its own options and a row's `chosen` ones."""
+    options = dataclasses.replace(_options_of(step), **chosen)
+    return strategy.compile(getattr(step, "fn", step), options=options)
+
+
+def write_timeline(
+    strategy: Strategy, step: Callable[..., Any], args: tuple[Any, ...], found: Plan, out: Path
+) -> Path | None:
+    """The recommended row's step as XLA schedules it (`hlo_timeline`), compiled once more
+    for its HLO: a trace at `out` and its picture beside it (`.png`); None when nothing
+    fits."""
+    best = found.best()
+    if best is None:
+        return None
+    variant = strategy.with_pipeline_stages(best.stages)
+    variant = variant.with_logical_devices_per_replica(best.devices_per_replica)
+    base = _batch_per_chip(variant, _on(variant, args, 1, strategy))
+    scaled = _on(variant, args, best.batch_per_chip // base if base else 1, strategy)
+    chosen = row_options(best.sharding, best.stages, best.microbatches, best.remat_policy)
+    text = _configured(variant, step, chosen).lower(*scaled).compile().as_text()
+    trace = hlo_timeline(text, variant.topology, best.devices_per_replica)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(trace))
+    out.with_suffix(".png").write_bytes(timeline_png(trace))
+    return out
 
 
 def _microbatches(strategy: Strategy, args: tuple[Any, ...]) -> int:

@@ -46,10 +46,12 @@ from xla_strategies.step.compiler_options import option_values, step_compiler_op
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
 from xla_strategies.step.dumping import (
     PLAN,
+    PLAN_TIMELINE,
     STOP_AFTER_COMPILE,
     DumpOptions,
     StepDumper,
     abstract,
+    step_directory,
 )
 from xla_strategies.step.executable import Executable
 from xla_strategies.step.pipeline_choice import (
@@ -193,7 +195,9 @@ class CompiledStep:
         if kwargs:
             raise TypeError(f"{self.name}: plan takes a step called with positional arguments")
         seconds = None if budget == "none" else float(budget)
-        found = self.strategy.plan(self, *args, budget=seconds)
+        directory = DumpOptions.from_env().directory
+        timeline = step_directory(directory, self.name) / PLAN_TIMELINE if directory else None
+        found = self.strategy.plan(self, *args, budget=seconds, timeline_to=timeline)
         print(found.table())
         print(found.memory())
         print(found.recommendation(self.name), flush=True)

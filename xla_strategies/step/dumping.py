@@ -48,6 +48,8 @@ SELECT_BY_COMPILING = "XLA_STRATEGIES_SELECT_BY_COMPILING"
 #: set by `xla-strategies plan`: the first step plans (its value: the budget in seconds, or
 #: "none"), prints the plan and stops
 PLAN = "XLA_STRATEGIES_PLAN"
+#: the recommended configuration's step as XLA schedules it, in the step's dump folder
+PLAN_TIMELINE = "plan_timeline.json"
 
 
 @dataclass(frozen=True)
