@@ -9,6 +9,7 @@ Each `iter()` is one pass (epoch) over the dataset.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -222,8 +223,9 @@ class DistributedIterator:
         numbered = _numbered(source, self._position)
         if self._options.prefetch_to_device:
             host = Producer(numbered, self._prepare, self._options.host_buffer_size)
-            prepared = agreed(host.results(), host_shapes)
-            device = Producer(prepared, self._place, self._options.buffer_size)
+            stop = threading.Event()  # the device stage's: it ends a wait for the peers too
+            prepared = agreed(host.results(), host_shapes, stop=stop)
+            device = Producer(prepared, self._place, self._options.buffer_size, stop=stop)
             self._stages = [host, device]
         else:
             prepared = (item for item in map(self._prepare, numbered) if item is not None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,9 +37,15 @@ _POLL_SECONDS = 1.0  # how often a wait for a peer's batch checks that the peer 
 _iterators = itertools.count()  # every worker makes its iterators in the same order
 
 
-def agreed(items: Iterator[Any], shapes_of: Any, timeout_s: float = 600.0) -> Iterator[Any]:
+def agreed(
+    items: Iterator[Any],
+    shapes_of: Any,
+    timeout_s: float = 600.0,
+    stop: threading.Event | None = None,
+) -> Iterator[Any]:
     """`items` (one worker's prepared batches), stopped where any worker's end is, and
-    checked to have every worker's shapes; a single process is passed through."""
+    checked to have every worker's shapes; a single process is passed through. `stop`:
+    once set, a wait for the other workers ends the epoch here (the input is closing)."""
     if jax.process_count() == 1:
         yield from items
         return
@@ -51,7 +58,9 @@ def agreed(items: Iterator[Any], shapes_of: Any, timeout_s: float = 600.0) -> It
         item = next(items, None)
         mine = _END if item is None else json.dumps(shapes_of(item))
         client.key_value_set(f"{prefix}/{index}/{me}", mine)
-        theirs = [_read(client, f"{prefix}/{index}/{w}", timeout_s, w) for w in range(count)]
+        theirs = [_read(client, f"{prefix}/{index}/{w}", timeout_s, w, stop) for w in range(count)]
+        if stop is not None and stop.is_set():
+            return  # the input is closing: no batch is waited for
         if index >= 2:  # every worker has read batch index - 2: it published index - 1
             client.key_value_delete(f"{prefix}/{index - 2}/{me}")
         if _END in theirs:
@@ -75,11 +84,14 @@ def agreed(items: Iterator[Any], shapes_of: Any, timeout_s: float = 600.0) -> It
         yield item
 
 
-def _read(client: Any, key: str, timeout_s: float, worker: int) -> str:
+def _read(
+    client: Any, key: str, timeout_s: float, worker: int, stop: threading.Event | None
+) -> str:
     """`key`'s value, waited for in short reads: between them, a peer the cluster's
-    watcher has found dead ends the wait at once (the dead peer never publishes)."""
+    watcher has found dead ends the wait at once (the dead peer never publishes), and so
+    does `stop` (nothing waits for the batch any more)."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    while stop is None or not stop.is_set():
         wait = max(0.001, min(_POLL_SECONDS, deadline - time.monotonic()))
         try:
             return client.blocking_key_value_get(key, int(wait * 1000))
@@ -91,6 +103,7 @@ def _read(client: Any, key: str, timeout_s: float, worker: int) -> str:
                     f"worker {worker} did not say within {timeout_s:g} s whether it has the "
                     f"next batch ({str(exc).splitlines()[0]}): it is stuck or gone"
                 ) from None
+    return _END
 
 
 def host_shapes(item: tuple[int, Any, Any]) -> list:

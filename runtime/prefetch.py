@@ -1,21 +1,28 @@
 """A background producer: a daemon thread fills a bounded queue from an iterator.
 
 The thread holds no reference to its owner, so an abandoned iterator is garbage collected
-and its `stop()` (from `__del__`) stops the thread without waiting for it. An exception in
-the producer is passed through the queue and re-raised in the consumer with its original
+and its `stop()` (from `__del__`) stops the thread without waiting for it. At exit every
+producer still running is stopped and waited for (a few seconds in all): a thread still
+inside JAX when the interpreter finalizes aborts the process. An exception in the
+producer is passed through the queue and re-raised in the consumer with its original
 traceback.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 _END = object()
 _POLL_SECONDS = 0.05
+#: how long the exit waits, in all, for the input threads still running
+_EXIT_SECONDS = 5.0
+_running: weakref.WeakSet[Producer] = weakref.WeakSet()
 
 
 class _Failure:
@@ -26,9 +33,16 @@ class _Failure:
 class Producer:
     """Runs `transform` over `source` on a daemon thread, `size` results ahead."""
 
-    def __init__(self, source: Iterator[Any], transform: Callable[[Any], Any], size: int) -> None:
+    def __init__(
+        self,
+        source: Iterator[Any],
+        transform: Callable[[Any], Any],
+        size: int,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """`stop`: the event that stops the thread, for a source that waits on it too."""
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=size)
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self._thread = threading.Thread(
             target=_produce,
             args=(source, transform, self._queue, self._stop),
@@ -36,6 +50,7 @@ class Producer:
             daemon=True,
         )
         self._thread.start()
+        _running.add(self)
 
     def get(self) -> Any:
         """The next result; raises StopIteration at the end, or the producer's exception."""
@@ -87,6 +102,19 @@ class Producer:
         item its source is producing."""
         self.stop()
         self.join(timeout)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every producer, then wait for their threads: one left inside a JAX call (a
+    transfer to the device) while the interpreter finalizes aborts the process
+    (std::terminate), after a preemption's save had succeeded."""
+    producers = list(_running)
+    for producer in producers:
+        producer.stop()
+    deadline = time.monotonic() + _EXIT_SECONDS
+    for producer in producers:
+        producer.join(max(0.0, deadline - time.monotonic()))
 
 
 def _produce(
