@@ -52,13 +52,12 @@ def regather_reads(graph: Graph, created_by: str, held_bytes_limit: float | None
     position = {node: i for i, node in enumerate(graph.nodes)}
     gathered_at = sorted(position[g] for g in gathers)
     in_pure, producers = set(pure), {out: n for n in pure for out in n.outputs}
+    users = graph.users()
     later: list[tuple[list[Node], set[Value]]] = []  # the reads that gather again
     for gather in gathers:
         values = {v for n in _descendants(gather, pure) for v in n.outputs}
-        reads = sorted(
-            (n for n in graph.nodes if n not in in_pure and any(v in values for v in n.inputs)),
-            key=position.__getitem__,
-        )
+        readers = {n for v in values for n in users.get(v, ()) if n not in in_pure}
+        reads = sorted(readers, key=position.__getitem__)
         groups = [reads[:1]]
         for earlier, read in zip(reads, reads[1:], strict=False):
             if any(position[earlier] < at < position[read] for at in gathered_at):
