@@ -14,7 +14,6 @@ import atexit
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +21,9 @@ _END = object()
 _POLL_SECONDS = 0.05
 #: how long the exit waits, in all, for the input threads still running
 _EXIT_SECONDS = 5.0
-_running: weakref.WeakSet[Producer] = weakref.WeakSet()
+# Every running input thread and its producer, held here (the producers, not their
+# owners): the exit must stop and wait for the thread of an abandoned one too.
+_threads: dict[threading.Thread, Producer] = {}
 
 
 class _Failure:
@@ -50,7 +51,9 @@ class Producer:
             daemon=True,
         )
         self._thread.start()
-        _running.add(self)
+        for ended in [t for t in _threads if not t.is_alive()]:
+            del _threads[ended]
+        _threads[self._thread] = self
 
     def get(self) -> Any:
         """The next result; raises StopIteration at the end, or the producer's exception."""
@@ -106,15 +109,15 @@ class Producer:
 
 @atexit.register
 def _stop_at_exit() -> None:
-    """Stop every producer, then wait for their threads: one left inside a JAX call (a
+    """Stop every input thread, then wait for them: one left inside a JAX call (a
     transfer to the device) while the interpreter finalizes aborts the process
     (std::terminate), after a preemption's save had succeeded."""
-    producers = list(_running)
-    for producer in producers:
+    threads = list(_threads.items())
+    for _, producer in threads:
         producer.stop()
     deadline = time.monotonic() + _EXIT_SECONDS
-    for producer in producers:
-        producer.join(max(0.0, deadline - time.monotonic()))
+    for thread, _ in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _produce(
