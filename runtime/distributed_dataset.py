@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from xla_strategies.core.trees import abstract_like
 from xla_strategies.runtime.host_batch import SKIP, HostBatch, prepare
 from xla_strategies.runtime.input_agreement import agreed, host_shapes
 from xla_strategies.runtime.input_options import InputContext, InputOptions, InputReplicationMode
-from xla_strategies.runtime.prefetch import Producer
+from xla_strategies.runtime.prefetch import Producer, stop_all
 
 if TYPE_CHECKING:
     from xla_strategies.core.strategy_like import StrategyLike
@@ -259,11 +258,7 @@ class DistributedIterator:
         """Stop the background threads, waiting up to `timeout` seconds in all for them,
         and drop prefetched batches. Idempotent."""
         self._closed, self._peeked = True, None
-        for stage in self._stages:  # upstream first, so the next stage sees its end
-            stage.stop()
-        deadline = time.monotonic() + timeout
-        for stage in self._stages:
-            stage.join(max(0.0, deadline - time.monotonic()))
+        stop_all(self._stages, timeout)
 
     def __enter__(self) -> DistributedIterator:
         return self

@@ -100,11 +100,16 @@ class Producer:
             self._thread.join(timeout=_POLL_SECONDS)
         self._wake_next_stage()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and wait up to `timeout` seconds for it. It finishes at most the
-        item its source is producing."""
-        self.stop()
-        self.join(timeout)
+
+def stop_all(producers: list[Producer], timeout: float) -> None:
+    """Stop `producers` (upstream first, so each next stage sees its end), then wait up
+    to `timeout` seconds in all for their threads. Each finishes at most the item its
+    source is producing."""
+    for producer in producers:
+        producer.stop()
+    deadline = time.monotonic() + timeout
+    for producer in producers:
+        producer.join(max(0.0, deadline - time.monotonic()))
 
 
 @atexit.register
@@ -112,12 +117,7 @@ def _stop_at_exit() -> None:
     """Stop every input thread, then wait for them: one left inside a JAX call (a
     transfer to the device) while the interpreter finalizes aborts the process
     (std::terminate), after a preemption's save had succeeded."""
-    threads = list(_threads.items())
-    for _, producer in threads:
-        producer.stop()
-    deadline = time.monotonic() + _EXIT_SECONDS
-    for thread, _ in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    stop_all(list(_threads.values()), _EXIT_SECONDS)
 
 
 def _produce(
