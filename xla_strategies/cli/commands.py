@@ -164,15 +164,12 @@ def report(args: Namespace) -> int:
 
 def _write_timeline(text: str, topology: Any, devices_per_replica: int, out: Path) -> None:
     """`report --timeline`: the trace at `out`, its picture beside it (`.png`)."""
-    import json
-
-    from xla_strategies.hardware.hlo_timeline import hlo_timeline, timeline_png
+    from xla_strategies.hardware.hlo_timeline import hlo_timeline, save_timeline
 
     if topology is None:
         raise ValueError("--timeline needs --topology: the rates the timeline is drawn at")
     trace = hlo_timeline(text, topology, devices_per_replica)
-    out.write_text(json.dumps(trace) + "\n")
-    out.with_suffix(".png").write_bytes(timeline_png(trace))
+    save_timeline(trace, out)
     said = trace["metadata"]
     print(
         f"timeline: {out} and {out.with_suffix('.png')}: {said['step_s'] * 1e3:.2f} ms as "

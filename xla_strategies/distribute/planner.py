@@ -27,7 +27,6 @@ step again compiles nothing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from xla_strategies.distribute.plan_rows import (
     row_options,
 )
 from xla_strategies.hardware.compiled_report import calibration_label, compiled_report
-from xla_strategies.hardware.hlo_timeline import hlo_timeline, timeline_png
+from xla_strategies.hardware.hlo_timeline import hlo_timeline, save_timeline
 from xla_strategies.hardware.memory_at_peak import (
     dump_options,
     library_directories,
@@ -234,10 +233,8 @@ def write_timeline(
     scaled = _on(variant, args, best.batch_per_chip // base if base else 1, strategy)
     chosen = row_options(best.sharding, best.stages, best.microbatches, best.remat_policy)
     text = _configured(variant, step, chosen).lower(*scaled).compile().as_text()
-    trace = hlo_timeline(text, variant.topology, best.devices_per_replica)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(trace))
-    out.with_suffix(".png").write_bytes(timeline_png(trace))
+    save_timeline(hlo_timeline(text, variant.topology, best.devices_per_replica), out)
     return out
 
 

@@ -14,10 +14,12 @@ labelled as one, with the same rates as the report's step estimate.
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from xla_strategies.hardware.compiled_report import calibration_label, collective_seconds
@@ -157,6 +159,13 @@ def hlo_timeline(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> 
 
 
 _COLOURS = {"compute": (66, 133, 244), "collective": (251, 140, 0), "wait": (219, 68, 55)}
+
+
+def save_timeline(trace: dict[str, Any], out: Path) -> None:
+    """`trace` at `out` (Perfetto, TensorBoard's trace viewer), its picture beside it
+    (`.png`)."""
+    out.write_text(json.dumps(trace) + "\n")
+    out.with_suffix(".png").write_bytes(timeline_png(trace))
 
 
 def timeline_png(trace: dict[str, Any], width: int = 1600, track_height: int = 40) -> bytes:

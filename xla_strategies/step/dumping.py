@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from xla_strategies.hardware.compiled_report import compiled_report
-from xla_strategies.hardware.hlo_timeline import hlo_timeline, timeline_png
+from xla_strategies.hardware.hlo_timeline import hlo_timeline, save_timeline
 from xla_strategies.hardware.report_text import summary_text
 from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.cost.ledger import LedgerRecorder
@@ -199,8 +199,7 @@ def write_artifacts(
     if getattr(topology, "memory_bandwidth", None) and getattr(topology, "peak_flops", None):
         per_replica = getattr(strategy, "logical_devices_per_replica", 1)
         scheduled = hlo_timeline(compiled.as_text(), topology, per_replica)
-        (directory / "compiled_timeline.json").write_text(json.dumps(scheduled) + "\n")
-        (directory / "compiled_timeline.png").write_bytes(timeline_png(scheduled))
+        save_timeline(scheduled, directory / "compiled_timeline.json")
 
 
 def abstract(shapes: list[tuple[tuple[int, ...], str]], shardings: list[Any]) -> list[Any]:
