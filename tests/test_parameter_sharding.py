@@ -5,13 +5,23 @@ replica counts and the replicated update."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import xla_strategies as xs
 from tests import helpers
-from tests.helpers import assert_close_to_scale, clipped_adamw, held_split, scanned_lm, train_on
+from tests.helpers import (
+    assert_close_to_scale,
+    clipped_adamw,
+    held_split,
+    scanned_lm,
+    train_on,
+    trains_as_jit,
+)
 from xla_strategies.demo import models
 
 STEPS = 3
@@ -108,8 +118,7 @@ def test_prefetching_the_next_layer_keeps_the_numbers():
 def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update():
     """A [5] bias divides by no replica count: it stays replicated (a remark says so),
     and the rest is held split; the numbers are the replicated update's. The layers are
-    not a scan: a kernel read by its backward after later layers' gathers is gathered
-    again there (without a chip memory size to weigh), not held across the step."""
+    not a scan."""
     with jax.enable_x64(True):
         strategy = xs.MirroredStrategy()
         graphdef, params = helpers.mlp(np.float64)
@@ -128,12 +137,60 @@ def test_nnx_mlp_with_a_shape_that_does_not_divide_matches_the_replicated_update
         executable = step.executable(p_on, s_on, batch)
         replicated = executable.pass_stats["shard-parameters"]["replicated"]
         assert {"f64[5]"} <= {r["type"] for r in replicated}
-    # the middle kernel: the last one's backward read comes before any other gather, and
-    # the first one's input gradient is not computed (the batch has none)
+    # the middle kernel's reads have only the smaller last layer gathered between them,
+    # the last's backward read comes before any other gather, and the first one's input
+    # gradient is not computed (the batch has none): nothing is gathered again
+    assert executable.pass_stats["shard-weight-updates"]["regathered_reads"] == 0
+
+
+class _DocsMLP(nn.Module):
+    """The MLP of flax's "Flax fundamentals" guide: dense layers, relu between them."""
+
+    features: tuple[int, ...] = (32, 32, 32, 8)
+
+    @nn.compact
+    def __call__(self, x):
+        for i, features in enumerate(self.features):
+            x = nn.Dense(features)(x)
+            if i != len(self.features) - 1:
+                x = nn.relu(x)
+        return x
+
+
+def test_a_small_gather_between_a_kernels_reads_does_not_gather_it_again():
+    """In flax's docs MLP the last layer's small kernel and its biases are gathered
+    between the third kernel's forward and backward reads: fewer bytes than that kernel,
+    so it is held, not gathered again; the second kernel, with the third (as large)
+    between its reads, is gathered again, in a block that waits its turn (without a chip
+    memory size to weigh, not held across the step). The numbers are `jax.jit`'s."""
+    model = _DocsMLP()
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(16, 32)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32))
+        for _ in range(STEPS)
+    ]
+    params = model.init(jax.random.key(0), batches[0][0])["params"]
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    tx = optax.adam(1e-2)
+    strategy = xs.MirroredStrategy()
+    (p_on, s_on), compiled = trains_as_jit(
+        strategy, step, params, tx, batches, shard_parameters=True
+    )
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    executable = compiled.executable(p_on, s_on, batch)
     assert executable.pass_stats["shard-weight-updates"]["regathered_reads"] == 1
-    copy = [n for n in executable.graph.nodes if n.op == "all_gather" and n.attrs.get("parameter")]
+    graph = executable.graph
+    copy = [n for n in graph.nodes if n.op == "all_gather" and n.attrs.get("parameter")]
     assert len(copy) == 1  # the forward's gathers share a bucket; the copy, after them, not
-    assert executable.graph.producers()[copy[0].inputs[0]].op == "after"  # waits its turn
+    assert graph.producers()[copy[0].inputs[0]].op == "after"  # waits its turn
 
 
 def test_a_stacks_moments_are_split_where_the_stack_is_when_its_layers_divide():

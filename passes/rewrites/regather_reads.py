@@ -13,8 +13,9 @@ its own copy of the gather, with the pure ops before and after it, when another 
 value was gathered between it and the previous read. The copy's block waits for the
 read's first other operand (`after`), so the compiler neither merges the two gathers nor
 issues the copy at the start of the step, which would hold it as long as before. Reads
-with no other layer's gather between them (one layer's forward and its backward, or two
-uses in one layer) share one gather.
+between which the other gathers produce fewer bytes than this one (one layer's forward and
+its backward, with at most its own bias gathered between, or two uses in one layer) share
+one gather: a span shorter than a layer's weights is not worth a second gather.
 
     Before (%0 and %1 two layers' blocks; %9 layer 0's backward read):
       %2: f32[16,4] = all_gather(%0) {"axes": ["replica"], "dimension": 0}
@@ -50,7 +51,7 @@ def regather_reads(graph: Graph, created_by: str, held_bytes_limit: float | None
     for gather in gathers:
         gather.attrs[PARAMETER_GATHER] = True
     position = {node: i for i, node in enumerate(graph.nodes)}
-    gathered_at = sorted(position[g] for g in gathers)
+    gathered = _bytes_gathered_before(graph, gathers)
     in_pure, producers = set(pure), {out: n for n in pure for out in n.outputs}
     users = graph.users()
     later: list[tuple[list[Node], set[Value]]] = []  # the reads that gather again
@@ -59,9 +60,11 @@ def regather_reads(graph: Graph, created_by: str, held_bytes_limit: float | None
         readers = {n for v in values for n in users.get(v, ()) if n not in in_pure}
         reads = sorted(readers, key=position.__getitem__)
         groups = [reads[:1]]
+        own_bytes = gather.outputs[0].nbytes
         for earlier, read in zip(reads, reads[1:], strict=False):
-            if any(position[earlier] < at < position[read] for at in gathered_at):
-                groups.append([])  # another layer's gather between: gather again
+            between = gathered[position[read]] - gathered[position[earlier] + 1]
+            if between >= own_bytes:  # other layers' weights between: gather again
+                groups.append([])
             groups[-1].append(read)
         later.extend((group, values) for group in groups[1:])
     held_across = sum(max(v.nbytes for v in values) for _, values in later)
@@ -78,6 +81,16 @@ def regather_reads(graph: Graph, created_by: str, held_bytes_limit: float | None
         graph.nodes[at:at] = copies
         previous = own
     return len(later)
+
+
+def _bytes_gathered_before(graph: Graph, gathers: list[Node]) -> list[int]:
+    """For each position in `graph.nodes` (and one past the end), the bytes the held
+    values' gathers before it produce: a span's gathered bytes are a difference of two."""
+    gathering = {id(g): g.outputs[0].nbytes for g in gathers}
+    totals = [0]
+    for node in graph.nodes:
+        totals.append(totals[-1] + gathering.get(id(node), 0))
+    return totals
 
 
 def _other_operand(read: Node, values: set[Value]) -> Value | None:
