@@ -8,6 +8,7 @@ retraces.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from xla_strategies.step.dumping import (
     DumpOptions,
     StepDumper,
     abstract,
+    note_progress,
     step_directory,
 )
 from xla_strategies.step.executable import Executable
@@ -197,7 +199,12 @@ class CompiledStep:
         seconds = None if budget == "none" else float(budget)
         directory = DumpOptions.from_env().directory
         timeline = step_directory(directory, self.name) / PLAN_TIMELINE if directory else None
-        found = self.strategy.plan(self, *args, budget=seconds, timeline_to=timeline)
+
+        def log(line: str) -> None:  # on stderr, and for the command line's heartbeat
+            print(line, file=sys.stderr, flush=True)
+            note_progress(directory, f"{self.name}: {line}")
+
+        found = self.strategy.plan(self, *args, budget=seconds, log=log, timeline_to=timeline)
         print(found.table())
         print(found.memory())
         print(found.recommendation(self.name), flush=True)

@@ -52,6 +52,14 @@ PLAN = "XLA_STRATEGIES_PLAN"
 PLAN_TIMELINE = "plan_timeline.json"
 
 
+def note_progress(directory: Path | None, message: str) -> None:
+    """The last thing a step said, for the command line's heartbeat (`PROGRESS_FILE`)."""
+    if directory is not None:
+        with contextlib.suppress(OSError):  # a heartbeat's detail, never a failure
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / PROGRESS_FILE).write_text(message)
+
+
 @dataclass(frozen=True)
 class DumpOptions:
     directory: Path | None = None
@@ -106,10 +114,7 @@ class StepDumper:
         """One line on stderr while a long dump or `aot` compile runs (silent otherwise)."""
         if self.directory is not None or self.options.stop_after_compile:
             print(f"xla-strategies: {self.name}: {message}", file=sys.stderr, flush=True)
-        if self.options.directory is not None:
-            with contextlib.suppress(OSError):  # a heartbeat's detail, never a failure
-                self.options.directory.mkdir(parents=True, exist_ok=True)
-                (self.options.directory / PROGRESS_FILE).write_text(f"{self.name}: {message}")
+        note_progress(self.options.directory, f"{self.name}: {message}")
 
     def write(
         self,
