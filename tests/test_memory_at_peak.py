@@ -49,3 +49,33 @@ def test_the_buffers_at_the_peak_are_what_the_compiler_counts_and_name_their_lin
 def test_a_directory_without_a_dump_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="compile with dump_options"):
         memory_at_peak(tmp_path)
+
+
+_ASSIGNMENT = """\
+allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:
+ value: <1 p @0> (size=64,offset=0): f32[16]{0}
+allocation 1: size 600, preallocated-temp:
+ value: <2 a @0> (size=200,offset=0): f32[50]{0}
+ value: <3 b @0> (size=100,offset=200): f32[25]{0}
+ value: <4 c @0> (size=300,offset=300): f32[75]{0}
+"""
+_LIVE_RANGES = """\
+BufferLiveRange:
+  p{}:0-5
+  a{}:0-1
+  b{}:0-5
+  c{}:2-5
+"""
+
+
+def test_the_heaps_gaps_at_the_peak_are_counted_apart(tmp_path):
+    """`a` dies before `c` is made, but XLA laid `c` above `b`: at the peak (b and c live)
+    the heap's 600 bytes hold 400 live ones and a 200-byte gap where `a` was."""
+    stem = tmp_path / "module_0000.jit_step.after_optimizations"
+    (tmp_path / f"{stem.name}-buffer-assignment.txt").write_text(_ASSIGNMENT)
+    (tmp_path / f"{stem.name}-live-range.txt").write_text(_LIVE_RANGES)
+    (tmp_path / f"{stem.name}.txt").write_text("")
+    held = memory_at_peak(tmp_path)
+    assert held.peak_bytes == 64 + 100 + 300
+    assert held.heap_gaps_bytes == 200
+    assert "gaps in XLA's heap" in held.text()

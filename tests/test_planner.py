@@ -159,3 +159,16 @@ def test_remat_policies_are_tried_where_the_steps_blocks_have_none(tmp_path, mon
     best = found.best()
     if best.remat_policy:
         assert f"remat_policy={best.remat_policy!r}" in found.recommendation()
+
+
+def test_what_xla_counts_beyond_the_live_buffers_is_split_by_cause():
+    """Of 10 GiB XLA counts, 5 are live buffers and 2 the heap's gaps at the peak: the
+    other 3 are said to be beyond XLA's buffer assignment, not lumped with the gaps."""
+    from xla_strategies.distribute.plan_rows import Row
+
+    gib = 2**30
+    row = Row("replicated", 1, 1, True, 10 * gib, None, None,
+              held_by_group={"other temporaries": 5 * gib}, heap_gaps_bytes=2 * gib)  # fmt: skip
+    held = row.held()
+    assert "    2.00 GiB  gaps in XLA's heap" in held
+    assert "    3.00 GiB  counted by XLA beyond its buffer assignment" in held

@@ -286,7 +286,12 @@ def _with_held(row: Row, dump: str, args: tuple[Any, ...]) -> Row:
         return row
     names = [f"args{jax.tree_util.keystr(path)}" for path, _ in jax.tree.leaves_with_path(args)]
     largest = tuple((b.nbytes, b.shape, held.describe(b, names)) for b in held.buffers[:HELD_SHOWN])
-    return dataclasses.replace(row, held_by_group=held.by_group(), largest_held=largest)
+    return dataclasses.replace(
+        row,
+        held_by_group=held.by_group(),
+        largest_held=largest,
+        heap_gaps_bytes=held.heap_gaps_bytes,
+    )
 
 
 def _needed_bytes(message: str) -> int | None:

@@ -31,6 +31,7 @@ SAVED = "activations kept for the backward pass"
 BACKWARD = "backward pass (gradients)"
 COLLECTED = "collectives' results (reduced gradients, gathered weights)"
 OTHER = "other temporaries"
+HEAP_GAPS = "gaps in XLA's heap at the peak (buffers of other times laid out above them)"
 _COLLECTIVES = ("psum", "psum_scatter", "all_gather", "all_to_all", "ppermute", "pmax", "pmin")
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
@@ -64,6 +65,9 @@ class MemoryAtPeak:
 
     peak_bytes: int
     buffers: tuple[Buffer, ...]
+    #: bytes of the temporaries' heap that no buffer holds at the peak: XLA laid buffers
+    #: live at other times above them (the heap's extent is its largest live offset+size)
+    heap_gaps_bytes: int = 0
 
     def by_group(self) -> dict[str, int]:
         """Bytes at the peak per group, largest first."""
@@ -89,6 +93,8 @@ class MemoryAtPeak:
         """The groups and the `top` largest buffers, a line each."""
         lines = [f"memory at the peak: {self.peak_bytes / 2**30:.2f} GiB"]
         lines += [f"  {n / 2**30:8.2f} GiB  {g}" for g, n in self.by_group().items()]
+        if self.heap_gaps_bytes:
+            lines.append(f"  {self.heap_gaps_bytes / 2**30:8.2f} GiB  {HEAP_GAPS}")
         lines.append("  largest buffers live at the peak:")
         for b in self.buffers[:top]:
             what = self.describe(b, argument_names)
@@ -119,6 +125,7 @@ def memory_at_peak(dump_directory: str | Path, library_paths: tuple[str, ...] = 
     at = _temporaries_peak(slots)
     made_by = _made_by(hlo, library_paths)
     buffers = []
+    live_temporaries = 0
     for (kind, _, _, size), values in slots.items():
         if _is_whole(kind):  # named by the largest value placed there: the output itself
             name, shape = max(values, key=lambda v: _elements(v[2]))[1:]
@@ -127,12 +134,14 @@ def memory_at_peak(dump_directory: str | Path, library_paths: tuple[str, ...] = 
             if not alive:
                 continue
             name, shape = alive[0]
+            live_temporaries += size
         op_name, source = made_by.get(name.partition("{")[0], ("", ""))
         argument = int(kind.split()[1]) if kind.startswith("parameter") else None
         group = _group(kind, op_name)
         buffers.append(Buffer(name, _short(shape), size, group, op_name, source, argument))
     buffers.sort(key=lambda b: -b.nbytes)
-    return MemoryAtPeak(sum(b.nbytes for b in buffers), tuple(buffers))
+    gaps = max(0, _heap_bytes(assignment.read_text()) - live_temporaries)
+    return MemoryAtPeak(sum(b.nbytes for b in buffers), tuple(buffers), gaps)
 
 
 def _largest(directory: Path) -> Path:
@@ -182,6 +191,15 @@ def _slots(assignment: str, live: dict[str, list[tuple[int, int]]]) -> dict:
             place, ranges = (kind, index, int(value[3]), int(value[2])), live.get(name, [])
         slots.setdefault(place, []).append((ranges, name, shape))
     return slots
+
+
+def _heap_bytes(assignment: str) -> int:
+    """The bytes of the temporaries' allocations in device memory: their heap's extent."""
+    return sum(
+        int(found[2])
+        for found in map(_ALLOCATION.match, assignment.splitlines())
+        if found and _kind(found[3]) in ("preallocated-temp", "temporary")
+    )
 
 
 def _is_whole(kind: str) -> bool:
