@@ -25,6 +25,11 @@ REMAT_SHORT = {
 }
 
 
+#: part of a cached row's key: raised when a row gains a field an older row lacks, so a
+#: plan never shows a row cached before the field as if the field were zero
+ROW_VERSION = 2
+
+
 @dataclass(frozen=True)
 class Row:
     """One compiled configuration."""

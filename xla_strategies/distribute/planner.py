@@ -41,6 +41,7 @@ import jax
 from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.core.layout import Layout
 from xla_strategies.distribute.plan_rows import (
+    ROW_VERSION,
     SHARDINGS,
     Plan,
     Row,
@@ -199,7 +200,8 @@ def _compiled_row(
     microbatches = _microbatches(strategy, args) if stages > 1 else 0
     chosen = row_options(sharding, stages, microbatches, remat_policy)
     compiled_step = _configured(strategy, step, chosen)
-    where = (sharding, model, str(strategy.topology), stages, microbatches, remat_policy)
+    where = (sharding, model, str(strategy.topology), stages, microbatches, remat_policy,
+             ROW_VERSION)  # fmt: skip
     key = fingerprint(print_graph(compiled_step.graph(*args)), strategy.topology, where)
     cached = verdict_cache.read("plan_rows", key)
     if cached is not None:
