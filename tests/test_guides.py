@@ -2,7 +2,8 @@
 
 A guide's block reads names its prose has introduced (`strategy`, a model, a batch); each
 case here sets those up, runs the block, and checks what the block promises. A block with
-no case is an error, so a new example cannot go untested.
+no case is an error, so a new example cannot go untested. The parameter-server guide's
+case lives in `tests/test_parameter_server.py`, which runs by itself (Ray's processes).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def _blocks(guide: str) -> list[str]:
     return [b for b in blocks if not b.startswith("# sketch")]
 
 
-def _run(guide: str, number: int, tmp_path: Path, monkeypatch) -> dict:
+def run_block(guide: str, number: int, tmp_path: Path, monkeypatch) -> dict:
     """The block run after its setup, in `tmp_path` (blocks write relative paths); a setup
     with a `{block}` line takes the block there, indented as that line is."""
     monkeypatch.chdir(tmp_path)
@@ -189,50 +190,43 @@ def test_every_block_of_every_guide_has_a_case():
 
 
 def test_checkpoints_save_and_restore_the_trained_state(tmp_path, monkeypatch):
-    ran = _run("checkpoints.md", 0, tmp_path, monkeypatch)
+    ran = run_block("checkpoints.md", 0, tmp_path, monkeypatch)
     assert ran["manager"].latest_step() == 100
     np.testing.assert_array_equal(ran["state"]["params"]["w"], ran["params"]["w"])
 
 
 def test_the_preemption_handler_loop_runs_its_steps(tmp_path, monkeypatch):
-    ran = _run("checkpoints.md", 1, tmp_path, monkeypatch)
+    ran = run_block("checkpoints.md", 1, tmp_path, monkeypatch)
     assert ran["handler"].total_run_calls == 3
     assert np.isfinite(ran["loss"]).all()
 
 
 def test_each_replica_folds_its_id_into_a_key(tmp_path, monkeypatch):
-    uniforms = np.asarray(_run("compiled-step.md", 0, tmp_path, monkeypatch)["uniforms"])
+    uniforms = np.asarray(run_block("compiled-step.md", 0, tmp_path, monkeypatch)["uniforms"])
     assert uniforms.shape == (8,) and len(set(uniforms.tolist())) == 8  # a draw per replica
 
 
 def test_keras_fit_in_the_scope(tmp_path, monkeypatch):
-    ran = _run("keras.md", 0, tmp_path, monkeypatch)
+    ran = run_block("keras.md", 0, tmp_path, monkeypatch)
     assert ran["model"].distribute_strategy is ran["strategy"]
     assert ran["model"].predict(ran["x_test"]).shape == (64, 3)
 
 
 def test_the_model_axis_splits_flax_variables(tmp_path, monkeypatch):
-    ran = _run("model-axis.md", 0, tmp_path, monkeypatch)
+    ran = run_block("model-axis.md", 0, tmp_path, monkeypatch)
     assert dict(ran["strategy"].mesh.shape) == {"replica": 4, "model": 2}
     kernel = ran["model"].linear.kernel.value
     assert kernel.sharding.shard_shape(kernel.shape) == (8, 8)  # split over the model axis
 
 
-@pytest.mark.slow  # a Ray cluster of two workers and two parameter servers
-def test_parameter_servers_train_asynchronously(tmp_path, monkeypatch):
-    pytest.importorskip("ray", reason="the [ps] extra provides Ray")
-    ran = _run("parameter-servers.md", 0, tmp_path, monkeypatch)
-    assert np.isfinite(ran["losses"][-1].fetch())
-
-
 def test_a_pipelined_step_is_declared_for_four_slices(tmp_path, monkeypatch):
     pytest.importorskip("libtpu", reason="the [tpu] extra provides TPU topologies")
-    ran = _run("pipelines.md", 0, tmp_path, monkeypatch)
+    ran = run_block("pipelines.md", 0, tmp_path, monkeypatch)
     assert ran["strategy"].mesh.shape["stage"] == 4
 
 
 def test_the_unchanged_step_trains_in_two_stages(tmp_path, monkeypatch):
-    ran = _run("pipelines.md", 1, tmp_path, monkeypatch)
+    ran = run_block("pipelines.md", 1, tmp_path, monkeypatch)
     strategy, params, tx = ran["strategy"], ran["params"], ran["tx"]
     state = strategy.replicate(params), strategy.replicate(tx.init(params))
     batch = next(iter(strategy.experimental_distribute_dataset(ran["batches"])))
@@ -242,20 +236,20 @@ def test_the_unchanged_step_trains_in_two_stages(tmp_path, monkeypatch):
 
 def test_a_torch_model_trains_and_loads_its_state_back(tmp_path, monkeypatch):
     pytest.importorskip("torchax", reason="the [torch] extra provides torchax")
-    ran = _run("pytorch.md", 0, tmp_path, monkeypatch)
+    ran = run_block("pytorch.md", 0, tmp_path, monkeypatch)
     assert np.isfinite(ran["loss"]).all()
     trained = ran["model"].state_dict()["fc1.weight"].numpy()
     assert not np.array_equal(trained, ran["Net"]().state_dict()["fc1.weight"].numpy())
 
 
 def test_topologies_and_an_emulated_slice(tmp_path, monkeypatch):
-    ran = _run("tpu-and-gpu.md", 0, tmp_path, monkeypatch)
+    ran = run_block("tpu-and-gpu.md", 0, tmp_path, monkeypatch)
     assert ran["topology"].mesh_axes == {"x": 16, "y": 16}
     assert ran["strategy"].num_replicas_in_sync == 8
 
 
 def test_a_steps_own_compiler_options(tmp_path, monkeypatch):
-    ran = _run("tpu-and-gpu.md", 1, tmp_path, monkeypatch)
+    ran = run_block("tpu-and-gpu.md", 1, tmp_path, monkeypatch)
     assert ran["step"].compiler_options == {"xla_enable_async_all_reduce": False}
 
 
@@ -263,7 +257,7 @@ def test_gpu_nodes_compile_without_gpus(tmp_path, monkeypatch):
     pytest.importorskip("jax_plugins.xla_cuda12", reason="the [gpu] extra provides it")
     from xla_strategies.hardware.compiled_report import compiled_report
 
-    ran = _run("tpu-and-gpu.md", 2, tmp_path, monkeypatch)
+    ran = run_block("tpu-and-gpu.md", 2, tmp_path, monkeypatch)
     report = compiled_report(ran["compiled"], ran["node"])
     assert report.platform == "gpu"
     assert [c.kind for c in report.collectives] == ["all-reduce"]  # the gradients, once

@@ -239,3 +239,12 @@ def test_every_step_of_a_closure_counts_and_a_new_coordinator_keeps_updating(clu
     with pytest.raises(xs.errors.CancelledError, match="shut down"):
         second.schedule(worker_fn, args=(iterator,))
     strategy.shutdown()
+
+
+def test_the_guides_example_trains_asynchronously(tmp_path, monkeypatch):
+    """docs/parameter-servers.md's block, as written: two workers and two parameter
+    servers; each scheduled step's loss comes back."""
+    from tests.test_guides import run_block
+
+    ran = run_block("parameter-servers.md", 0, tmp_path, monkeypatch)
+    assert np.isfinite(ran["losses"][-1].fetch())
