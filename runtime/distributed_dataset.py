@@ -1,9 +1,9 @@
 """Distributed datasets: global batches split over the replica axis and prefetched to devices.
 
 A background thread pulls batches from the user's iterable and prepares them on the host
-(checks, partial-batch policy); the consuming thread starts their (asynchronous) device
-copies `buffer_size` batches ahead of the step, as flax's `prefetch_to_device` does.
-Each `iter()` is one pass (epoch) over the dataset.
+(checks, partial-batch policy); with `prefetch_to_device`, a second one copies them to the
+devices `buffer_size` batches ahead of the step (`DistributedIterator`). Each `iter()` is
+one pass (epoch) over the dataset.
 """
 
 from __future__ import annotations
