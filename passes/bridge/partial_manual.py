@@ -15,7 +15,7 @@ So in such a program the two are written where XLA's partitioner does not reach 
   split there on the way in and out. XLA then compiles the collective the IR asked for, on
   each device's part. On Llama-2-70B on v5p-512 with tensor parallelism over 4 chips, the
   replica-axis gathers run as gathers of those parts, not as all-reduces of twice the bytes
-  (`benchmarks/README.md`).
+  (`benchmarks/HISTORY.md`, 2026-11-27).
 - Elsewhere, as all-reduces, which XLA keeps split: an all-gather is a sum of the blocks,
   each placed at its offset in zeros, and a reduce-scatter is the sum's block. Each moves
   twice the bytes of the collective it stands for over the replica axes, and never the
