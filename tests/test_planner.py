@@ -172,3 +172,17 @@ def test_what_xla_counts_beyond_the_live_buffers_is_split_by_cause():
     held = row.held()
     assert "    2.00 GiB  gaps in XLA's heap" in held
     assert "    3.00 GiB  counted by XLA beyond its buffer assignment" in held
+
+
+def test_a_row_is_named_by_everything_that_configures_it():
+    """Two rows that differ only in their remat policy (or stages) read differently
+    wherever the plan names one: the memory's heading, the best so far, the recommendation."""
+    from xla_strategies.distribute.plan_rows import Plan, Row
+
+    row = Row("parameter sharding", 1, 2, True, 2**30, 1.0, 2.0, remat_policy="dots_saveable")
+    assert row.describe() == "parameter sharding, remat dots_saveable, 1 per replica, 2 per chip"
+    staged = Row("replicated", 2, 4, True, 2**30, 1.0, 4.0, stages=2, microbatches=4)
+    assert staged.describe() == "replicated, 2 stages, 2 per replica, 4 per chip"
+    plan = Plan((row,), "", "", True)
+    assert "remat dots_saveable" in plan.memory().splitlines()[0]
+    assert "remat dots_saveable" in plan.recommendation().splitlines()[0]

@@ -57,6 +57,12 @@ class Row:
         largest = tuple(tuple(entry) for entry in row.get("largest_held", ()))
         return cls(**{**row, "largest_held": largest})
 
+    def describe(self) -> str:
+        return configuration(
+            self.sharding, self.stages, self.remat_policy, self.devices_per_replica,
+            self.batch_per_chip,
+        )  # fmt: skip
+
     def held(self) -> str:
         """What holds this configuration's memory, a line per group and largest buffer."""
         if not self.held_by_group:
@@ -110,7 +116,7 @@ class Plan:
         return "\n".join(lines)
 
     def memory(self) -> str:
-        """What holds the memory of the recommended row and of the largest that does not
+        """What holds the memory of the recommended row and of the smallest that does not
         fit (the configuration one step too big), at XLA's peak."""
         best = self.best()
         missed = [r for r in self.rows if not r.fits and r.held_by_group]
@@ -118,8 +124,7 @@ class Plan:
         if missed:
             shown.append(("does not fit", min(missed, key=lambda r: r.memory_bytes or 0)))
         return "\n".join(
-            f"what holds the memory, {label}: {row.sharding}, {row.devices_per_replica} per "
-            f"replica, {row.batch_per_chip} per chip\n{row.held()}"
+            f"what holds the memory, {label}: {row.describe()}\n{row.held()}"
             for label, row in shown
         )
 
@@ -130,14 +135,21 @@ class Plan:
             return "# no configuration fits: a larger topology, or a smaller batch per chip"
         chosen = row_options(best.sharding, best.stages, best.microbatches, best.remat_policy)
         options = ", ".join(f"{k}={v!r}" for k, v in chosen.items())
-        staged = f", {best.stages} pipeline stages" if best.stages > 1 else ""
         return (
-            f"# {best.sharding}{staged}, {best.devices_per_replica} device(s) per replica, "
-            f"{best.batch_per_chip} per chip: the most items/s per chip that fits\n"
+            f"# {best.describe()}: the most items/s per chip that fits\n"
             f"strategy = strategy.with_logical_devices_per_replica({best.devices_per_replica})"
             + (f".with_pipeline_stages({best.stages})" if best.stages > 1 else "")
             + f"\n{step_name} = strategy.compile({step_name}{', ' if options else ''}{options})"
         )
+
+
+def configuration(
+    sharding: str, stages: int, remat_policy: str, devices_per_replica: int, per_chip: int
+) -> str:
+    """A configuration in words: sharding, stages, remat policy, devices, batch."""
+    staged = f", {stages} stages" if stages > 1 else ""
+    remat = f", remat {remat_policy}" if remat_policy else ""
+    return f"{sharding}{staged}{remat}, {devices_per_replica} per replica, {per_chip} per chip"
 
 
 def row_options(
@@ -153,7 +165,4 @@ def best_so_far(rows: list[Row]) -> str:
     best = Plan(tuple(rows), "", "", True).best()
     if best is None:
         return ""
-    return (
-        f"; best so far: {best.sharding}, {best.devices_per_replica} per replica, "
-        f"{best.batch_per_chip} per chip, {best.items_per_s_per_chip:,.1f} items/s/chip"
-    )
+    return f"; best so far: {best.describe()}, {best.items_per_s_per_chip:,.1f} items/s/chip"

@@ -46,6 +46,7 @@ from xla_strategies.distribute.plan_rows import (
     Plan,
     Row,
     best_so_far,
+    configuration,
     row_options,
 )
 from xla_strategies.hardware.compiled_report import calibration_label, compiled_report
@@ -121,10 +122,8 @@ def _search(
                 return False
             scaled = _on(variant, args, 2**doubling, strategy)
             per_chip = _batch_per_chip(variant, scaled)
-            staged = f", {variant.pipeline_stages} stages" if variant.pipeline_stages > 1 else ""
-            remat = f", remat {policy}" if policy else ""
-            log(f"plan: compiling {what}: {sharding}{staged}{remat}, {model} per replica, "
-                f"{per_chip} per chip{best_so_far(rows)}")  # fmt: skip
+            words = configuration(sharding, variant.pipeline_stages, policy, model, per_chip)
+            log(f"plan: compiling {what}: {words}{best_so_far(rows)}")
             row = _compiled_row(variant, step, scaled, sharding, model, per_chip, policy)
             rows.append(row)
             if not row.fits or not per_chip:
