@@ -339,7 +339,7 @@ def lm_workload(
     return Workload(name, init, batch, cfg.batch_per_chip, step, cfg.train_flops_per_sequence)
 
 
-def _lm(name: str, cfg: TransformerConfig) -> Workload:
+def language_model(name: str, cfg: TransformerConfig) -> Workload:
     model = Transformer(cfg)
 
     def init() -> Any:
@@ -408,11 +408,11 @@ def _corpus(key: str) -> Workload:
 
 WORKLOADS = {
     "resnet50": _resnet50,
-    "bert-large": lambda: _lm(
+    "bert-large": lambda: language_model(
         "BERT-large",
         TransformerConfig(30522, 1024, 16, 24, 4096, 512, causal=False, batch_per_chip=8),
     ),
-    "gpt2-medium": lambda: _lm(
+    "gpt2-medium": lambda: language_model(
         "GPT-2 medium", TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8)
     ),
     # GPT-2 medium as a plain JAX user writes it (`benchmarks.plain_jax_models`)
@@ -430,16 +430,16 @@ WORKLOADS = {
     "keras-hub-llama3.2-1b": lambda: _corpus("keras-hub-llama3.2-1b"),
     "gemma3-1b": lambda: _corpus("gemma3-1b"),
     "gemma3-12b": lambda: _corpus("gemma3-12b"),
-    "llama2-7b": lambda tp=False: _lm(
+    "llama2-7b": lambda tp=False: language_model(
         "Llama-2-7B",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
     ),
-    "llama2-7b-splash": lambda: _lm(
+    "llama2-7b-splash": lambda: language_model(
         "Llama-2-7B splash",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, splash=True),
     ),
-    "llama2-70b": lambda tp=False: _lm("Llama-2-70B", _llama2_70b(tp)),
-    "llama2-70b-minimal": lambda tp=False: _lm(
+    "llama2-70b": lambda tp=False: language_model("Llama-2-70B", _llama2_70b(tp)),
+    "llama2-70b-minimal": lambda tp=False: language_model(
         "Llama-2-70B minimal remat",
         _llama2_70b(tp, remat_policy="dots_with_no_batch_dims_saveable"),
     ),

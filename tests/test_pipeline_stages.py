@@ -300,7 +300,7 @@ def test_a_remat_scanned_language_model_trains_as_one_device_does(monkeypatch):
 
     monkeypatch.setattr(tpu_models, "COMPUTE", jnp.float32)
     config = tpu_models.TransformerConfig(64, 32, 4, 4, 64, 8, batch_per_chip=1)
-    workload = tpu_models._lm("tiny", config)
+    workload = tpu_models.language_model("tiny", config)
     params = workload.init()
     tokens = np.asarray(jax.random.randint(jax.random.key(2), (16, 9), 0, 64))
     sgd = optax.sgd(0.5)  # Adam scales the summation order's rounding of tiny gradients up

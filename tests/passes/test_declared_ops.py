@@ -95,7 +95,7 @@ TRANSFORMERS = {
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMERS))
 def test_every_op_of_a_transformers_train_step_is_declared(name):
-    workload = tpu_models._lm(name, TRANSFORMERS[name])
+    workload = tpu_models.language_model(name, TRANSFORMERS[name])
     tx = optax.adamw(1e-3)
     params = workload.init()
     tokens = np.random.default_rng(0).integers(0, 64, size=(16, 9)).astype(np.int32)
