@@ -71,3 +71,36 @@ def test_an_option_that_changes_nothing_says_so_and_a_misspelt_policy_names_the_
         own(strategy.replicate(stack), strategy.replicate(tx.init(stack)), x)
     with pytest.raises(ValueError, match=r"did you mean 'dots_saveable'\?"):
         strategy.compile(_step(tx), remat_policy="dot_saveable")
+
+
+def test_a_policy_given_in_one_thread_leaves_another_threads_blocks_alone():
+    """A step compiled with `remat_policy` in one thread while another thread traces its
+    own remat block: only the first thread's blocks take the policy (it was given by
+    replacing remat's bind for every thread alike)."""
+    import threading
+
+    from xla_strategies.passes.bridge.remat_policy import given_remat_policy
+
+    def policy_of(fn):
+        eqns = jax.make_jaxpr(jax.checkpoint(fn))(jnp.ones(3)).eqns
+        return next(e.params["policy"] for e in eqns if e.primitive.name == "remat2")
+
+    inside, traced = threading.Event(), threading.Event()
+    seen = {}
+
+    def giving():
+        with given_remat_policy("dots_saveable") as blocks:
+            seen["given"] = policy_of(jnp.sin)
+            inside.set()
+            traced.wait(30)
+            seen["counted"] = blocks()
+
+    thread = threading.Thread(target=giving)
+    thread.start()
+    assert inside.wait(30)
+    seen["other"] = policy_of(jnp.cos)  # while the first thread still gives its policy
+    traced.set()
+    thread.join(30)
+    assert seen["given"] is jax.checkpoint_policies.dots_saveable
+    assert seen["other"] is None
+    assert seen["counted"] == (1, 0)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from jax._src import ad_checkpoint  # remat2's primitive: where a block's policy is bound
+
+from xla_strategies.core.patching import patched
 
 #: the policies a block can be given by name: `jax.checkpoint_policies`' plain ones (its
 #: factories, such as `save_only_these_names`, take arguments a name cannot carry)
@@ -40,29 +43,37 @@ def checked_policy(name: object, where: str = "remat_policy") -> str:
 
 @contextlib.contextmanager
 def given_remat_policy(name: str | None) -> Iterator[Callable[[], tuple[int, int]]]:
-    """While open, every remat block bound without a policy gets policy `name` (None: none
-    is changed). Yields a function saying how many blocks got it and how many kept their
-    own."""
+    """While open, every remat block this thread binds without a policy gets policy `name`
+    (None: none is changed); other threads' blocks are theirs. Yields a function saying
+    how many blocks got it and how many kept their own."""
     counts = [0, 0]
     if name is None:
         yield lambda: (0, 0)
         return
     policy = getattr(jax.checkpoint_policies, checked_policy(name))
-    remat = ad_checkpoint.remat_p
-    original = remat.bind
+    outer = getattr(_given, "policy", None)
+    _given.policy = policy, counts
+    try:
+        with patched(ad_checkpoint.remat_p, "bind", _giving_the_threads_policy):
+            yield lambda: (counts[0], counts[1])
+    finally:
+        _given.policy = outer
 
+
+_given = threading.local()  # this thread's policy and its counts, while one is given
+
+
+def _giving_the_threads_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     def bind(*args: Any, **params: Any) -> Any:
-        if not params.get("differentiated"):  # the user's block, not autodiff's copy of it
+        given = getattr(_given, "policy", None)
+        if given is not None and not params.get("differentiated"):  # the user's block
+            policy, counts = given
             counts[params.get("policy") is not None] += 1
             if params.get("policy") is None:
                 params["policy"] = policy
         return original(*args, **params)
 
-    remat.bind = bind
-    try:
-        yield lambda: (counts[0], counts[1])
-    finally:
-        remat.bind = original
+    return bind
 
 
 def warn_if_none_given(name: str | None, given: int, kept: int, step: str) -> None:
