@@ -19,7 +19,9 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
 Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
 (labelled with what the estimate was fitted to) and items per second per chip (the batch
 arguments' rows over the step, per chip). A `budget` in seconds stops the search with the
-best found so far. Progress goes to stderr: what compiles, how many are left, the best.
+best found so far. Configurations compile `WORKERS` at a time, each in a thread of its own
+(a configuration's batch doublings one after another). Progress goes to stderr: what
+compiles, how many are left, the best.
 Every row is cached by the program's fingerprint (`step.verdict_cache`): planning the same
 step again compiles nothing.
 """
@@ -27,12 +29,15 @@ step again compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +79,9 @@ REMAT_POLICIES = ("dots_with_no_batch_dims_saveable", "dots_saveable", "everythi
 STAGES = (1, 2, 4)
 #: how many times the per-chip batch is doubled at most
 BATCH_DOUBLINGS = 3
+#: configurations compiled at once: one per core, at most 4 (a 7B model's compile holds
+#: 2.5 GB of host memory)
+WORKERS = min(os.cpu_count() or 1, 4)
 
 
 def plan(
@@ -87,13 +95,15 @@ def plan(
     stages: tuple[int, ...] = STAGES,
     remat_policies: tuple[str, ...] = REMAT_POLICIES,
     timeline_to: Path | None = None,
+    workers: int = WORKERS,
 ) -> Plan:
     """Compile `step` (a function, or a compiled step whose own options are kept) on `args`
     (abstract `jax.ShapeDtypeStruct`s: state mirrored, batches with
     `strategy.split_sharding()`) in every candidate configuration; see the module.
-    `timeline_to`: where the recommended configuration's timeline goes (`write_timeline`)."""
+    `timeline_to`: where the recommended configuration's timeline goes (`write_timeline`);
+    `workers`: how many configurations compile at once."""
     found = _search(strategy, step, args, budget, log, model_axes, batch_doublings, stages,
-                    remat_policies)  # fmt: skip
+                    remat_policies, workers)  # fmt: skip
     if timeline_to is not None and write_timeline(strategy, step, args, found, timeline_to):
         log(f"plan: the recommended step as XLA schedules it: {timeline_to} and its .png")
     return found
@@ -109,39 +119,61 @@ def _search(
     batch_doublings: int,
     stages: tuple[int, ...],
     remat_policies: tuple[str, ...],
+    workers: int,
 ) -> Plan:
     started = time.monotonic()
-    rows: list[Row] = []
+    compiled: list[Row] = []  # every row so far, in the order compiled: the best so far
+    lock = threading.Lock()
     candidates = list(_candidates(strategy, model_axes, stages))
     calibration = calibration_label(strategy.topology)
 
-    def search(variant: Strategy, sharding: str, model: int, what: str, policy: str = "") -> bool:
+    def search(job: tuple[Strategy, str, int, str, str]) -> tuple[list[Row], bool]:
         """Rows of one configuration, the batch doubled while it fits; False: out of time."""
+        variant, sharding, model, what, policy = job
+        rows: list[Row] = []
         for doubling in range(batch_doublings + 1):
             if budget is not None and time.monotonic() - started > budget:
-                return False
+                return rows, False
             scaled = _on(variant, args, 2**doubling, strategy)
             per_chip = _batch_per_chip(variant, scaled)
             words = configuration(sharding, variant.pipeline_stages, policy, model, per_chip)
-            log(f"plan: compiling {what}: {words}{best_so_far(rows)}")
+            with lock:
+                log(f"plan: compiling {what}: {words}{best_so_far(compiled)}")
             row = _compiled_row(variant, step, scaled, sharding, model, per_chip, policy)
             rows.append(row)
+            with lock:
+                compiled.append(row)
             if not row.fits or not per_chip:
                 break  # a larger batch fits no better
-        return True
+        return rows, True
 
-    for index, (variant, sharding, model) in enumerate(candidates, 1):
-        if not search(variant, sharding, model, f"{index}/{len(candidates)}"):
-            return Plan(tuple(rows), calibration, repr(strategy), finished=False)
+    def searched(jobs: list[tuple[Strategy, str, int, str, str]]) -> tuple[list[Row], bool]:
+        """The jobs' rows in the jobs' order, `workers` configurations compiling at once
+        (XLA's compiler releases the GIL)."""
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            done = list(pool.map(search, jobs))
+        return [row for rows, _ in done for row in rows], all(ok for _, ok in done)
+
+    count = len(candidates)
+    jobs = [(v, s, m, f"{i}/{count}", "") for i, (v, s, m) in enumerate(candidates, 1)]
+    rows, finished = searched(jobs)
     best = Plan(tuple(rows), calibration, repr(strategy), True).best()
     variants = {(s, m, v.pipeline_stages): v for v, s, m in candidates}
-    if best is not None and remat_policies and _has_unpoliced_remat(strategy, step, args):
+    if (
+        finished
+        and best is not None
+        and remat_policies
+        and _has_unpoliced_remat(strategy, step, args)
+    ):
         variant = variants[(best.sharding, best.devices_per_replica, best.stages)]
-        for index, policy in enumerate(remat_policies, 1):
-            what = f"remat {index}/{len(remat_policies)}"
-            if not search(variant, best.sharding, best.devices_per_replica, what, policy):
-                return Plan(tuple(rows), calibration, repr(strategy), finished=False)
-    return Plan(tuple(rows), calibration, repr(strategy), finished=True)
+        count = len(remat_policies)
+        jobs = [
+            (variant, best.sharding, best.devices_per_replica, f"remat {i}/{count}", policy)
+            for i, policy in enumerate(remat_policies, 1)
+        ]
+        more, finished = searched(jobs)
+        rows += more
+    return Plan(tuple(rows), calibration, repr(strategy), finished=finished)
 
 
 def _has_unpoliced_remat(strategy: Strategy, step: Callable[..., Any], args: tuple) -> bool:
