@@ -8,7 +8,7 @@ import sys
 import time
 from argparse import Namespace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xla_strategies.cli.run_until_compiled import runs_in_process
 from xla_strategies.cli.script_process import run_owned
@@ -19,6 +19,9 @@ from xla_strategies.passes.ir.render import to_dot, to_json_text
 from xla_strategies.passes.pipeline import PassPipeline, parse_spec
 from xla_strategies.step import dumping
 from xla_strategies.step.dump_reader import DumpError, select_step, steps
+
+if TYPE_CHECKING:
+    from xla_strategies.hardware.topology import Topology
 
 
 def dump(args: Namespace) -> int:
@@ -162,7 +165,9 @@ def report(args: Namespace) -> int:
     return 0
 
 
-def _write_timeline(text: str, topology: Any, devices_per_replica: int, out: Path) -> None:
+def _write_timeline(
+    text: str, topology: Topology | None, devices_per_replica: int, out: Path
+) -> None:
     """`report --timeline`: the trace at `out`, its picture beside it (`.png`)."""
     from xla_strategies.hardware.hlo_timeline import hlo_timeline, save_timeline
 

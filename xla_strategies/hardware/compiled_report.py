@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xla_strategies.core.layout import MODEL_AXIS
 from xla_strategies.hardware.calibration import Calibration, uncalibrated
@@ -27,6 +27,9 @@ from xla_strategies.hardware.hlo_collectives import Collective, collectives, tot
 from xla_strategies.hardware.hlo_flops import hlo_flops, matmul_seconds, opaque_kernel_calls
 from xla_strategies.hardware.hlo_roofline import roofline_seconds
 from xla_strategies.passes.cost import model as cost_model
+
+if TYPE_CHECKING:
+    from xla_strategies.hardware.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,9 @@ def compiler_versions(options: Mapping[str, Any] | None = None) -> dict[str, Any
     return found
 
 
-def hlo_report(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> CompiledReport:
+def hlo_report(
+    hlo_text: str, topology: Topology | None, devices_per_replica: int = 1
+) -> CompiledReport:
     """Read a program from its compiled HLO text alone (ours, `jax.jit`'s, MaxText's dump):
     its collectives and their communication on `topology`, and its compute from the HLO's
     instructions (`hlo_roofline`; its matmul flops, `hlo_flops`, apart), every loop body
@@ -148,9 +153,9 @@ def hlo_report(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> Co
     Memory needs the executable, so it is None."""
     by_dtype = dict(hlo_flops(hlo_text))
     report = CompiledReport(
-        platform=getattr(topology, "hardware", None) or "unknown",
-        topology=getattr(topology, "name", None),
-        hbm_bytes=getattr(topology, "hbm_bytes", None),
+        platform=topology.hardware if topology else "unknown",
+        topology=topology.name if topology else None,
+        hbm_bytes=topology.hbm_bytes if topology else None,
         memory=None,
         flops=sum(by_dtype.values()),
         collectives=collectives(hlo_text, devices_per_replica),
@@ -164,16 +169,16 @@ def hlo_report(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> Co
     return report
 
 
-def calibration_label(topology: Any) -> str:
+def calibration_label(topology: Topology | None) -> str:
     """What an estimate on `topology` was fitted to, or that it is uncalibrated."""
     if topology is None:
         return "no topology: communication and the step are not estimated"
-    calibration = getattr(topology, "calibration", None)
+    calibration = topology.calibration
     return calibration.describe() if calibration else uncalibrated(topology.hardware)
 
 
 def step_estimate(
-    report: CompiledReport, topology: Any, cycles: int, compute: float | None = None
+    report: CompiledReport, topology: Topology | None, cycles: int, compute: float | None = None
 ) -> dict[str, float | None]:
     """Seconds per step: compute by the HLO's roofline (`compute`, `hlo_roofline`: each
     instruction's matmul flops at peak or its device-memory bytes at the memory's
@@ -196,7 +201,7 @@ def step_estimate(
         }
     communication = exposed = 0.0
     # the share of the compute beside an asynchronous collective that measured steps hide
-    hides = (getattr(topology, "calibration", None) or Calibration()).hidden_fraction
+    hides = (topology.calibration or Calibration()).hidden_fraction
     for c in report.collectives:
         seconds = collective_seconds(c, topology)
         hidden = 0.0
@@ -221,7 +226,7 @@ _COST_OP = {
 }
 
 
-def collective_seconds(c: Collective, topology: Any) -> float:
+def collective_seconds(c: Collective, topology: Topology) -> float:
     """The cost model's time for `c` over the fastest axes that hold its group: the model
     axis for a collective inside a replica, the replica axes for the others (and then the
     model axis, for a group of every device of several replicas: MaxText's tensor-parallel
@@ -252,7 +257,7 @@ def collective_seconds(c: Collective, topology: Any) -> float:
     return topology.collective_time(op, whole, tuple(axes), algorithm="flat")
 
 
-def _dcn_seconds(c: Collective, topology: Any, op: str, whole: int) -> float:
+def _dcn_seconds(c: Collective, topology: Topology, op: str, whole: int) -> float:
     """A cross-slice collective over DCN, among as many slices as its group holds."""
     if "dcn" not in topology.mesh_axes:
         raise HloReadError(

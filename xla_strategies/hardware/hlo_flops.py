@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xla_strategies.hardware.hlo import (
     ARRAY_TYPE,
@@ -27,6 +27,9 @@ from xla_strategies.hardware.hlo import (
     operand_text,
     step_total,
 )
+
+if TYPE_CHECKING:
+    from xla_strategies.hardware.topology import Topology
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
@@ -91,14 +94,14 @@ def _is_kernel(rest: str) -> bool:
 _HALF_WIDTH = ("bf16", "f16", "f8e4m3fn", "f8e5m2")
 
 
-def matmul_seconds(flops_by_dtype: dict[str, float], topology: Any) -> float | None:
+def matmul_seconds(flops_by_dtype: dict[str, float], topology: Topology | None) -> float | None:
     """The matmul flops at the device's peaks: bf16, f16 and fp8 operands at its dense bf16
     peak, every wider type at its f32 matmul peak (TF32 tensor cores on GPUs, where XLA's
     default precision runs f32 dots). None where the topology knows no peak."""
-    peak = getattr(topology, "peak_flops", None)
-    if not peak:
+    if topology is None or not topology.peak_flops:
         return None
-    wide = getattr(topology, "peak_f32_flops", None) or peak
+    peak = topology.peak_flops
+    wide = topology.peak_f32_flops or peak
     return sum(f / (peak if d in _HALF_WIDTH else wide) for d, f in flops_by_dtype.items())
 
 

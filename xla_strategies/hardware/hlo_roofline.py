@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xla_strategies.hardware.hlo import (
     CALLEE,
@@ -39,6 +39,9 @@ from xla_strategies.hardware.hlo import (
     step_total,
 )
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
+
+if TYPE_CHECKING:
+    from xla_strategies.hardware.topology import Topology
 
 #: Instructions that move no data through HBM of their own, or whose traffic is priced
 #: elsewhere (communication; a loop's or call's body).
@@ -80,12 +83,12 @@ _LAID_OUT = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 
 
-def roofline_seconds(hlo_text: str, topology: Any) -> float | None:
+def roofline_seconds(hlo_text: str, topology: Topology | None) -> float | None:
     """Seconds one step computes by the roofline (see the module's docstring); None where
     the topology knows no peak flops or no memory bandwidth."""
-    bandwidth = getattr(topology, "memory_bandwidth", None)
-    if not bandwidth or not getattr(topology, "peak_flops", None):
+    if topology is None or not topology.memory_bandwidth or not topology.peak_flops:
         return None
+    bandwidth = topology.memory_bandwidth
     comps, entry = computations(hlo_text)
 
     def own(name: str) -> Counter[str]:  # one run of a computation's own instructions
@@ -108,7 +111,7 @@ def instruction_seconds(
     op: Op,
     comps: dict[str, list[Op]],
     types: dict[str, str],
-    topology: Any,
+    topology: Topology,
     nbytes: int | None = None,
 ) -> float:
     """One execution of `op` by the roofline: the longer of its matmul flops at the chip's

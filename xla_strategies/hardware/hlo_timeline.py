@@ -20,7 +20,7 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xla_strategies.hardware.compiled_report import calibration_label, collective_seconds
 from xla_strategies.hardware.hlo import (
@@ -35,6 +35,9 @@ from xla_strategies.hardware.hlo import (
 from xla_strategies.hardware.hlo_collectives import Collective, collectives
 from xla_strategies.hardware.hlo_roofline import instruction_seconds
 
+if TYPE_CHECKING:
+    from xla_strategies.hardware.topology import Topology
+
 COMPUTE, COLLECTIVES = 1, 2
 #: events drawn at most; the ones after are timed but not drawn (the metadata counts them)
 MAX_EVENTS = 50_000
@@ -44,7 +47,7 @@ _TRACKS = {COMPUTE: "compute", COLLECTIVES: "collectives"}
 @dataclass
 class _Walk:
     comps: dict[str, list[Op]]
-    topology: Any
+    topology: Topology
     priced: dict[tuple[str, str], tuple[Collective, float]]
     events: list[dict[str, Any]] = field(default_factory=list)
     now: float = 0.0  # seconds, on the compute track
@@ -130,10 +133,12 @@ def _uses(rest: str, name: str) -> bool:
     return name in OPERAND.findall(rest)
 
 
-def hlo_timeline(hlo_text: str, topology: Any, devices_per_replica: int = 1) -> dict[str, Any]:
+def hlo_timeline(
+    hlo_text: str, topology: Topology | None, devices_per_replica: int = 1
+) -> dict[str, Any]:
     """The estimated timeline of one step of a compiled program, as Chrome trace JSON (see
     the module); its metadata gives the step, the compute and the waits in seconds."""
-    if not getattr(topology, "memory_bandwidth", None) or not topology.peak_flops:
+    if topology is None or not topology.memory_bandwidth or not topology.peak_flops:
         raise ValueError(f"{topology}: the timeline needs its chip's peak flops and bandwidth")
     comps, entry = computations(hlo_text)
     priced = {

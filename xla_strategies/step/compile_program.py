@@ -73,7 +73,7 @@ def _check_fits(compiled: Any, strategy: Any, name: str) -> None:
 def _out_of_memory(message: str, strategy: Any, name: str, needs: str | None = None) -> str:
     topology = strategy.topology
     where = str(topology) if topology is not None else f"{strategy.num_replicas_in_sync} devices"
-    hbm = getattr(topology, "hbm_bytes", None)
+    hbm = topology.hbm_bytes if topology is not None else None
     per = "memory per GPU" if strategy.devices[0].platform == "gpu" else "HBM per chip"
     chip = f"{hbm / 2**30:.2f} GiB of {per}" if hbm else "an unknown memory size"
     found = _NEEDED.search(message)

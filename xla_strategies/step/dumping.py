@@ -201,7 +201,7 @@ def write_artifacts(
     report = compiled_report(compiled, strategy, compiler_options)
     (directory / "compiled_report.json").write_text(json.dumps(report.to_json(), indent=1))
     (directory / "summary.txt").write_text(summary_text(report, name) + "\n")
-    if getattr(topology, "memory_bandwidth", None) and getattr(topology, "peak_flops", None):
+    if topology is not None and topology.memory_bandwidth and topology.peak_flops:
         per_replica = getattr(strategy, "logical_devices_per_replica", 1)
         scheduled = hlo_timeline(compiled.as_text(), topology, per_replica)
         save_timeline(scheduled, directory / "compiled_timeline.json")

@@ -15,15 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from xla_strategies.hardware.compiled_report import compiler_versions
+from xla_strategies.passes.cost.topology_like import TopologyLike
 
 CACHE = "XLA_STRATEGIES_CACHE"
 
 
-def fingerprint(captured_ir: str, topology: Any, options: Any) -> str:
+def fingerprint(captured_ir: str, topology: TopologyLike | None, options: Any) -> str:
     """The key of a program: its captured IR, where it compiles for, with what options,
     and the compiler's releases."""
     key = json.dumps(
-        [captured_ir, getattr(topology, "name", None), repr(options), compiler_versions()],
+        [
+            captured_ir,
+            topology.name if topology is not None else None,
+            repr(options),
+            compiler_versions(),
+        ],  # fmt: skip
         sort_keys=True,
         default=str,
     )
