@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import xla_strategies as xs
 from tests import helpers
+from tests.frameworks.reference import linen_regression_step, regression_batches
 from tests.helpers import (
     assert_close_to_scale,
     clipped_adamw,
@@ -164,25 +164,12 @@ def test_a_small_gather_between_a_kernels_reads_does_not_gather_it_again():
     between its reads, is gathered again, in a block that waits its turn (without a chip
     memory size to weigh, not held across the step). The numbers are `jax.jit`'s."""
     model = _DocsMLP()
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(16, 32)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32))
-        for _ in range(STEPS)
-    ]
+    batches = regression_batches(STEPS, rows=16, inputs=32, outputs=8)
     params = model.init(jax.random.key(0), batches[0][0])["params"]
-
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
-        )(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
     tx = optax.adam(1e-2)
     strategy = xs.MirroredStrategy()
     (p_on, s_on), compiled = trains_as_jit(
-        strategy, step, params, tx, batches, shard_parameters=True
+        strategy, linen_regression_step(model, tx), params, tx, batches, shard_parameters=True
     )
     batch = next(iter(strategy.experimental_distribute_dataset(batches)))
     executable = compiled.executable(p_on, s_on, batch)

@@ -43,6 +43,23 @@ def regression_batches(
     ]
 
 
+def linen_regression_step(model: Any, tx: Any) -> Any:
+    """The train step flax's docs write for a linen model: mean squared error on `(x, y)`,
+    an optax update: step(params, opt_state, batch) -> (params, opt_state, loss)."""
+    import jax.numpy as jnp
+    import optax
+
+    def train_step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
 def distribute(strategy: xs.Strategy, batches: list[Any]) -> list[Any]:
     return list(strategy.experimental_distribute_dataset(batches))
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import xla_strategies as xs
-from tests.frameworks.reference import assert_trees_close, distribute, regression_batches
+from tests.frameworks.reference import (
+    assert_trees_close,
+    distribute,
+    linen_regression_step,
+    regression_batches,
+)
 
 
 class MLP(nn.Module):
@@ -30,16 +34,7 @@ def _setup():
     batches = regression_batches(steps=3, rows=16, inputs=4, outputs=2)
     params = model.init(jax.random.key(0), batches[0][0])["params"]
     tx = optax.sgd(0.1)
-
-    def train_step(params, opt_state, batch):
-        x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
-        )(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step, params, tx, batches
+    return linen_regression_step(model, tx), params, tx, batches
 
 
 @pytest.mark.parametrize("make_strategy", [xs.OneDeviceStrategy, xs.MirroredStrategy])
