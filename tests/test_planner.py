@@ -34,12 +34,12 @@ def _adam_step(tx):
 
 
 def test_a_state_too_big_to_replicate_is_planned_split(tmp_path, monkeypatch):
-    """24 layers of 8192 x 8192 float32 weights with Adam (19 GB of state) on v5e-4 (16 GiB
-    a chip): replicated, they do not fit; split, they do."""
+    """18 layers of 8192 x 8192 float32 weights with Adam (14.5 GB of state, 19.3 with the
+    gradients) on v5e-4 (16 GiB a chip): replicated, they do not fit; split, they do."""
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
     strategy = xs.TPUStrategy("v5e-4", compile_only=True)
     tx = optax.adam(1e-3)
-    w = jax.ShapeDtypeStruct((24, 8192, 8192), jnp.float32)
+    w = jax.ShapeDtypeStruct((18, 8192, 8192), jnp.float32)
     state = (w, jax.eval_shape(tx.init, w))
     x = jax.ShapeDtypeStruct((16, 8192), jnp.float32, sharding=strategy.split_sharding())
     lines = []
@@ -198,3 +198,25 @@ def test_a_row_is_named_by_everything_that_configures_it():
     plan = Plan((row,), "", "", True)
     assert "remat dots_saveable" in plan.memory().splitlines()[0]
     assert "remat dots_saveable" in plan.recommendation().splitlines()[0]
+
+
+def test_a_configuration_whose_state_alone_outgrows_the_chip_is_not_compiled(tmp_path, monkeypatch):
+    """40 layers of 8192 x 8192 float32 weights with Adam (32 GB of state) on v5e-4 (16 GiB
+    a chip): replicated, the state alone is twice a chip, so that row says so and nothing is
+    compiled for it; split over the 4 chips it may fit, so those are compiled."""
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx = optax.adam(1e-3)
+    w = jax.ShapeDtypeStruct((40, 8192, 8192), jnp.float32)
+    state = (w, jax.eval_shape(tx.init, w))
+    x = jax.ShapeDtypeStruct((16, 8192), jnp.float32, sharding=strategy.split_sharding())
+    lines = []
+    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1))
+    found = strategy.plan(step, *state, x, model_axes=(1,), batch_doublings=0, log=lines.append)
+    replicated = found.rows[0]
+    assert not replicated.fits and replicated.note.startswith("not compiled: the state alone")
+    # the weights, Adam's two moments and its step count
+    assert replicated.memory_bytes == 3 * 40 * 8192 * 8192 * 4 + 4
+    compiled = sorted(line.split(":")[1].split("/")[0] for line in lines)
+    assert compiled == [" compiling 2", " compiling 3"]  # the two sharded rows only
+    assert found.best().sharding == "parameter sharding"

@@ -19,7 +19,9 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
 Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
 (labelled with what the estimate was fitted to) and items per second per chip (the batch
 arguments' rows over the step, per chip). A `budget` in seconds stops the search with the
-best found so far. Configurations compile `WORKERS` at a time, each in a thread of its own
+best found so far. A configuration whose state alone (the arguments that are not
+batches) is more than a chip holds, at its best split, is not compiled: its row says so.
+Configurations compile `WORKERS` at a time, each in a thread of its own
 (a configuration's batch doublings one after another). Progress goes to stderr: what
 compiles, how many are left, the best.
 Every row is cached by the program's fingerprint (`step.verdict_cache`): planning the same
@@ -130,6 +132,11 @@ def _search(
     def search(job: tuple[Strategy, str, int, str, str]) -> tuple[list[Row], bool]:
         """Rows of one configuration, the batch doubled while it fits; False: out of time."""
         variant, sharding, model, what, policy = job
+        pruned = _pruned(variant, sharding, args, strategy)
+        if pruned is not None:  # its state alone outgrows the chip: nothing to compile
+            with lock:
+                compiled.append(pruned)
+            return [pruned], True
         rows: list[Row] = []
         for doubling in range(batch_doublings + 1):
             if budget is not None and time.monotonic() - started > budget:
@@ -198,6 +205,32 @@ def _candidates(
             # do not know the stages yet (`step.stage_plan.staged_pipeline`)
             for sharding in SHARDINGS if count == 1 else ("replicated",):
                 yield variant, sharding, model
+
+
+def _pruned(variant: Strategy, sharding: str, args: tuple[Any, ...], given: Strategy) -> Row | None:
+    """A row that says `variant` cannot fit, where the state alone (the arguments `given`
+    does not split over its replicas) is more than a chip's memory at its best: split over
+    the model axis and stages when replicated, over every device when sharded. None where
+    it may fit, or the chip's memory is unknown."""
+    hbm = variant.topology.hbm_bytes if variant.topology is not None else None
+    state = sum(
+        a.size * a.dtype.itemsize
+        for a in jax.tree.leaves(args)
+        if given.layout(a) is not Layout.SPLIT
+    )
+    split = variant.logical_devices_per_replica * variant.pipeline_stages
+    floor = state // (split if sharding == "replicated" else len(variant.devices))
+    if hbm is None or floor <= hbm:
+        return None
+    per_chip = _batch_per_chip(variant, _on(variant, args, 1, given))
+    note = (
+        f"not compiled: the state alone needs {floor / 2**30:.2f} GiB per chip at best, "
+        f"more than its {hbm / 2**30:.2f} GiB"
+    )
+    row = Row(
+        sharding, variant.logical_devices_per_replica, per_chip, False, floor, None, None, note
+    )
+    return dataclasses.replace(row, stages=variant.pipeline_stages)
 
 
 def _on(strategy: Strategy, args: tuple[Any, ...], factor: int, given: Strategy) -> tuple[Any, ...]:
