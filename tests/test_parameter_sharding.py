@@ -57,6 +57,10 @@ def test_scanned_lm_with_clipped_adamw_matches_one_device(make_strategy, blocks)
         loops = [n for n in graph.nodes if n.op == "jax.scan"]
         assert [r.count_ops("all_gather") >= 1 for n in loops for r in n.regions] == [True] * 2
         assert sum(r.count_ops("reduce_scatter") for n in loops for r in n.regions) >= 1
+        if strategy.topology is not None:
+            # the layers are a loop: the few gathers outside it (the tied embedding, the
+            # last norm) share one bucket, on a v5e too, where the loops' gathers stay apart
+            assert [n.op for n in graph.nodes].count("all_gather") == 1
         stack = p_on["ScanCheckpointBlock_0"]["Dense_0"]["kernel"]
         assert {s.data.shape for s in stack.addressable_shards} == {(3, 16 // blocks, 32)}
 

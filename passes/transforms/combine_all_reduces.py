@@ -139,8 +139,12 @@ class CombineAllReduces(Pass):
                 kinds_here = tuple(k for k in kinds if k not in BLOCK_COLLECTIVES)
             else:
                 kinds_here = kinds
-            if apart and id(region) not in unbucketed:
-                # an unscanned layer's weights, gathered where read: apart, as in a loop
+            if apart and not unbucketed:
+                # unscanned layers' weights, gathered where read: apart, as in a loop. Where
+                # the layers are a loop, the few gathers outside it (embedding, head) stay
+                # bucketed: apart, XLA's TPU compiler sank a tied embedding's gather into
+                # the layer loop, 24 gathers a step for one (GPT-2 medium on v5e-256: 16
+                # GB of collectives a step and 16 % longer, against 2 GB)
                 kinds_here = _without_parameter_gathers(region, kinds_here)
             # Packs are fixed before any bucket is made: combining removes their members.
             packs = _pack_of(region, self.num_packs, kinds_here) if self.num_packs else {}
