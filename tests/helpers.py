@@ -14,6 +14,7 @@ from flax import nnx
 
 import xla_strategies as xs
 from xla_strategies.demo import models
+from xla_strategies.passes.bridge import jax_compat
 
 
 def mlp(dtype: Any = np.float32) -> tuple[Any, Any]:
@@ -298,13 +299,8 @@ def batch_norm_step(
 
 
 def jaxpr_equations(jaxpr: Any) -> Iterator[Any]:
-    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters
-    (a closed jaxpr's, or a jaxpr: jit, scan, remat, custom derivative bodies)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            if hasattr(inner := getattr(param, "jaxpr", param), "eqns"):
-                yield from jaxpr_equations(inner)
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+    return jax_compat.equations(jaxpr)
 
 
 #: A whole compiled module with one all-reduce of 32 bytes over 8 devices, as XLA prints it

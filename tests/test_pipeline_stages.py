@@ -336,3 +336,20 @@ def test_stages_compose_with_a_model_axis_inside_each():
     want = _train(xs.OneDeviceStrategy(), _plain_loss, params, batches)
     got = _train(strategy, _plain_loss, params, batches, microbatches=4)
     _assert_mirrored_and_equal(got, want)
+
+
+def test_a_custom_derivative_in_the_pipelined_loss_is_refused_naming_it():
+    """`jax.nn.relu` is a `jax.custom_jvp`; its rule, traced for the captured mesh, failed
+    in the stage program with an error about meshes and carry types. Refused up front, the
+    error names the call and the line."""
+
+    def relu_loss(params, x, y):
+        def layer(h, w):
+            return jax.nn.relu(h @ w["w"] + w["b"]), None
+
+        h, _ = jax.lax.scan(layer, x * params["embed"], {"w": params["w"], "b": params["b"]})
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    with pytest.raises(NotImplementedError, match=r"custom_jvp_call at .*test_pipeline_stages"):
+        _train(strategy, relu_loss, _plain_params(), _plain_batches()[:1], microbatches=4)

@@ -6,7 +6,7 @@ lowering go through these; nothing else in the package looks at a JAX version.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -18,6 +18,17 @@ def jaxpr_parts(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
     itself, kept only for old callers). Before, those were `ClosedJaxpr`s wrapping an open
     `Jaxpr`, and `remat2`'s param was an open `Jaxpr` with no constants."""
     return getattr(jaxpr, "jaxpr", jaxpr), tuple(getattr(jaxpr, "consts", ()))
+
+
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters
+    (jit, scan, remat and custom derivative bodies, cond's branches), depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple) else (param,):
+                if hasattr(inner := getattr(sub, "jaxpr", sub), "eqns"):
+                    yield from equations(inner)
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
