@@ -135,6 +135,7 @@ def _search(
         pruned = _pruned(variant, sharding, args, strategy)
         if pruned is not None:  # its state alone outgrows the chip: nothing to compile
             with lock:
+                log(f"plan: not compiling {what}: {pruned.describe()}: {pruned.note}")
                 compiled.append(pruned)
             return [pruned], True
         rows: list[Row] = []
