@@ -33,17 +33,24 @@ def _adam_step(tx):
     return step
 
 
+def _adam_layers_on_v5e_4(layers):
+    """A compile-only v5e-4, the Adam step of `layers` 8192-wide f32 layers declared on it,
+    its abstract state and a batch of 16 rows."""
+    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
+    tx = optax.adam(1e-3)
+    w = jax.ShapeDtypeStruct((layers, 8192, 8192), jnp.float32)
+    state = (w, jax.eval_shape(tx.init, w))
+    x = jax.ShapeDtypeStruct((16, 8192), jnp.float32, sharding=strategy.split_sharding())
+    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1))  # the state, declared
+    return strategy, step, state, x
+
+
 def test_a_state_too_big_to_replicate_is_planned_split(tmp_path, monkeypatch):
     """18 layers of 8192 x 8192 float32 weights with Adam (14.5 GB of state, 19.3 with the
     gradients) on v5e-4 (16 GiB a chip): replicated, they do not fit; split, they do."""
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
-    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
-    tx = optax.adam(1e-3)
-    w = jax.ShapeDtypeStruct((18, 8192, 8192), jnp.float32)
-    state = (w, jax.eval_shape(tx.init, w))
-    x = jax.ShapeDtypeStruct((16, 8192), jnp.float32, sharding=strategy.split_sharding())
+    strategy, step, state, x = _adam_layers_on_v5e_4(18)
     lines = []
-    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1))  # the state, declared
     found = strategy.plan(
         step, *state, x, model_axes=(1,), batch_doublings=0, log=lines.append, workers=2
     )
@@ -205,13 +212,8 @@ def test_a_configuration_whose_state_alone_outgrows_the_chip_is_not_compiled(tmp
     a chip): replicated, the state alone is twice a chip, so that row says so and nothing is
     compiled for it; split over the 4 chips it may fit, so those are compiled."""
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
-    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
-    tx = optax.adam(1e-3)
-    w = jax.ShapeDtypeStruct((40, 8192, 8192), jnp.float32)
-    state = (w, jax.eval_shape(tx.init, w))
-    x = jax.ShapeDtypeStruct((16, 8192), jnp.float32, sharding=strategy.split_sharding())
+    strategy, step, state, x = _adam_layers_on_v5e_4(40)
     lines = []
-    step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1))
     found = strategy.plan(step, *state, x, model_axes=(1,), batch_doublings=0, log=lines.append)
     replicated = found.rows[0]
     assert not replicated.fits and replicated.note.startswith("not compiled: the state alone")
