@@ -8,7 +8,6 @@ retraces.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,14 +45,10 @@ from xla_strategies.step.compile_program import LoweredStep, compile_lowered
 from xla_strategies.step.compiler_options import option_values, step_compiler_options
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
 from xla_strategies.step.dumping import (
-    PLAN,
-    PLAN_TIMELINE,
     STOP_AFTER_COMPILE,
     DumpOptions,
     StepDumper,
     abstract,
-    note_progress,
-    step_directory,
 )
 from xla_strategies.step.executable import Executable
 from xla_strategies.step.pipeline_choice import (
@@ -62,6 +57,7 @@ from xla_strategies.step.pipeline_choice import (
     choose,
     selects_by_compiling,
 )
+from xla_strategies.step.plan_mode import plan_and_stop
 from xla_strategies.step.recompiles import warn_if_recompiling
 from xla_strategies.step.stage_plan import (
     check_pipelined,
@@ -148,7 +144,7 @@ class CompiledStep:
             raise gone  # a peer worker died: no step can run
         flat, signature = self._flatten(args, kwargs)
         if self.strategy.compile_only and (budget := DumpOptions.from_env().plan) is not None:
-            self._plan_and_stop(args, kwargs, budget)
+            plan_and_stop(self, args, kwargs, budget)
         abstract = self.strategy.compile_only or any(
             isinstance(leaf, jax.ShapeDtypeStruct) for leaf in flat
         )
@@ -191,24 +187,6 @@ class CompiledStep:
             )
         in_place_state.write_back(outputs.written, outputs.in_place(outs), args, kwargs)
         return outputs.join(outs)
-
-    def _plan_and_stop(self, args: tuple, kwargs: dict, budget: str) -> None:
-        """`xla-strategies plan`: plan this step on its arguments, print the plan, stop."""
-        if kwargs:
-            raise TypeError(f"{self.name}: plan takes a step called with positional arguments")
-        seconds = None if budget == "none" else float(budget)
-        directory = DumpOptions.from_env().directory
-        timeline = step_directory(directory, self.name) / PLAN_TIMELINE if directory else None
-
-        def log(line: str) -> None:  # on stderr, and for the command line's heartbeat
-            print(line, file=sys.stderr, flush=True)
-            note_progress(directory, f"{self.name}: {line}")
-
-        found = self.strategy.plan(self, *args, budget=seconds, log=log, timeline_to=timeline)
-        print(found.table())
-        print(found.memory())
-        print(found.recommendation(self.name), flush=True)
-        raise StoppedAfterCompile(f"{self.name} planned; stopping ({PLAN})")
 
     def lower(self, *args: Any, **kwargs: Any) -> LoweredStep:
         """The lowered program for these arguments, as `jax.jit(...).lower` gives it:
