@@ -86,10 +86,10 @@ def regather_reads(graph: Graph, created_by: str, held_bytes_limit: float | None
 def _bytes_gathered_before(graph: Graph, gathers: list[Node]) -> list[int]:
     """For each position in `graph.nodes` (and one past the end), the bytes the held
     values' gathers before it produce: a span's gathered bytes are a difference of two."""
-    gathering = {id(g): g.outputs[0].nbytes for g in gathers}
+    gathering = {g: g.outputs[0].nbytes for g in gathers}
     totals = [0]
     for node in graph.nodes:
-        totals.append(totals[-1] + gathering.get(id(node), 0))
+        totals.append(totals[-1] + gathering.get(node, 0))
     return totals
 
 

@@ -228,10 +228,8 @@ def _pruned(variant: Strategy, sharding: str, args: tuple[Any, ...], given: Stra
         f"not compiled: the state alone needs {floor / 2**30:.2f} GiB per chip at best, "
         f"more than its {hbm / 2**30:.2f} GiB"
     )
-    row = Row(
-        sharding, variant.logical_devices_per_replica, per_chip, False, floor, None, None, note
-    )
-    return dataclasses.replace(row, stages=variant.pipeline_stages)
+    devices = variant.logical_devices_per_replica
+    return Row(sharding, devices, per_chip, False, floor, None, None, note, variant.pipeline_stages)
 
 
 def _on(strategy: Strategy, args: tuple[Any, ...], factor: int, given: Strategy) -> tuple[Any, ...]:
