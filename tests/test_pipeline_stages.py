@@ -338,18 +338,46 @@ def test_stages_compose_with_a_model_axis_inside_each():
     _assert_mirrored_and_equal(got, want)
 
 
-def test_a_custom_derivative_in_the_pipelined_loss_is_refused_naming_it():
-    """`jax.nn.relu` is a `jax.custom_jvp`; its rule, traced for the captured mesh, failed
-    in the stage program with an error about meshes and carry types. Refused up front, the
-    error names the call and the line."""
-
-    def relu_loss(params, x, y):
+def _custom_rule_loss(activation):
+    def loss(params, x, y):
         def layer(h, w):
-            return jax.nn.relu(h @ w["w"] + w["b"]), None
+            return activation(h @ w["w"] + w["b"]), None
 
         h, _ = jax.lax.scan(layer, x * params["embed"], {"w": params["w"], "b": params["b"]})
         return jnp.mean((h @ params["head"] - y) ** 2)
 
-    strategy = xs.MirroredStrategy(pipeline_stages=2)
-    with pytest.raises(NotImplementedError, match=r"custom_jvp_call at .*test_pipeline_stages"):
-        _train(strategy, relu_loss, _plain_params(), _plain_batches()[:1], microbatches=4)
+    return loss
+
+
+@jax.custom_vjp
+def _soft_tanh(x):
+    return jnp.tanh(x)
+
+
+def _soft_tanh_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+
+
+def _soft_tanh_bwd(y, g):  # not the derivative (1 - y**2), so it must be the one used
+    return (g * (1 - jnp.abs(y)),)
+
+
+_soft_tanh.defvjp(_soft_tanh_fwd, _soft_tanh_bwd)
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [jax.nn.relu, jax.nn.softmax, _soft_tanh],
+    ids=["relu (custom_jvp)", "softmax (custom_jvp)", "custom_vjp"],
+)
+def test_a_custom_derivative_in_the_pipelined_loss_keeps_its_rule(activation):
+    """`jax.nn.relu` and `jax.nn.softmax` are `jax.custom_jvp`s; their rules, traced for
+    the captured mesh, failed in the stage program with an error about meshes and carry
+    types. They train as one device does, and a custom_vjp's backward rule (one that is
+    not the derivative) is the one used."""
+    loss = _custom_rule_loss(activation)
+    params, batches = _plain_params(), _plain_batches()
+    want = _train(xs.OneDeviceStrategy(), loss, params, batches)
+    got = _train(xs.MirroredStrategy(pipeline_stages=2), loss, params, batches, microbatches=4)
+    _assert_mirrored_and_equal(got, want)

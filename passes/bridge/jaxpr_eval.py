@@ -10,20 +10,25 @@ goes wrong three ways, each handled here:
   `cond`, a rematerialised block) bound with its traced body keeps the traced varying
   types, which then disagree with a loop carry's: such bodies are re-emitted through
   `lax.scan`, `lax.while_loop`, `lax.switch` and `jax.checkpoint`, as the lowering
-  re-emits regions, and a `pvary` adds only what JAX's own `pvary` would.
+  re-emits regions, and a `pvary` adds only what JAX's own `pvary` would;
+- a `jax.custom_jvp` or `jax.custom_vjp` call (`jax.nn.relu`, `jax.nn.softmax`) keeps its
+  rule, but JAX runs the rule's jaxpr, traced for the captured mesh, with
+  `core.eval_jaxpr`: its body and rule are run through `evaluate` instead.
 
 Nested calls (`jit`) run inline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jex
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.replay import equation_context
@@ -114,6 +119,89 @@ def _cond(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
     return list(lax.switch(invals[0], branches, *invals[1:]))
 
 
+def _custom_jvp(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    """A custom_jvp call with its body and its rule run through `evaluate`: what JAX's
+    `lift_jvp` does, with `evaluate` for `core.eval_jaxpr`."""
+    num_consts, traced_rule = eqn.params["num_consts"], eqn.params["jvp_jaxpr_fun"]
+
+    def jvp(*xs: Any) -> list[Any]:
+        half = len(xs) // 2
+        primals, tangents = xs[num_consts:half], xs[half + num_consts :]
+        zeros = [isinstance(t, SymbolicZero) for t in tangents]
+        with _as_captured(eqn):
+            rule, rule_consts, out_zeros = traced_rule.call_wrapped(*zeros)
+        nonzero = [t for t in tangents if not isinstance(t, SymbolicZero)]
+        outs = evaluate(rule, rule_consts, [*primals, *nonzero])
+        out_primals, out_tangents = outs[: len(out_zeros)], iter(outs[len(out_zeros) :])
+        return [
+            *out_primals,
+            *(
+                SymbolicZero(jax.typeof(p).to_tangent_aval()) if zero else next(out_tangents)
+                for p, zero in zip(out_primals, out_zeros, strict=True)
+            ),
+        ]
+
+    return _bound_with(eqn, invals, lambda _: (_wrapped(jvp, traced_rule),))
+
+
+def _custom_vjp(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    """A custom_vjp call with its body and its forward rule run through `evaluate`: what
+    JAX's `lift_fwd` does, with `evaluate` for `core.eval_jaxpr`. The backward rule is the
+    user's function, traced when the gradient is."""
+    num_consts, traced_fwd = eqn.params["num_consts"], eqn.params["fwd_jaxpr_thunk"]
+
+    def fwd(*args: Any) -> list[Any]:
+        values, nonzeros = args[::2], args[1::2]
+        if any(nonzeros[:num_consts]):
+            from jax._src.interpreters import ad
+
+            raise ad.CustomVJPException()
+        with _as_captured(eqn):
+            forward, forward_consts = traced_fwd.call_wrapped(*nonzeros[num_consts:])
+        return evaluate(forward, forward_consts, values[num_consts:])
+
+    def unchecked(bwd: Any) -> Any:
+        """The backward rule without JAX's check of its cotangents' types against the
+        captured inputs': the check passed when the step was captured, on these shapes;
+        here the stage program's types are unchecked and carry no varying axes."""
+        from jax._src import config
+
+        def run(*args: Any) -> Any:
+            with config.disable_bwd_checks(True):
+                return bwd.call_wrapped(*args)
+
+        return _wrapped(run, bwd)
+
+    return _bound_with(eqn, invals, lambda _, bwd: (_wrapped(fwd, traced_fwd), unchecked(bwd)))
+
+
+@contextlib.contextmanager
+def _as_captured(eqn: jex.JaxprEqn) -> Iterator[None]:
+    """The context a custom rule's thunk traces the rule in: the one its call was captured
+    in (its mesh, and checked varying types), as the thunk traces it for the avals of then."""
+    from jax._src import config
+
+    with eqn.ctx.manager, config._check_vma(True):
+        yield
+
+
+def _bound_with(eqn: jex.JaxprEqn, invals: list[Any], rules: Callable[..., tuple]) -> list[Any]:
+    """`eqn` bound as JAX binds it, its body run through `evaluate` and its rules (the
+    subfunctions after the body) replaced by `rules(*subfunctions)`."""
+    params = dict(eqn.primitive.get_bind_params(eqn.params))
+    body, *others = params["subfuns"]
+    params["subfuns"] = (_wrapped(_body(eqn.params["call_jaxpr"]), body), *rules(*others))
+    with equation_context(eqn.ctx) as move:
+        return list(eqn.primitive.bind(*invals, **move(params)))
+
+
+def _wrapped(fun: Callable[..., Any], like: Any) -> Any:
+    """`fun` as the `WrappedFun` JAX binds, with the debug info of `like`."""
+    from jax._src import linear_util
+
+    return linear_util.wrap_init(fun, debug_info=like.debug_info)
+
+
 def _remat(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
     params = eqn.params
     fn = jax.checkpoint(
@@ -130,4 +218,6 @@ _RULES: dict[str, Callable[[jex.JaxprEqn, list[Any]], list[Any]]] = {
     "cond": _cond,
     "remat2": _remat,
     "checkpoint": _remat,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
 }

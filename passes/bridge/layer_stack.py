@@ -51,7 +51,6 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
     length `divisor` divides. Raises `NothingToPipeline` naming what it found instead."""
     closed = jax.make_jaxpr(fun)(*args)
     jaxpr, consts = jax_compat.jaxpr_parts(closed)
-    _refuse_custom_rules(jaxpr)
     jaxpr, consts = _inlined(jaxpr, consts, args)
     # what the function reads from its closure becomes its first inputs
     jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
@@ -67,29 +66,6 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
         )
     at = max(usable, key=lambda i: _xs_bytes(jaxpr.eqns[i]))
     return _split_at(jaxpr, consts, at)
-
-
-#: calls whose derivative is a rule of their own, traced when they are differentiated
-CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call")
-
-
-def _refuse_custom_rules(jaxpr: jex.Jaxpr) -> None:
-    """An error naming the first `jax.custom_jvp`/`custom_vjp` call in `jaxpr` (its
-    sub-jaxprs too): its rule, traced against the mesh the step was captured on, fails in
-    the stage program with an error about meshes or a scan's carry types, which says
-    nothing of the cause."""
-    from jax._src import source_info_util
-
-    for eqn in jax_compat.equations(jaxpr):
-        if eqn.primitive.name in CUSTOM_RULES:
-            where = source_info_util.summarize(eqn.source_info)
-            raise NotImplementedError(
-                f"pipeline stages cannot yet differentiate a loss that calls a "
-                f"jax.custom_jvp or jax.custom_vjp function (jax.nn.relu is one): "
-                f"{eqn.primitive.name} at {where}. Its rule is traced against the mesh the "
-                "step was captured on, not the stage program's. Write it without a custom "
-                "rule (jnp.maximum(x, 0) for relu), or compile without pipeline_stages."
-            )
 
 
 def _is_layer_stack(eqn: jex.JaxprEqn, divisor: int) -> bool:
