@@ -146,7 +146,7 @@ def test_a_pipeline_the_user_asked_for_or_an_emulated_chip_is_never_swapped(tmp_
     assert not selected(xs.TPUStrategy("v5e-8", emulate=True))  # CPU devices judge nothing
 
 
-def test_the_default_is_kept_only_where_it_is_at_most_the_replicated_program():
+def test_the_fastest_program_at_most_the_replicated_one_is_kept():
     from xla_strategies.step.pipeline_choice import Compiled, _kept
 
     replicated = Compiled("replicated", "insert-reductions", True, 1000, 1.0)
@@ -158,3 +158,40 @@ def test_the_default_is_kept_only_where_it_is_at_most_the_replicated_program():
     assert _kept([too_big, replicated]).label == "replicated"
     only_default = Compiled("replicated", "insert-reductions", False, None, None)
     assert _kept([no_worse, only_default]).label == "default"
+    sharded = Compiled("sharded-updates", "...", True, 900, 0.8)
+    assert _kept([no_worse, sharded, replicated]).label == "sharded-updates"
+    assert _kept([faster_but_larger, sharded, replicated]).label == "sharded-updates"
+    same_step = Compiled("sharded-updates", "...", True, 900, 0.9)  # a tie: the earlier
+    assert _kept([no_worse, same_step, replicated]).label == "default"
+    larger = Compiled("sharded-updates", "...", True, 1001, 0.5)
+    assert _kept([no_worse, larger, replicated]).label == "default"
+    assert _kept([too_big, only_default]).label == "default"  # none fits: the first
+
+
+def test_an_alternative_that_leaves_the_same_program_is_not_compiled_again(tmp_path, monkeypatch):
+    from xla_strategies.step import compiled_step
+
+    compiles = []
+    original = compiled_step.CompiledStep._compiled_report
+
+    def counting(self, signature, graph, ctx):
+        compiles.append(1)
+        return original(self, signature, graph, ctx)
+
+    monkeypatch.setattr(compiled_step.CompiledStep, "_compiled_report", counting)
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    strategy = xs.TPUStrategy("v5e-16", compile_only=True)
+
+    def evaluate(weights, x):  # no gradient: every alternative leaves the same program
+        return jnp.mean(jnp.tanh(x @ weights))
+
+    weights = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((16 * 16, 64), jnp.float32, sharding=strategy.split_sharding())
+    compiled = strategy.compile(evaluate, select_by_compiling=True)
+    remark = next(
+        r
+        for r in compiled.executable(strategy.replicate(weights), x).remarks
+        if r.startswith("select-by-compiling")
+    )
+    assert "default" in remark and "sharded-updates" in remark and "replicated" in remark
+    assert len(compiles) == 1, remark

@@ -70,13 +70,17 @@ class ShardWeightUpdates(ModePass):
         strategy's topology (off without one: on emulated CPU devices the collectives are
         synchronous copies and the update is cheap, and on unknown hardware nothing can
         be estimated), and says what it decided in its stats and a remark.
+    asked: whether the user turned the pass on (`shard_weight_updates=True`), so a step
+        it would not change is an error or a warning to them; false where the compiler
+        tries it as an alternative (`pipeline_choice`).
     """
 
     name = "shard-weight-updates"
     mode: str = "on"
+    asked: bool = True
 
     def run(self, graph: Graph, ctx: PassContext) -> bool:
-        if self.mode == "on":
+        if self.mode == "on" and self.asked:
             require_state(graph, ctx, self.name, "shard_weight_updates")
         axes = block_order(ctx)
         held_split = [n.attrs["axes"] for n in graph.nodes if n.attrs.get(DEFERRED)]
@@ -99,7 +103,7 @@ class ShardWeightUpdates(ModePass):
             sharder.stats["regathered_reads"] = self._regather(graph, ctx)
         ctx.stats[self.name] = {**sharder.stats, "decision": decision}
         ctx.remarks.extend(f"{self.name}: {r}" for r in sharder.remarks)
-        if self.mode == "on" and not held_split:
+        if self.mode == "on" and self.asked and not held_split:
             held = sharder.stats["sharded_state"] + sharder.stats["sharded_gradients"]
             warn_if_nothing_held(self.name, "shard_weight_updates", held, sharder.remarks)
         return sharder.stats["sharded_gradients"] > 0 or bool(held_split)

@@ -46,8 +46,9 @@ class CompileOptions:
         donate_argnames: names of such arguments.
         compiler_options: XLA option names to values, winning over the strategy's own.
         select_by_compiling: True: compile the pipeline's alternatives (the default one,
-            and one of only the passes that give reductions their meaning, as `jax.jit`
-            runs) and keep the best by what XLA says (`step.pipeline_choice`); False:
+            it with the weight updates sharded, and one of only the passes that give
+            reductions their meaning, as `jax.jit` runs) and keep the best by what XLA
+            says (`step.pipeline_choice`); False:
             never; None: for a strategy with a topology (TPU, GPU) whose pipeline is the
             cost model's choice alone (not a spec, not `shard_parameters=True` or
             `shard_weight_updates=True`), unless XLA_STRATEGIES_SELECT_BY_COMPILING=0.

@@ -367,18 +367,27 @@ class CompiledStep:
     def _select(self, signature: Signature, graph: Graph, pipeline: PassPipeline) -> Verdict:
         """Compile the alternatives of `pipeline` for this step (`pipeline_choice`)."""
         strategy = self.strategy
+        reports: dict[str, Any] = {}  # by the program the passes left: each compiled once
 
         def compile_one(candidate: PassPipeline) -> Any:
             fresh, _ = self._capture(signature)
             ctx = self._pass_context()
             candidate.run(fresh, ctx)
-            run, compiler_options = self._lowered(fresh, ctx)
-            shardings = input_shardings(
-                fresh, strategy.mesh, strategy.stacked_mesh, strategy.sharded_mesh
-            )
-            args = abstract([(a.shape, a.dtype) for a in signature.arrays], shardings)
-            compiled = compile_lowered(lambda: run.lower(*args).compile(), strategy, self.name)
-            return compiled_report(compiled, strategy, compiler_options)
+            program = print_graph(fresh)
+            if program not in reports:
+                reports[program] = self._compiled_report(signature, fresh, ctx)
+            return reports[program]
 
         key = fingerprint(print_graph(graph), strategy.topology, self.options)
         return choose(alternatives(pipeline), compile_one, key)
+
+    def _compiled_report(self, signature: Signature, graph: Graph, ctx: PassContext) -> Any:
+        """XLA's compile of `graph` (the passes ran on it) for the strategy's topology."""
+        strategy = self.strategy
+        run, compiler_options = self._lowered(graph, ctx)
+        shardings = input_shardings(
+            graph, strategy.mesh, strategy.stacked_mesh, strategy.sharded_mesh
+        )
+        args = abstract([(a.shape, a.dtype) for a in signature.arrays], shardings)
+        compiled = compile_lowered(lambda: run.lower(*args).compile(), strategy, self.name)
+        return compiled_report(compiled, strategy, compiler_options)
