@@ -104,3 +104,21 @@ def test_a_policy_given_in_one_thread_leaves_another_threads_blocks_alone():
     assert seen["given"] is jax.checkpoint_policies.dots_saveable
     assert seen["other"] is None
     assert seen["counted"] == (1, 0)
+
+
+def test_the_backward_recomputation_is_lowered_behind_a_barrier_as_jax_lowers_it():
+    """JAX lowers a differentiated remat region (the backward pass's recomputation) behind
+    an optimization barrier, so XLA neither merges it with the forward pass nor schedules
+    it early. The step's program keeps it: without it, a plain-JAX GPT-2 whose scanned
+    blocks are `jax.checkpoint`ed held 35 MiB more temporaries on v5e-8 (110.5 MiB against
+    75.0)."""
+    strategy = xs.MirroredStrategy()
+    tx = optax.sgd(0.1)
+    stack = jax.ShapeDtypeStruct((4, 16, 16), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=strategy.split_sharding())
+    state = strategy.replicate(stack), strategy.replicate(jax.eval_shape(tx.init, stack))
+    ours = strategy.compile(_step(tx), pipeline="insert-reductions").lower(*state, x).as_text()
+    plain = jax.jit(_step(tx)).lower(stack, jax.eval_shape(tx.init, stack), x).as_text()
+    barriers = plain.count("stablehlo.optimization_barrier")
+    assert barriers >= 1
+    assert ours.count("stablehlo.optimization_barrier") == barriers

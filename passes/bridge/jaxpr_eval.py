@@ -31,7 +31,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from xla_strategies.passes.bridge import jax_compat
-from xla_strategies.passes.bridge.replay import equation_context
+from xla_strategies.passes.bridge.replay import equation_context, recompute_inputs
 from xla_strategies.passes.bridge.trace_hooks import vma
 
 #: call equations run inline
@@ -204,6 +204,8 @@ def _wrapped(fun: Callable[..., Any], like: Any) -> Any:
 
 def _remat(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
     params = eqn.params
+    if params["differentiated"]:  # the backward's recomputation: run as JAX runs it
+        return _body(params["jaxpr"])(*recompute_inputs(invals, params["prevent_cse"]))
     fn = jax.checkpoint(
         _body(params["jaxpr"]), prevent_cse=params["prevent_cse"], policy=params["policy"]
     )

@@ -26,7 +26,7 @@ from xla_strategies.passes.bridge.layouts import (
     output_shardings,
     value_spec,
 )
-from xla_strategies.passes.bridge.replay import LoweringError, bind_foreign
+from xla_strategies.passes.bridge.replay import LoweringError, bind_foreign, recompute_inputs
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 
 
@@ -179,6 +179,9 @@ def _cond(node: Node, args: list[Any]) -> list[Any]:
 
 
 def _remat(node: Node, args: list[Any]) -> list[Any]:
+    if node.attrs.get("differentiated"):  # the backward's recomputation: run as JAX runs it
+        inputs = recompute_inputs(args, node.attrs.get("prevent_cse", True))
+        return list(evaluate(node.regions[0], inputs))
     name = node.attrs.get("policy")
     if node.payload is not None:
         policy = node.payload.params.get("policy")

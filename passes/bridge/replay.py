@@ -94,3 +94,18 @@ def _on_current_mesh(value: Any) -> Any:
     return jax.core.ShapedArray(
         value.shape, value.dtype, value.weak_type, memory_space=value.memory_space
     )
+
+
+def recompute_inputs(args: list[Any], prevent_cse: Any) -> list[Any]:
+    """The inputs of a differentiated remat region (the backward pass's recomputation) as
+    JAX lowers them: those `prevent_cse` flags (one bool, or one per input) through an
+    optimization barrier, so XLA does not merge the recomputation with the forward pass
+    or move it where its inputs are first ready (`ad_checkpoint._remat_lowering`)."""
+    flags = (
+        list(prevent_cse) if isinstance(prevent_cse, list | tuple) else [prevent_cse] * len(args)
+    )
+    held = [a for a, f in zip(args, flags, strict=True) if f]
+    if not held:
+        return list(args)
+    barred = iter(jax.lax.optimization_barrier(tuple(held)))
+    return [next(barred) if f else a for a, f in zip(args, flags, strict=True)]
