@@ -194,4 +194,33 @@ def test_an_alternative_that_leaves_the_same_program_is_not_compiled_again(tmp_p
         if r.startswith("select-by-compiling")
     )
     assert "default" in remark and "sharded-updates" in remark and "replicated" in remark
+    assert "+scatter-adds-as-selects" in remark  # tried on the program kept: no scatter here
     assert len(compiles) == 1, remark
+
+
+def test_a_refinement_is_kept_only_where_it_is_better_and_no_worse(tmp_path, monkeypatch):
+    from xla_strategies.step import pipeline_choice
+    from xla_strategies.step.pipeline_choice import choose
+
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    pipeline = xs.TPUStrategy("v5e-16", compile_only=True).pipeline(None)
+
+    class Report:  # what the compiler says of each pipeline, by whether it takes selects
+        def __init__(self, memory, step):
+            self.memory = type("Memory", (), {"total_bytes": memory})()
+            self.estimate, self.fits = {"step_s": step}, True
+
+    def with_selects(memory, step):
+        def compile_one(candidate):
+            on = any(
+                p.name == "scatter-adds-as-selects" and p.mode == "on" for p in candidate.passes
+            )
+            return Report(memory, step) if on else Report(1000, 1.0)
+
+        return compile_one
+
+    kept = choose(pipeline, with_selects(900, 0.8), "faster").chosen
+    assert kept.endswith("+scatter-adds-as-selects")
+    assert pipeline_choice.chosen_pipeline(pipeline, kept).spec() != pipeline.spec()
+    assert "+" not in choose(pipeline, with_selects(1100, 0.8), "larger").chosen
+    assert "+" not in choose(pipeline, with_selects(1000, 1.0), "the same").chosen

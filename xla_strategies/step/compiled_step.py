@@ -53,8 +53,8 @@ from xla_strategies.step.dumping import (
 from xla_strategies.step.executable import Executable
 from xla_strategies.step.pipeline_choice import (
     Verdict,
-    alternatives,
     choose,
+    chosen_pipeline,
     selects_by_compiling,
 )
 from xla_strategies.step.plan_mode import plan_and_stop
@@ -323,7 +323,7 @@ class CompiledStep:
         remarks: list[str] = []
         if selects_by_compiling(self.options, self.strategy, options):
             verdict = self._select(signature, graph, pipeline)
-            pipeline = alternatives(pipeline)[verdict.chosen]
+            pipeline = chosen_pipeline(pipeline, verdict.chosen)
             remarks.append(verdict.remark())
             dump.progress(verdict.remark())
         start = time.perf_counter()
@@ -379,7 +379,7 @@ class CompiledStep:
             return reports[program]
 
         key = fingerprint(print_graph(graph), strategy.topology, self.options)
-        return choose(alternatives(pipeline), compile_one, key)
+        return choose(pipeline, compile_one, key)
 
     def _compiled_report(self, signature: Signature, graph: Graph, ctx: PassContext) -> Any:
         """XLA's compile of `graph` (the passes ran on it) for the strategy's topology."""

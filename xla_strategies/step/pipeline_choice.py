@@ -20,6 +20,13 @@ those that do. A program that trades memory for a shorter step is not kept: the 
 says what it would have given. An alternative whose passes leave the same program as an
 earlier one is not compiled again.
 
+Then each exact rewrite the cost model leaves off (`REFINEMENTS`) is tried on the program
+kept, and kept with it where that is at most it in both and better in one: the loss's
+label gradient taken as a select (`scatter-adds-as-selects`) took Gemma 3 1B's replicated
+program on v5e-256 from 136.87 to 109.46 ms (XLA's compute 114.2 to 86.8 ms; `jax.jit`'s,
+whose partitioner lowers that scatter-add its own way, 89.2). A rewrite that changes
+nothing in a step is not compiled again either.
+
 On by default for a strategy with a topology (TPU slices, GPU nodes) where the pipeline is
 the cost model's choice alone; `compile(select_by_compiling=...)` or
 `XLA_STRATEGIES_SELECT_BY_COMPILING=0|1` says otherwise.
@@ -37,7 +44,9 @@ from typing import Any
 
 from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.hardware.compiled_report import CompiledReport
+from xla_strategies.passes.base import Pass
 from xla_strategies.passes.pipeline import PassPipeline, with_pass
+from xla_strategies.passes.transforms.scatter_adds_as_selects import ScatterAddsAsSelects
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.step import verdict_cache
 from xla_strategies.step.compile_options import CompileOptions
@@ -45,6 +54,11 @@ from xla_strategies.step.compile_options import CompileOptions
 #: the passes that give a step's reductions their meaning (and where the state goes, for
 #: a strategy that keeps it on one device): never left out of an alternative
 MEANING = frozenset({"insert-reductions", "fold-invariant-reductions", "reduce-to-one-device"})
+#: exact rewrites the cost model leaves off where it cannot tell that they pay: each is
+#: tried on the program chosen among the alternatives, and kept where that is better
+REFINEMENTS: dict[str, Callable[[], Pass]] = {
+    ScatterAddsAsSelects.name: lambda: ScatterAddsAsSelects(mode="on"),
+}
 #: the relative difference two programs' memory or estimated step may have and count as
 #: the same (programs that differ in their instructions' names and fusion boundaries)
 SAME = 1e-4
@@ -99,14 +113,7 @@ def alternatives(pipeline: PassPipeline) -> dict[str, PassPipeline]:
     meaning (none when that is the same pipeline)."""
     meaning = tuple(p for p in pipeline.passes if p.name in MEANING)
     found = {"default": pipeline}
-    decided = [
-        p
-        for p in pipeline.passes
-        if isinstance(p, ShardWeightUpdates)
-        and p.mode == "auto"
-        and p.name not in pipeline.disabled
-    ]
-    if decided:
+    if _left_to_cost_model(pipeline, ShardWeightUpdates.name):
         found["sharded-updates"] = with_pass(pipeline, ShardWeightUpdates(mode="on", asked=False))
     if len(meaning) < len([p for p in pipeline.passes if p.name not in pipeline.disabled]):
         found["replicated"] = PassPipeline(passes=meaning)
@@ -144,30 +151,62 @@ def judged(strategy: Any) -> bool:
 
 
 def choose(
-    candidates: dict[str, PassPipeline],
+    pipeline: PassPipeline,
     compile_one: Callable[[PassPipeline], CompiledReport],
     key: str,
 ) -> Verdict:
-    """The best of `candidates`, compiled one by one with `compile_one` unless the cache
-    holds a verdict for `key`."""
+    """The best of `pipeline`'s alternatives, then of it with each refinement, compiled one
+    by one with `compile_one` unless the cache holds a verdict for `key`."""
+    candidates = alternatives(pipeline)
     cached = _read(key)
-    if cached is not None and [c.label for c in cached.compiled] == list(candidates):
+    if cached is not None and [c.label for c in cached.compiled][: len(candidates)] == list(
+        candidates
+    ):
         return cached  # a verdict among other alternatives is not this one's
-    compiled = []
-    for label, pipeline in candidates.items():
-        try:
-            report = compile_one(pipeline)
-        except OutOfMemoryError:  # XLA refused it: it does not fit
-            compiled.append(Compiled(label, pipeline.spec(), False, None, None))
-            continue
-        memory = report.memory.total_bytes if report.memory is not None else None
-        fits = report.fits is not False
-        compiled.append(
-            Compiled(label, pipeline.spec(), fits, memory, report.estimate.get("step_s"))
-        )
-    verdict = Verdict(_kept(compiled).label, tuple(compiled), key)
+    compiled = [_compiled(label, p, compile_one) for label, p in candidates.items()]
+    kept = _kept(compiled)
+    for name in _refinements(pipeline):
+        label = f"{kept.label}+{name}"
+        refined = _compiled(label, chosen_pipeline(pipeline, label), compile_one)
+        compiled.append(refined)
+        if refined.at_most(kept) and not kept.at_most(refined):  # better, and no worse
+            kept = refined
+    verdict = Verdict(kept.label, tuple(compiled), key)
     _write(verdict)
     return verdict
+
+
+def chosen_pipeline(pipeline: PassPipeline, label: str) -> PassPipeline:
+    """The pipeline a verdict's `label` names: an alternative of `pipeline`, and the
+    refinements after its `+`s."""
+    base, *refinements = label.split("+")
+    chosen = alternatives(pipeline)[base]
+    for name in refinements:
+        chosen = with_pass(chosen, REFINEMENTS[name]())
+    return chosen
+
+
+def _refinements(pipeline: PassPipeline) -> list[str]:
+    return [name for name in REFINEMENTS if _left_to_cost_model(pipeline, name)]
+
+
+def _left_to_cost_model(pipeline: PassPipeline, name: str) -> bool:
+    """Whether `pipeline` runs the pass `name` in `mode=auto`: its cost model decides."""
+    return name not in pipeline.disabled and any(
+        p.name == name and getattr(p, "mode", None) == "auto" for p in pipeline.passes
+    )
+
+
+def _compiled(
+    label: str, pipeline: PassPipeline, compile_one: Callable[[PassPipeline], CompiledReport]
+) -> Compiled:
+    try:
+        report = compile_one(pipeline)
+    except OutOfMemoryError:  # XLA refused it: it does not fit
+        return Compiled(label, pipeline.spec(), False, None, None)
+    memory = report.memory.total_bytes if report.memory is not None else None
+    fits = report.fits is not False
+    return Compiled(label, pipeline.spec(), fits, memory, report.estimate.get("step_s"))
 
 
 def _kept(compiled: list[Compiled]) -> Compiled:
