@@ -158,10 +158,9 @@ def choose(
     """The best of `pipeline`'s alternatives, then of it with each refinement, compiled one
     by one with `compile_one` unless the cache holds a verdict for `key`."""
     candidates = alternatives(pipeline)
+    tried = [*candidates, *_refinements(pipeline)]
     cached = _read(key)
-    if cached is not None and [c.label for c in cached.compiled][: len(candidates)] == list(
-        candidates
-    ):
+    if cached is not None and _tried(cached) == tried:
         return cached  # a verdict among other alternatives is not this one's
     compiled = [_compiled(label, p, compile_one) for label, p in candidates.items()]
     kept = _kept(compiled)
@@ -184,6 +183,11 @@ def chosen_pipeline(pipeline: PassPipeline, label: str) -> PassPipeline:
     for name in refinements:
         chosen = with_pass(chosen, REFINEMENTS[name]())
     return chosen
+
+
+def _tried(verdict: Verdict) -> list[str]:
+    """The alternatives and refinements `verdict` compiled, by name."""
+    return [c.label.rpartition("+")[2] for c in verdict.compiled]
 
 
 def _refinements(pipeline: PassPipeline) -> list[str]:
