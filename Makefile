@@ -83,6 +83,8 @@ bench: $(STAMP)
 bench-corpus: $(STAMP) $(CORPUS_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models gpt2-medium-plain \
 		gpt2-medium-plain-cast --topologies v5e-256 --variants a c
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models llama2-7b-plain \
+		--topologies v5e-256 --variants c d
 	JAX_PLATFORMS=cpu KERAS_BACKEND=jax $(CORPUS_VENV)/bin/python -m benchmarks.tpu_aot \
 		--models $(CORPUS_MODELS) --topologies v5e-256 --variants a c
 

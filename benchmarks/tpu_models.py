@@ -396,6 +396,12 @@ def _plain_gpt2(name: str, cfg: TransformerConfig, cast_first: bool = False) -> 
     return gpt2_workload(name, cfg, cast_first)
 
 
+def _plain_llama(name: str, cfg: TransformerConfig) -> Workload:
+    from benchmarks.plain_jax_models import llama_workload  # it builds on this module
+
+    return llama_workload(name, cfg)
+
+
 #: the models of others' packages, which need the corpus environment (`make .venv-corpus`)
 CORPUS_ENVIRONMENT = ("keras-hub-gpt2-medium", "keras-hub-llama3.2-1b", "gemma3-1b", "gemma3-12b")
 
@@ -424,6 +430,9 @@ WORKLOADS = {
         "GPT-2 medium plain JAX, cast first",
         TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=8),
         cast_first=True,
+    ),
+    "llama2-7b-plain": lambda: _plain_llama(
+        "Llama-2-7B plain JAX", TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True)
     ),
     # keras-hub's own models (`benchmarks.corpus_models`; the corpus environment)
     "keras-hub-gpt2-medium": lambda: _corpus("keras-hub-gpt2-medium"),
