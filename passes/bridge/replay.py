@@ -101,9 +101,12 @@ def recompute_inputs(args: list[Any], prevent_cse: Any) -> list[Any]:
     JAX lowers them: those `prevent_cse` flags (one bool, or one per input) through an
     optimization barrier, so XLA does not merge the recomputation with the forward pass
     or move it where its inputs are first ready (`ad_checkpoint._remat_lowering`)."""
-    flags = (
-        list(prevent_cse) if isinstance(prevent_cse, list | tuple) else [prevent_cse] * len(args)
-    )
+    if isinstance(prevent_cse, list | tuple):
+        # operands a pass gave the region after the captured ones (a gather moved out of
+        # it, `prefetch_all_gathers`) go through the barrier too
+        flags = [*prevent_cse, *[True] * (len(args) - len(prevent_cse))][: len(args)]
+    else:
+        flags = [prevent_cse] * len(args)
     held = [a for a, f in zip(args, flags, strict=True) if f]
     if not held:
         return list(args)
