@@ -225,17 +225,9 @@ def test_a_refinement_is_kept_only_where_it_is_better_and_no_worse(tmp_path, mon
     assert "+" not in choose(pipeline, with_selects(1100, 0.8), "larger").chosen
     assert "+" not in choose(pipeline, with_selects(1000, 1.0), "the same").chosen
     # a verdict cached before a refinement existed is not this one's: compiled again
-    from xla_strategies.step import verdict_cache
+    from xla_strategies.step.pipeline_choice import Compiled, Verdict
 
-    old = {"chosen": "default", "compiled": _compiled_labels(["default"])}
-    verdict_cache.write("pipeline_verdicts", "older", old)
+    pipeline_choice._write(Verdict("default", (Compiled("default", "", True, 1, 1.0),), "older"))
     assert choose(pipeline, with_selects(900, 0.8), "older").chosen.endswith(
         "+scatter-adds-as-selects"
     )
-
-
-def _compiled_labels(labels):
-    return [
-        {"label": label, "spec": "", "fits": True, "memory_bytes": 1, "step_s": 1.0}
-        for label in labels
-    ]

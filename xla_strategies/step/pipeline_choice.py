@@ -157,14 +157,13 @@ def choose(
 ) -> Verdict:
     """The best of `pipeline`'s alternatives, then of it with each refinement, compiled one
     by one with `compile_one` unless the cache holds a verdict for `key`."""
-    candidates = alternatives(pipeline)
-    tried = [*candidates, *_refinements(pipeline)]
+    candidates, refinements = alternatives(pipeline), _refinements(pipeline)
     cached = _read(key)
-    if cached is not None and _tried(cached) == tried:
+    if cached is not None and _tried(cached) == [*candidates, *refinements]:
         return cached  # a verdict among other alternatives is not this one's
     compiled = [_compiled(label, p, compile_one) for label, p in candidates.items()]
     kept = _kept(compiled)
-    for name in _refinements(pipeline):
+    for name in refinements:
         label = f"{kept.label}+{name}"
         refined = _compiled(label, chosen_pipeline(pipeline, label), compile_one)
         compiled.append(refined)
