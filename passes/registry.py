@@ -4,6 +4,7 @@ from, and the default pipeline."""
 from __future__ import annotations
 
 from xla_strategies.passes.base import Pass
+from xla_strategies.passes.transforms.materialize_early_matmuls import MaterializeEarlyMatmuls
 from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduces
 from xla_strategies.passes.transforms.decompose_all_reduces import DecomposeAllReduces
 from xla_strategies.passes.transforms.fold_invariant_reductions import FoldInvariantReductions
@@ -43,6 +44,7 @@ PASSES: tuple[type[Pass], ...] = (
     SinkCastsBelowLookups,
     ScatterAddsAsSelects,
     ReduceScattersBeforeLoops,
+    MaterializeEarlyMatmuls,
 )
 PASS_REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
 PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
@@ -56,11 +58,12 @@ PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
 # parameters while the current one computes, and across TPU slices reduce small stacked
 # statistics row by row; in a step whose state is held split, look up before casting, take
 # the loss's label gradient as a select, and have layer loops wait for the reduce-scatters
-# before them (the last three where the hardware file says they were measured to pay).
+# before them (those three where the hardware file says they were measured to pay), and
+# materialize the matmuls a sum adds after a loop, so XLA does not fuse them past it.
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
     "combine-all-reduces,prefetch-all-gathers{mode=auto},split-stacked-all-reduces{mode=auto},"
     "sink-casts-below-lookups{mode=auto},scatter-adds-as-selects{mode=auto},"
-    "reduce-scatters-before-loops{mode=auto}"
+    "reduce-scatters-before-loops{mode=auto},materialize-early-matmuls{mode=auto}"
 )

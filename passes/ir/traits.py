@@ -126,5 +126,6 @@ declare("replica_slice")
 # operand 0 plus operand 2 where `dimension` equals operand 1 (a scatter-add of one element
 # per row, as a compare and a select); `index_dims` / `update_dims` place operands 1 and 2
 declare("one_hot_add")
-# operand 0, once the other operands are made: an order XLA's scheduler must keep
+# operand 0, once the other operands are made: an order XLA's scheduler must keep. Alone,
+# operand 0 made whole where it is made: XLA fuses nothing across it
 declare("after")

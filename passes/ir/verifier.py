@@ -235,8 +235,8 @@ def _check_one_hot_add(node: Node, mesh: Mapping[str, int]) -> str | None:
 
 
 def _check_after(node: Node, mesh: Mapping[str, int]) -> str | None:
-    if len(node.inputs) < 2 or len(node.outputs) != 1:
-        return "expects a value, what it waits for, and one result"
+    if len(node.inputs) < 1 or len(node.outputs) != 1:
+        return "expects a value, what it waits for (if anything), and one result"
     return _result_like_operand_0(node)
 
 

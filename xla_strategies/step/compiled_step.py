@@ -378,7 +378,9 @@ class CompiledStep:
                 reports[program] = self._compiled_report(signature, fresh, ctx)
             return reports[program]
 
-        key = fingerprint(print_graph(graph), strategy.topology, self.options)
+        # the pipeline's spec too: a verdict on the passes of another release is stale
+        where = (self.options, pipeline.spec())
+        key = fingerprint(print_graph(graph), strategy.topology, where)
         return choose(pipeline, compile_one, key)
 
     def _compiled_report(self, signature: Signature, graph: Graph, ctx: PassContext) -> Any:
