@@ -146,7 +146,7 @@ def test_a_pipeline_the_user_asked_for_or_an_emulated_chip_is_never_swapped(tmp_
     assert not selected(xs.TPUStrategy("v5e-8", emulate=True))  # CPU devices judge nothing
 
 
-def test_the_fastest_program_at_most_the_replicated_one_is_kept():
+def test_the_fastest_program_at_most_the_replicated_one_is_kept_or_a_smaller_one_as_fast():
     from xla_strategies.step.pipeline_choice import Compiled, _kept
 
     replicated = Compiled("replicated", "insert-reductions", True, 1000, 1.0)
@@ -161,8 +161,15 @@ def test_the_fastest_program_at_most_the_replicated_one_is_kept():
     sharded = Compiled("sharded-updates", "...", True, 900, 0.8)
     assert _kept([no_worse, sharded, replicated]).label == "sharded-updates"
     assert _kept([faster_but_larger, sharded, replicated]).label == "sharded-updates"
-    same_step = Compiled("sharded-updates", "...", True, 900, 0.9)  # a tie: the earlier
-    assert _kept([no_worse, same_step, replicated]).label == "default"
+    same_step = Compiled("sharded-updates", "...", True, 900, 0.9)  # a tie: the smaller
+    assert _kept([no_worse, same_step, replicated]).label == "sharded-updates"
+    same_both = Compiled("sharded-updates", "...", True, 1000, 0.9)  # in both: the earlier
+    assert _kept([no_worse, same_both, replicated]).label == "default"
+    # steps under 1 % apart rank as one (the estimate cannot tell): the smaller is kept
+    barely_slower = Compiled("sharded-updates", "...", True, 900, 0.905)
+    assert _kept([no_worse, barely_slower, replicated]).label == "sharded-updates"
+    slower = Compiled("sharded-updates", "...", True, 900, 0.95)
+    assert _kept([no_worse, slower, replicated]).label == "default"
     larger = Compiled("sharded-updates", "...", True, 1001, 0.5)
     assert _kept([no_worse, larger, replicated]).label == "default"
     assert _kept([too_big, only_default]).label == "default"  # none fits: the first
