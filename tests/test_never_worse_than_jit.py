@@ -65,6 +65,28 @@ def _equinox_mlp():
     return step, (shapes, jax.eval_shape(tx.init, shapes)), (((64,), jnp.float32), ((), jnp.int32))
 
 
+def _plain_gpt2(cast_first):
+    """A small GPT-2 written in plain JAX (`benchmarks.plain_jax_models`: tied embeddings,
+    a scan over checkpointed blocks, bf16 compute on f32 weights, adamw)."""
+    from benchmarks.plain_jax_models import gpt2_workload
+    from benchmarks.tpu_models import TransformerConfig
+
+    def make():
+        cfg = TransformerConfig(4096, 256, 4, 2, 1024, 128)
+        workload = gpt2_workload("small GPT-2", cfg, cast_first=cast_first)
+        tx = optax.adamw(1e-3)
+        train_step = workload.step(tx, None)
+        params = jax.eval_shape(workload.init)
+
+        def step(params, opt_state, tokens):
+            return train_step(params, opt_state, {"tokens": tokens})
+
+        batch = (((cfg.seq_len + 1,), jnp.int32),)
+        return step, (params, jax.eval_shape(tx.init, params)), batch
+
+    return make
+
+
 def _reports(strategy, make):
     step, state, batch = make()
     rows = 16 * strategy.num_replicas_in_sync
@@ -93,14 +115,38 @@ def _reports(strategy, make):
     ids=["flax-cnn-v5e-16", "equinox-mlp-v5e-16", "flax-cnn-dgx-h100"],
 )
 def test_a_step_is_never_worse_than_plain_jit(topology, make):
+    _assert_never_worse(topology, make)
+
+
+@pytest.mark.slow  # 40 to 100 s each: four programs of ours and jax.jit's, for 16 chips
+@pytest.mark.parametrize(
+    "cast_first",
+    [
+        True,
+        pytest.param(
+            False,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="1.75 MiB more data than jax.jit's 36.99 (XLA's heap: the bf16 output "
+                "layer's gradient, 2 MiB, live at our peak; libtpu 0.0.50), its step level",
+            ),
+        ),
+    ],
+    ids=["cast-first", "cast-per-use"],
+)
+def test_a_plain_jax_gpt2_is_never_worse_than_plain_jit(cast_first):
+    _assert_never_worse("v5e-16", _plain_gpt2(cast_first))
+
+
+def _assert_never_worse(topology, make):
     if topology.startswith("dgx"):
         pytest.importorskip("jax_plugins.xla_cuda12", reason="the [gpu] extra: XLA's GPU compiler")
         strategy = xs.MirroredStrategy(topology=topology, compile_only=True)
     else:
         strategy = xs.TPUStrategy(topology, compile_only=True)
     ours, plain = _reports(strategy, make)
-    # the replicated alternative is jax.jit's program up to its instructions' names and the
-    # per-replica loss it returns. Its data (arguments, outputs, temporaries) is jax.jit's
+    # for flax's CNN and equinox's MLP the replicated alternative is jax.jit's program up to
+    # its instructions' names and the per-replica loss it returns. Its data (arguments, outputs, temporaries) is jax.jit's
     # to within 768 B of temporaries (dgx-h100); its code differs by up to 3.4 % (34 KB of
     # 1 MB for equinox's MLP on v5e-16 with libtpu 0.0.42; 2 KB on 0.0.50)
     assert _data_bytes(ours) <= _data_bytes(plain) + SAME_PROGRAM_BYTES, (ours.memory, plain.memory)
