@@ -24,7 +24,7 @@ does not fit, the same among those that do. A program that trades memory for a s
 step is not kept: the verdict says what it would have given. An alternative whose passes
 leave the same program as an earlier one is not compiled again.
 
-Then each exact rewrite the cost model leaves off (`REFINEMENTS`) is tried on the program
+Then each exact rewrite the cost model decides (`REFINEMENTS`) is tried on the program
 kept, and kept with it where that is at most it in both and better in one: the loss's
 label gradient taken as a select (`scatter-adds-as-selects`) took Gemma 3 1B's replicated
 program on v5e-256 from 136.87 to 109.46 ms (XLA's compute 114.2 to 86.8 ms; `jax.jit`'s,
@@ -52,6 +52,7 @@ from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.hardware.compiled_report import CompiledReport
 from xla_strategies.passes.base import Pass
 from xla_strategies.passes.pipeline import PassPipeline, with_pass
+from xla_strategies.passes.transforms.materialize_early_matmuls import MaterializeEarlyMatmuls
 from xla_strategies.passes.transforms.scatter_adds_as_selects import ScatterAddsAsSelects
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.step import verdict_cache
@@ -60,10 +61,14 @@ from xla_strategies.step.compile_options import CompileOptions
 #: the passes that give a step's reductions their meaning (and where the state goes, for
 #: a strategy that keeps it on one device): never left out of an alternative
 MEANING = frozenset({"insert-reductions", "fold-invariant-reductions", "reduce-to-one-device"})
-#: exact rewrites the cost model leaves off where it cannot tell that they pay: each is
-#: tried on the program chosen among the alternatives, and kept where that is better
+#: exact rewrites the cost model decides, which it may leave off where they pay, and the
+#: replicated alternative leaves out: each is tried on the program chosen among the
+#: alternatives, and kept where that is better
 REFINEMENTS: dict[str, Callable[[], Pass]] = {
     ScatterAddsAsSelects.name: lambda: ScatterAddsAsSelects(mode="on"),
+    # its own rule (operands larger than the result) is the default's; the replicated
+    # program, which leaves it out, is where a tied embedding's logits stay alive
+    MaterializeEarlyMatmuls.name: lambda: MaterializeEarlyMatmuls(mode="auto"),
 }
 #: the relative difference two programs' memory or estimated step may have and count as
 #: the same (programs that differ in their instructions' names and fusion boundaries)
