@@ -240,6 +240,25 @@ def trains_as_jit(strategy, step_fn, params, tx, batches, **options):
     return state, step
 
 
+def token_batches(vocab: int = 32, count: int = 3) -> list[np.ndarray]:
+    """`count` batches of 16 sequences of 9 token ids below `vocab` (8 to read, 1 more to
+    predict)."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, size=(16, 9)).astype(np.int32) for _ in range(count)]
+
+
+def lm_trains_as_jit(model: nn.Module, tx: optax.GradientTransformation, **options):
+    """`trains_as_jit` of the flax docs' language-model step on `MirroredStrategy`, from
+    `model`'s initial parameters, over `token_batches()`: (the strategy, the trained
+    state, the compiled step, the first per-replica batch)."""
+    batches = token_batches()
+    params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
+    strategy = xs.MirroredStrategy()
+    state, step = trains_as_jit(strategy, lm_step(model, tx), params, tx, batches, **options)
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    return strategy, state, step, batch
+
+
 def held_split(tree, strategy) -> list[bool]:
     return [strategy.is_held_sharded(x) for x in jax.tree.leaves(tree) if x.ndim]
 

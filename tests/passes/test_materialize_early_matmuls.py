@@ -6,12 +6,9 @@ one device with it."""
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
-import numpy as np
 import optax
 import pytest
 
-import xla_strategies as xs
 from tests import helpers
 from tests.filecheck import filecheck
 from tests.passes.pass_testing import MESH, run_pass
@@ -104,20 +101,9 @@ class TiedLM(nn.Module):
 def test_a_tied_embedding_step_trains_to_the_numbers_of_one_device_with_its_barrier():
     # plain SGD: adam divides near-zero gradients by their size, and so scales up the
     # summation-order differences the test must not depend on
-    model, tx = TiedLM(), optax.sgd(0.5)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 32, size=(16, 9)).astype(np.int32) for _ in range(3)]
-    params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
-    strategy = xs.MirroredStrategy()
-    state, step = helpers.trains_as_jit(
-        strategy,
-        helpers.lm_step(model, tx),
-        params,
-        tx,
-        batches,
-        pipeline="insert-reductions,materialize-early-matmuls",
+    _, state, step, batch = helpers.lm_trains_as_jit(
+        TiedLM(), optax.sgd(0.5), pipeline="insert-reductions,materialize-early-matmuls"
     )
-    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
     assert step.executable(*state, batch).pass_stats["materialize-early-matmuls"] == {
         "materialized": 1
     }

@@ -5,12 +5,9 @@ a step with a layer loop trains to the same numbers under parameter sharding."""
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
-import numpy as np
 import optax
 import pytest
 
-import xla_strategies as xs
 from tests import helpers
 from tests.filecheck import filecheck
 from tests.passes.pass_testing import MESH, run_pass
@@ -123,20 +120,8 @@ class UntiedLM(nn.Module):
 
 
 def test_a_layer_loop_step_trains_to_the_numbers_of_one_device_and_waits_in_its_hlo():
-    model, tx = UntiedLM(), optax.adam(1e-2)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 32, size=(16, 9)).astype(np.int32) for _ in range(3)]
-    params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
-    strategy = xs.MirroredStrategy()
-    state, step = helpers.trains_as_jit(
-        strategy,
-        helpers.lm_step(model, tx),
-        params,
-        tx,
-        batches,
-        shard_parameters=True,
-        pipeline=ON,
+    _, state, step, batch = helpers.lm_trains_as_jit(
+        UntiedLM(), optax.adam(1e-2), shard_parameters=True, pipeline=ON
     )
-    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
     assert step.executable(*state, batch).pass_stats["reduce-scatters-before-loops"]["held"] >= 1
     assert "opt-barrier" in step.lower(*state, batch).as_text(dialect="hlo")

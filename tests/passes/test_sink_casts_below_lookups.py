@@ -13,7 +13,7 @@ import pytest
 
 import xla_strategies as xs
 from tests.filecheck import filecheck
-from tests.helpers import assert_close_to_scale, train_on
+from tests.helpers import assert_close_to_scale, token_batches, train_on
 from tests.passes.pass_testing import MESH, run_pass
 from xla_strategies.passes import SinkCastsBelowLookups
 
@@ -112,8 +112,7 @@ def _step(model, tx):
 @jax.enable_x64(True)
 def test_a_step_whose_loss_gathers_cast_logits_trains_to_the_same_numbers():
     model, tx = CastLogitsLM(), optax.adam(1e-2)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 32, size=(16, 9)).astype(np.int32) for _ in range(3)]
+    batches = token_batches()
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
     params = jax.tree.map(lambda x: x.astype(np.float64), params)
     strategy = xs.MirroredStrategy()
