@@ -173,7 +173,9 @@ def test_the_verdict_is_cached_by_the_programs_fingerprint_and_said(tmp_path, mo
     assert len(list((tmp_path / "pipeline_verdicts").glob("*.json"))) == 1
 
 
-def test_a_pipeline_the_user_asked_for_or_an_emulated_chip_is_never_swapped(tmp_path, monkeypatch):
+def test_a_pipeline_or_sharding_the_user_asked_for_or_an_emulated_chip_is_never_swapped(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
     step, state, batch = _flax_cnn()
 
@@ -186,8 +188,12 @@ def test_a_pipeline_the_user_asked_for_or_an_emulated_chip_is_never_swapped(tmp_
         return [r for r in executable.remarks if r.startswith("select-by-compiling")]
 
     tpu = xs.TPUStrategy("v5e-16", compile_only=True)
-    assert selected(tpu)  # the default: the compiler judges
-    assert not selected(tpu, shard_weight_updates=True)  # asked for: kept as asked
+    assert "replicated" in selected(tpu)[0]  # the default: the compiler judges
+    # a sharding asked for is kept: only the rewrites left to the cost model are tried
+    (asked,) = selected(tpu, shard_weight_updates=True)
+    assert "compiled default" in asked and "replicated" not in asked
+    assert "default+scatter-adds-as-selects" in asked
+    assert not selected(tpu, pipeline=tpu.pipeline().spec())  # a spec runs as written
     assert not selected(tpu, select_by_compiling=False)
     assert not selected(xs.TPUStrategy("v5e-8", emulate=True))  # CPU devices judge nothing
 

@@ -56,6 +56,7 @@ from xla_strategies.step.pipeline_choice import (
     choose,
     chosen_pipeline,
     selects_by_compiling,
+    swappable,
 )
 from xla_strategies.step.plan_mode import plan_and_stop
 from xla_strategies.step.recompiles import warn_if_recompiling
@@ -322,7 +323,7 @@ class CompiledStep:
             pipeline = step_pipeline(self.strategy, spec)
         remarks: list[str] = []
         if selects_by_compiling(self.options, self.strategy, options):
-            verdict = self._select(signature, graph, pipeline)
+            verdict = self._select(signature, graph, pipeline, swappable(self.options))
             pipeline = chosen_pipeline(pipeline, verdict.chosen)
             remarks.append(verdict.remark())
             dump.progress(verdict.remark())
@@ -364,8 +365,11 @@ class CompiledStep:
         )
         return run, compiler_options
 
-    def _select(self, signature: Signature, graph: Graph, pipeline: PassPipeline) -> Verdict:
-        """Compile the alternatives of `pipeline` for this step (`pipeline_choice`)."""
+    def _select(
+        self, signature: Signature, graph: Graph, pipeline: PassPipeline, swap: bool
+    ) -> Verdict:
+        """Compile the alternatives of `pipeline` for this step (`pipeline_choice`); without
+        `swap`, only its refinements."""
         strategy = self.strategy
         reports: dict[str, Any] = {}  # by the program the passes left: each compiled once
 
@@ -381,7 +385,7 @@ class CompiledStep:
         # the pipeline's spec too: a verdict on the passes of another release is stale
         where = (self.options, pipeline.spec())
         key = fingerprint(print_graph(graph), strategy.topology, where)
-        return choose(pipeline, compile_one, key)
+        return choose(pipeline, compile_one, key, swap)
 
     def _compiled_report(self, signature: Signature, graph: Graph, ctx: PassContext) -> Any:
         """XLA's compile of `graph` (the passes ran on it) for the strategy's topology."""

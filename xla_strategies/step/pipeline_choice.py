@@ -31,9 +31,12 @@ program on v5e-256 from 136.87 to 109.46 ms (XLA's compute 114.2 to 86.8 ms; `ja
 whose partitioner lowers that scatter-add its own way, 89.2). A rewrite that changes
 nothing in a step is not compiled again either.
 
-On by default for a strategy with a topology (TPU slices, GPU nodes) where the pipeline is
-the cost model's choice alone; `compile(select_by_compiling=...)` or
-`XLA_STRATEGIES_SELECT_BY_COMPILING=0|1` says otherwise.
+On by default for a strategy with a topology (TPU slices, GPU nodes); `compile(
+select_by_compiling=...)` or `XLA_STRATEGIES_SELECT_BY_COMPILING=0|1` says otherwise. A
+pipeline spec the user wrote runs as written. Where the user asked for a sharding
+(`shard_parameters=True`, `shard_weight_updates=True`) the step's pipeline is the only
+alternative, and only its refinements are tried: they judge what was left to the cost
+model, not what was asked.
 What the compiler said of each program is cached by the step's fingerprint (its captured
 IR, the topology, the options, the pipeline and the compiler's releases; `verdict_cache`),
 so compiling the same step again pays for one compile; the rule is applied again to what
@@ -115,11 +118,14 @@ class Verdict:
             for c in self.compiled
         )
         source = " (the cached verdict)" if self.cached else ""
-        return (
-            f"select-by-compiling: compiled {seen}; kept {self.chosen}{source}: the "
-            "fastest that fits and is at most the replicated program in memory and "
-            f"estimated step, or the smallest of those within {STEP_RESOLUTION:.0%} of it"
-        )
+        if {c.label.split("+")[0] for c in self.compiled} == {"default"}:
+            rule = "the pipeline asked for, with each rewrite that is better and no worse"
+        else:
+            rule = (
+                "the fastest that fits and is at most the replicated program in memory and "
+                f"estimated step, or the smallest of those within {STEP_RESOLUTION:.0%} of it"
+            )
+        return f"select-by-compiling: compiled {seen}; kept {self.chosen}{source}: {rule}"
 
 
 def alternatives(pipeline: PassPipeline) -> dict[str, PassPipeline]:
@@ -136,25 +142,26 @@ def alternatives(pipeline: PassPipeline) -> dict[str, PassPipeline]:
 
 
 def selects_by_compiling(options: CompileOptions, strategy: Any, dump_options: Any) -> bool:
-    """Whether a step compiles its pipeline's alternatives: `select_by_compiling` where the
-    step says, else `XLA_STRATEGIES_SELECT_BY_COMPILING` where set, else by default for a
-    strategy whose topology's compiler compiles its steps (`judged`) and whose pipeline is
-    the cost model's choice alone. A pipeline the user asked for (a spec,
-    `shard_parameters=True`, `shard_weight_updates=True`) is never swapped for another."""
+    """Whether a step compiles its pipeline's alternatives (or, where `swappable` says
+    no, its refinements): `select_by_compiling` where the step says, else
+    `XLA_STRATEGIES_SELECT_BY_COMPILING` where set, else by default for a strategy whose
+    topology's compiler compiles its steps (`judged`) and whose pipeline is not a spec
+    the user wrote (which is run as written)."""
     chosen = options.select_by_compiling
     if chosen is not None:
         return chosen
-    asked = (
-        options.pipeline is not None
-        or dump_options.pipeline is not None
-        or options.shard_parameters is True
-        or options.shard_weight_updates is True
-    )
-    if asked:
+    if options.pipeline is not None or dump_options.pipeline is not None:
         return False
     if dump_options.select_by_compiling is not None:
         return dump_options.select_by_compiling
     return judged(strategy)
+
+
+def swappable(options: CompileOptions) -> bool:
+    """Whether the step's pipeline may be swapped for another alternative: not where the
+    user asked for one (`shard_parameters=True`, `shard_weight_updates=True`). Its
+    refinements are still tried: they judge only what the user left to the cost model."""
+    return options.shard_parameters is not True and options.shard_weight_updates is not True
 
 
 def judged(strategy: Any) -> bool:
@@ -169,9 +176,11 @@ def choose(
     pipeline: PassPipeline,
     compile_one: Callable[[PassPipeline], CompiledReport],
     key: str,
+    swap: bool = True,
 ) -> Verdict:
     """The best of `pipeline`'s alternatives, then of it with each refinement, compiled one
-    by one with `compile_one` where the cache holds no report of that pipeline for `key`."""
+    by one with `compile_one` where the cache holds no report of that pipeline for `key`.
+    Without `swap`, `pipeline` is the only alternative."""
     cached = _read(key)
     known = {c.label: c for c in cached.compiled} if cached is not None else {}
     fresh: list[str] = []
@@ -183,7 +192,8 @@ def choose(
         fresh.append(label)
         return _compiled(label, candidate, compile_one)
 
-    compiled = [compiled_as(label, p) for label, p in alternatives(pipeline).items()]
+    candidates = alternatives(pipeline) if swap else {"default": pipeline}
+    compiled = [compiled_as(label, p) for label, p in candidates.items()]
     kept = _kept(compiled)
     for name in _refinements(pipeline):
         label = f"{kept.label}+{name}"
