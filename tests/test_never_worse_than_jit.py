@@ -222,6 +222,10 @@ def test_the_fastest_program_at_most_the_replicated_one_is_kept_or_a_smaller_one
     assert _kept([no_worse, barely_slower, replicated]).label == "sharded-updates"
     slower = Compiled("sharded-updates", "...", True, 900, 0.95)
     assert _kept([no_worse, slower, replicated]).label == "default"
+    # so are steps under 1 % slower than the replicated program's: it is no faster
+    smaller = Compiled("sharded-updates", "...", True, 900, 1.005)
+    assert _kept([replicated, smaller]).label == "sharded-updates"
+    assert _kept([replicated, Compiled("default", "...", True, 900, 1.02)]).label == "replicated"
     larger = Compiled("sharded-updates", "...", True, 1001, 0.5)
     assert _kept([no_worse, larger, replicated]).label == "default"
     assert _kept([too_big, only_default]).label == "default"  # none fits: the first
