@@ -20,10 +20,10 @@ the smallest of them in memory, the earlier in that order on a tie. Memory is XL
 assignment, exact; the step is an estimate, which cannot rank programs 1 % apart (GPT-2
 medium written in plain JAX on v5e-256: 283.45 ms with the update replicated, 284.35
 sharded, 283.92 replicated, where the sharded update held 7.36 GiB against 7.75 and 8.25;
-`jax.jit`'s program 7.72 GiB, 285.44 ms). Where the replicated program
-does not fit, the same among those that do. A program that trades memory for a shorter
-step is not kept: the verdict says what it would have given. An alternative whose passes
-leave the same program as an earlier one is not compiled again.
+`jax.jit`'s program 7.72 GiB, 285.44 ms). Where the replicated program does not fit, the
+same among those that do. A program that trades memory for a shorter step is not kept:
+the verdict says what it would have given. An alternative whose passes leave the same
+program as an earlier one is not compiled again.
 
 Then each exact rewrite the cost model decides (`REFINEMENTS`) is tried on the program
 kept, and kept with it where that is at most it in both and better in one: the loss's
