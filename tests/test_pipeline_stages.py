@@ -424,12 +424,22 @@ def _estimated_compute(schedule, microbatches, virtual_stages=None):
     return report.estimate["compute_s"], plan
 
 
+# JAX 0.10.2 with libtpu 0.0.42 (the oldest tested): one chunk's weights are copied each
+# tick as interleaved's are (1F1B: 205, 282, 446 us of compute at 2, 4, 8 microbatches,
+# 20 us a tick), where JAX 0.12 with libtpu 0.0.50 reads them in place
+_COPIES_THE_CHUNK = pytest.mark.xfail(
+    jax.__version_info__ < (0, 12),
+    strict=True,
+    reason="this JAX release's program copies the stage's weights every tick",
+)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule, virtual_stages",
     [
-        ("gpipe", None),
-        ("1f1b", None),
+        pytest.param("gpipe", None, marks=_COPIES_THE_CHUNK),
+        pytest.param("1f1b", None, marks=_COPIES_THE_CHUNK),
         pytest.param(
             "interleaved-1f1b",
             2,
