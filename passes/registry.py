@@ -4,12 +4,12 @@ from, and the default pipeline."""
 from __future__ import annotations
 
 from xla_strategies.passes.base import Pass
-from xla_strategies.passes.transforms.materialize_early_matmuls import MaterializeEarlyMatmuls
 from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduces
 from xla_strategies.passes.transforms.decompose_all_reduces import DecomposeAllReduces
 from xla_strategies.passes.transforms.fold_invariant_reductions import FoldInvariantReductions
 from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
 from xla_strategies.passes.transforms.insert_reductions import InsertReductions
+from xla_strategies.passes.transforms.materialize_early_matmuls import MaterializeEarlyMatmuls
 from xla_strategies.passes.transforms.prefetch_all_gathers import PrefetchAllGathers
 from xla_strategies.passes.transforms.reassociate_all_reduces import ReassociateAllReduces
 from xla_strategies.passes.transforms.reduce_scatters_before_loops import (

@@ -142,6 +142,11 @@ class Node:
         return self.has(Trait.COLLECTIVE)
 
     @property
+    def is_loop(self) -> bool:
+        """Whether the node runs its region more than once: a counted or a while loop."""
+        return self.has(Trait.COUNTED_LOOP) or self.has(Trait.WHILE_LOOP)
+
+    @property
     def whole_bytes(self) -> int:
         """Bytes of the whole tensors a collective moves, which the cost model takes: the
         larger of its operands and results (an all-gather's result, not its block)."""

@@ -42,7 +42,6 @@ from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
 
-_LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
 # what may sit between a matmul and the addition that reads it and still let XLA fuse
 # them: casts and relayouts, and a cross-replica sum, which XLA moves past the addition
 # where every addend has one (its AllReduceReassociate)
@@ -107,7 +106,7 @@ def _loops_before(region: Graph) -> dict[Value, frozenset[Node]]:
     found: dict[Value, frozenset[Node]] = {}
     for node in region.nodes:
         loops = frozenset().union(*(found.get(v, frozenset()) for v in node.inputs))
-        if any(node.has(t) for t in _LOOPS):
+        if node.is_loop:
             loops |= {node}
         for out in node.outputs:
             found[out] = loops

@@ -32,10 +32,7 @@ from dataclasses import dataclass
 
 from xla_strategies.passes.base import ModePass, PassContext
 from xla_strategies.passes.ir.graph import Graph, Node
-from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.rewrites.gather_prologue import ancestors
-
-_LOOPS = (Trait.COUNTED_LOOP, Trait.WHILE_LOOP)
 
 
 @dataclass(frozen=True)
@@ -68,7 +65,7 @@ class ReduceScattersBeforeLoops(ModePass):
         nodes: list[Node] = []
         held = 0
         for node in region.nodes:
-            if any(node.has(t) for t in _LOOPS) and node.inputs:
+            if node.is_loop and node.inputs:
                 read = ancestors([node], [*nodes, node]) if waiting else set()
                 unread = [n.outputs[0] for n in waiting if n not in read]
                 if unread:

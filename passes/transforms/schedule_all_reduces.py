@@ -80,7 +80,7 @@ class ScheduleAllReduces(Pass):
         for parent in reversed(graph.graphs()):  # innermost loops first
             for node in [n for n in parent.nodes if n.has(Trait.CALL_ONCE)]:
                 hoisted += hoist.hoist_from(node, parent, ctx)
-            for loop in [n for n in parent.nodes if _is_loop(n)]:
+            for loop in [n for n in parent.nodes if n.is_loop]:
                 decision = self._decide(loop, ctx)
                 if decision is not None:
                     decisions.append(decision)
@@ -121,10 +121,6 @@ class ScheduleAllReduces(Pass):
             "choice": choice,
             "exposed_s": estimates,
         }
-
-
-def _is_loop(node: Node) -> bool:
-    return node.has(Trait.COUNTED_LOOP) or node.has(Trait.WHILE_LOOP)
 
 
 def readiness(loop: Node, topology: TopologyLike | None = None) -> list[Readiness]:
