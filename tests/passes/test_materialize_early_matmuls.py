@@ -12,6 +12,7 @@ import pytest
 from tests import helpers
 from tests.filecheck import filecheck
 from tests.passes.pass_testing import MESH, run_pass
+from tests.passes.test_reduce_scatters_before_loops import Block  # a tanh layer for nn.scan
 from xla_strategies.passes import MaterializeEarlyMatmuls
 
 # a tied weight's gradient: a matmul of larger operands made before the loop, reduced
@@ -73,14 +74,6 @@ func @step(%0: f32[64,1]{replica}, %1: f32[1,64]{replica}, %2: f32[64,64]{replic
 def test_only_a_matmul_a_loop_separates_from_its_sum_is_materialized(step, mode, changed):
     did, after, _ = run_pass(MaterializeEarlyMatmuls(mode=mode), step, MESH)
     assert did == changed and ("after(" in after) == changed
-
-
-class Block(nn.Module):
-    width: int = 16
-
-    @nn.compact
-    def __call__(self, x, _):
-        return nn.tanh(nn.Dense(self.width)(x)), None
 
 
 class TiedLM(nn.Module):
