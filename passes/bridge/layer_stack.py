@@ -33,11 +33,11 @@ class LayerStack:
     Each function of the function's inputs takes them as `[*closed_over, *args]`: the
     values it reads from its closure first, explicitly (a batch read from the closure is
     one of them). `before(*inputs) -> (carry, consts, xs, kept)`: flat lists;
-    `layers(xs, carry, consts)` runs the scan; `after(carry, kept) -> outputs` (the loss
-    first)."""
+    `layer(x, carry, consts)` runs the scan's body on one layer's `x` (its weights);
+    `after(carry, kept) -> outputs` (the loss first)."""
 
     before: Callable[..., tuple[list, list, list, list]]
-    layers: Callable[[list, list, list], list]
+    layer: Callable[[list, list, list], list]
     after: Callable[[list, list], list]
     length: int
     closed_over: tuple[Any, ...]  # values the function reads from its closure: inputs first
@@ -115,13 +115,9 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     def split_before(*args: Any) -> tuple[list, list, list, list]:
         return grouped(before(*args))
 
-    def layers(xs: list, carry: list, scan_consts: list) -> list:
+    def layer(x: list, carry: list, scan_consts: list) -> list:
         inner, inner_consts = jax_compat.jaxpr_parts(body)
-
-        def one_layer(c: list, x: list) -> tuple[list, None]:
-            return evaluate(inner, inner_consts, [*scan_consts, *c, *x])[:num_carry], None
-
-        return jax.lax.scan(one_layer, list(carry), list(xs))[0]
+        return evaluate(inner, inner_consts, [*scan_consts, *carry, *x])[:num_carry]
 
     def depends(inputs: Sequence[bool]) -> tuple[list, list, list, list]:
         """Which of `before`'s outputs depend on the inputs flagged in `inputs`."""
@@ -133,7 +129,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
 
     return LayerStack(
         split_before,
-        layers,
+        layer,
         lambda c, k: after(*c, *k),
         int(scan.params["length"]),
         tuple(consts),

@@ -230,8 +230,8 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     if v == 1:
         weights, weights_spec = [x.reshape(s, chunk, *x.shape[1:]) for x in xs], P(plan.axis)
 
-    def layers(w, x, rows, shared):
-        return stack.layers(w, x, _merge(layer_rows, rows, shared))
+    def layer(w, x, rows, shared):
+        return stack.layer(w, x, _merge(layer_rows, rows, shared))
 
     def head(y, rows, shared):
         out = stack.after(y, _merge(head_rows, rows, shared))
@@ -239,7 +239,7 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
 
     def body(w, inputs, lrows, lshared, hrows, hshared):
         w = w if v == 1 else [x[:, 0] for x in w]  # each [V, chunk, ...]
-        program = executor.StageProgram(layers, head, plan.seed, list(stack.outputs[1:]))
+        program = executor.StageProgram(layer, head, plan.seed, list(stack.outputs[1:]))
         r = executor.run(
             plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
         )
