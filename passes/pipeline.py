@@ -41,7 +41,9 @@ class PassPipeline(Pass):
         return cls(passes=tuple(parse_spec(spec)), **kwargs)
 
     def spec(self) -> str:
-        return ",".join(p.spec() for p in self.passes)
+        """The passes that run, as `from_spec` reads them: two pipelines with one spec run
+        the same passes (a disabled pass is not in it)."""
+        return ",".join(p.spec() for p in self.passes if p.name not in self.disabled)
 
     def enabled_names(self) -> list[str]:
         """The names of the passes that run, in order."""

@@ -261,6 +261,21 @@ def test_an_alternative_that_leaves_the_same_program_is_not_compiled_again(tmp_p
     assert len(compiles) == 1, remark
 
 
+def test_the_sharded_update_alternative_is_zero_1_where_the_default_decides_both():
+    """The default runs what the cost model decides of parameter and weight-update
+    sharding; the sharded-update alternative is the point it may have missed: the update
+    sharded, every parameter whole (ZeRO-1), not the default's decision again."""
+    from xla_strategies.step.pipeline_choice import alternatives
+
+    pipeline = xs.TPUStrategy("v5e-16", compile_only=True).pipeline(None)
+    assert {"shard-parameters", "shard-weight-updates"} <= set(pipeline.enabled_names())
+    found = alternatives(pipeline)
+    sharded = found["sharded-updates"]
+    assert "shard-parameters" not in sharded.enabled_names()
+    assert any(p.name == "shard-weight-updates" and p.mode == "on" for p in sharded.passes)
+    assert len({p.spec() for p in found.values()}) == len(found)  # each a different program
+
+
 def test_a_refinement_is_kept_only_where_it_is_better_and_no_worse(tmp_path, monkeypatch):
     from xla_strategies.step import pipeline_choice
     from xla_strategies.step.pipeline_choice import choose

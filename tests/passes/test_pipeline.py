@@ -40,6 +40,17 @@ def test_spec_builds_passes_with_options():
     assert pipeline.spec() == "insert-reductions,insert-reductions"
 
 
+def test_a_spec_names_the_passes_that_run():
+    """Two pipelines with one spec run the same passes: a disabled pass is not in it (a
+    verdict cached for one pipeline was reused for another that disabled a pass)."""
+    from xla_strategies.passes.pipeline import without_pass
+
+    pipeline = PassPipeline.from_spec("insert-reductions,fold-invariant-reductions")
+    disabled = without_pass(pipeline, "fold-invariant-reductions")
+    assert disabled.spec() == "insert-reductions"
+    assert PassPipeline.from_spec(disabled.spec()).enabled_names() == disabled.enabled_names()
+
+
 def test_spec_errors_name_the_problem():
     with pytest.raises(
         PipelineSpecError,
