@@ -190,12 +190,11 @@ class _Importer:
 
     def constant(self, graph: Graph, value: Any, aval: Any) -> Value:
         out = ir_value(aval)
-        array = np.asarray(value)
-        shown = (
-            array.tolist()
-            if array.size <= _SMALL_CONSTANT and array.dtype.kind in "biuf"
-            else "elided"
-        )
+        shown = "elided"
+        if not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):  # a PRNG key has no
+            array = np.asarray(value)  # numpy form
+            if array.size <= _SMALL_CONSTANT and array.dtype.kind in "biuf":
+                shown = array.tolist()
         graph.nodes.append(Node("constant", [], [out], {"value": shown}, payload=value))
         return out
 

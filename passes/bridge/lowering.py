@@ -104,6 +104,8 @@ def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
 def _constant(node: Node, args: list[Any]) -> list[Any]:
     out = node.outputs[0]
     value = node.payload if node.payload is not None else node.attrs["value"]
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.extended):
+        return [value]  # a PRNG key: whole, its dtype not one the IR's text names
     return [jnp.broadcast_to(jnp.asarray(value, dtype=out.dtype), out.shape)]
 
 

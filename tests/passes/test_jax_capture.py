@@ -172,3 +172,20 @@ def test_a_step_that_draws_a_prng_key_round_trips_through_the_text_form():
     text = print_graph(_graph(strategy, step, batch))
     assert "key<fry>[]" in text
     assert print_graph(parse(text)) == text
+
+
+def test_a_step_that_closes_over_a_prng_key_runs():
+    """A key made outside the step and read from its closure (torch models' dropout key in
+    `xla_strategies.torch`'s state) is a constant of the captured graph: the step runs,
+    each replica drawing what one device draws from that key."""
+    strategy = xs.MirroredStrategy()
+    key = jax.random.key(7)
+
+    @strategy.compile
+    def step(x):
+        return x + jax.random.normal(key, x.shape[1:])
+
+    (batch,) = strategy.experimental_distribute_dataset([np.zeros((8, 4), np.float32)])
+    out = strategy.gather(step(batch), axis=0)
+    want = np.broadcast_to(jax.random.normal(key, (4,)), (8, 4))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
