@@ -412,6 +412,12 @@ def _corpus(key: str) -> Workload:
     return corpus_models.workload(key)
 
 
+def _hugging_face(key: str) -> Workload:
+    from benchmarks import hugging_face_models  # it builds on this module
+
+    return hugging_face_models.workload(key)
+
+
 WORKLOADS = {
     "resnet50": _resnet50,
     "bert-large": lambda: language_model(
@@ -439,6 +445,8 @@ WORKLOADS = {
     "keras-hub-llama3.2-1b": lambda: _corpus("keras-hub-llama3.2-1b"),
     "gemma3-1b": lambda: _corpus("gemma3-1b"),
     "gemma3-12b": lambda: _corpus("gemma3-12b"),
+    # Hugging Face's PyTorch model through xla_strategies.torch (`benchmarks.hugging_face_models`)
+    "hf-gpt2-medium": lambda: _hugging_face("hf-gpt2-medium"),
     "llama2-7b": lambda tp=False: language_model(
         "Llama-2-7B",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
