@@ -9,10 +9,9 @@ best by what XLA's compiler says of each. The alternatives:
   decides it (its estimate of the update's memory traffic is the least certain of its
   terms: on keras-hub's Llama 3.2 1B on v5e-256 it kept the update replicated, taking
   179.3 ms of XLA's compute a step against the sharded update's 112.8), and the
-  parameters whole where the cost model decides that: the default already has what it
-  decides, so this is ZeRO-1's program, the update sharded and every parameter gathered
-  once a step (Gemma 3 1B on v5e-256: the cost model sharded its parameters, 9.90 GiB and
-  147.56 ms, where the replicated program took 13.26 GiB);
+  parameters whole where the cost model decides that, as the default has its decision:
+  ZeRO-1's program (on Gemma 3 1B on v5e-256, whose parameters the cost model sharded,
+  this alternative compiled the default again before; ZeRO-1's is 14.13 GiB, 144.54 ms);
 - `replicated`: only the passes that give the reductions their meaning (as `jax.jit`'s data
   parallelism runs: one reduction per gradient, XLA's own combiners and schedule).
 
