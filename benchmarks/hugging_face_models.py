@@ -5,8 +5,8 @@ runs the torch forward on JAX values). The step around them is every benchmark l
 model's (`tpu_models.lm_workload`: the next token's cross entropy in f32, optax's adamw),
 so `jax.jit` and our strategy compile the same torch code. Float32 weights and compute, as
 the model is made; no dropout (its config's rates set to 0, as for the other corpus
-models). The model's f32 weights sit in host memory while it compiles (GPT-2 medium: 1.4
-GB).
+models). The model's f32 weights sit in host memory while it compiles (GPT-2 medium 1.4
+GB, the 1B Llama 5 GB).
 """
 
 from __future__ import annotations
@@ -27,13 +27,30 @@ def _gpt2_medium(transformers: Any) -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
+def _llama32_1b(transformers: Any) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
 #: name -> (the model's name in the tables, its maker, the same shapes for MFU's flop count
-#: and the per-chip batch: 4 sequences, as keras-hub's GPT-2, its layers not remat'd)
+#: and the per-chip batch, as keras-hub's same models: GPT-2's 4 sequences, the Llama's
+#: one, their layers not remat'd)
 HUGGING_FACE: dict[str, tuple[str, Callable[[Any], Any], TransformerConfig]] = {
     "hf-gpt2-medium": (
         "GPT-2 medium Hugging Face",
         _gpt2_medium,
         TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=4),
+    ),
+    "hf-llama3.2-1b": (
+        "Llama 3.2 1B Hugging Face",
+        _llama32_1b,
+        TransformerConfig(
+            128256, 2048, 32, 16, 8192, 2048, swiglu=True, kv_heads=8, batch_per_chip=1
+        ),
     ),
 }
 

@@ -447,6 +447,7 @@ WORKLOADS = {
     "gemma3-12b": lambda: _corpus("gemma3-12b"),
     # Hugging Face's PyTorch model through xla_strategies.torch (`benchmarks.hugging_face_models`)
     "hf-gpt2-medium": lambda: _hugging_face("hf-gpt2-medium"),
+    "hf-llama3.2-1b": lambda: _hugging_face("hf-llama3.2-1b"),
     "llama2-7b": lambda tp=False: language_model(
         "Llama-2-7B",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
