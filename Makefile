@@ -78,12 +78,12 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.torch_step
 	$(BIN)/python -m benchmarks.torch_lr_schedule
 
-# The TPU table's rows of models others wrote: plain JAX and Hugging Face's PyTorch GPT-2
+# The TPU table's rows of models others wrote: plain JAX and Hugging Face's PyTorch models
 # (here), keras-hub and gemma (their own environment), ours beside plain jax.jit on
 # v5e-256 (hours on two cores).
 bench-corpus: $(STAMP) $(CORPUS_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models gpt2-medium-plain \
-		gpt2-medium-plain-cast hf-gpt2-medium --topologies v5e-256 --variants a c
+		gpt2-medium-plain-cast hf-gpt2-medium hf-llama3.2-1b --topologies v5e-256 --variants a c
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models llama2-7b-plain \
 		--topologies v5e-256 --variants c d
 	JAX_PLATFORMS=cpu KERAS_BACKEND=jax $(CORPUS_VENV)/bin/python -m benchmarks.tpu_aot \
