@@ -51,22 +51,19 @@ def _llama32_1b(keras_hub: Any) -> Any:
     return keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=None)
 
 
-#: name -> (keras-hub model maker, the same shapes for MFU's flop count and the per-chip
-#: batch: GPT-2 medium's 4 sequences, half the flax model's, and the Llama's one, as their
-#: layers are not remat'd: at 4 sequences of 2048 the Llama needs 42 GB a chip)
+#: The shapes of GPT-2 medium and Llama 3.2 1B as others write them (keras-hub's and Hugging
+#: Face's), for MFU's flop count, and their per-chip batch: GPT-2 medium's 4 sequences, half
+#: the flax model's, and the Llama's one, as their layers are not remat'd (at 4 sequences of
+#: 2048 the Llama needs 42 GB a chip)
+GPT2_MEDIUM = TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=4)
+LLAMA32_1B = TransformerConfig(
+    128256, 2048, 32, 16, 8192, 2048, swiglu=True, kv_heads=8, batch_per_chip=1
+)
+
+#: name -> (its name in the tables, keras-hub model maker, its shapes)
 KERAS_HUB = {
-    "keras-hub-gpt2-medium": (
-        "GPT-2 medium keras-hub",
-        _gpt2_medium,
-        TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=4),
-    ),
-    "keras-hub-llama3.2-1b": (
-        "Llama 3.2 1B keras-hub",
-        _llama32_1b,
-        TransformerConfig(
-            128256, 2048, 32, 16, 8192, 2048, swiglu=True, kv_heads=8, batch_per_chip=1
-        ),
-    ),
+    "keras-hub-gpt2-medium": ("GPT-2 medium keras-hub", _gpt2_medium, GPT2_MEDIUM),
+    "keras-hub-llama3.2-1b": ("Llama 3.2 1B keras-hub", _llama32_1b, LLAMA32_1B),
 }
 
 

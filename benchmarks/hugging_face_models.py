@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from benchmarks.corpus_models import GPT2_MEDIUM, LLAMA32_1B
 from benchmarks.tpu_models import TransformerConfig, Workload, lm_workload
 
 
@@ -36,22 +37,10 @@ def _llama32_1b(transformers: Any) -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
-#: name -> (the model's name in the tables, its maker, the same shapes for MFU's flop count
-#: and the per-chip batch, as keras-hub's same models: GPT-2's 4 sequences, the Llama's
-#: one, their layers not remat'd)
+#: name -> (its name in the tables, its maker, its shapes: keras-hub's same models')
 HUGGING_FACE: dict[str, tuple[str, Callable[[Any], Any], TransformerConfig]] = {
-    "hf-gpt2-medium": (
-        "GPT-2 medium Hugging Face",
-        _gpt2_medium,
-        TransformerConfig(50257, 1024, 16, 24, 4096, 1024, batch_per_chip=4),
-    ),
-    "hf-llama3.2-1b": (
-        "Llama 3.2 1B Hugging Face",
-        _llama32_1b,
-        TransformerConfig(
-            128256, 2048, 32, 16, 8192, 2048, swiglu=True, kv_heads=8, batch_per_chip=1
-        ),
-    ),
+    "hf-gpt2-medium": ("GPT-2 medium Hugging Face", _gpt2_medium, GPT2_MEDIUM),
+    "hf-llama3.2-1b": ("Llama 3.2 1B Hugging Face", _llama32_1b, LLAMA32_1B),
 }
 
 
