@@ -28,6 +28,7 @@ from xla_strategies.hardware import accelerator_plugins as _plugins  # noqa: F40
 from xla_strategies.hardware.devices import emulate_cpu_devices
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.axis_names import UnknownAxisError
+from xla_strategies.passes.bridge.step_mesh import ForeignMeshError
 from xla_strategies.passes.transforms.insert_reductions import MirroredOutputError
 from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager
 from xla_strategies.runtime.distributed_dataset import DistributedDataset, DistributedIterator
@@ -64,6 +65,7 @@ __all__ = [
     "CrossDeviceOps",
     "DistributedDataset",
     "DistributedIterator",
+    "ForeignMeshError",
     "HierarchicalCopyAllReduce",
     "InputReplicationMode",
     "NcclAllReduce",

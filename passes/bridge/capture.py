@@ -41,6 +41,7 @@ from xla_strategies.passes.bridge.equations import (
 )
 from xla_strategies.passes.bridge.layouts import manual_over, replica_spec
 from xla_strategies.passes.bridge.loop_carries import varying_loop_carries
+from xla_strategies.passes.bridge.step_mesh import diagnose_foreign_mesh
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
@@ -123,6 +124,9 @@ def capture(
         diagnose_unknown_axis(
             lambda: jax.make_jaxpr(traced)(*flat_args), tuple(mesh.axis_names), exc
         )
+        raise
+    except ValueError as exc:
+        diagnose_foreign_mesh(name, mesh, exc)
         raise
     jaxpr, consts = jax_compat.jaxpr_parts(box["jaxpr"])
     importer = _Importer(AxisRenamer(rename or {}))

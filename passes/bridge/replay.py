@@ -72,7 +72,7 @@ def equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
     def move(params: dict) -> dict:
         return {
             k: NamedSharding(current, v.spec)
-            if isinstance(v, NamedSharding) and v.mesh == ctx.cur_abstract_mesh
+            if isinstance(v, NamedSharding) and _abstract(v.mesh) == ctx.cur_abstract_mesh
             else _on_current_mesh(v)
             for k, v in params.items()
         }
@@ -81,6 +81,12 @@ def equation_context(ctx: Any) -> Iterator[Callable[[dict], dict]]:
     # takes other fields in each JAX release, so no moved copy of it is built)
     with ctx.manager, jax.sharding.use_abstract_mesh(current):
         yield move
+
+
+def _abstract(mesh: Any) -> Any:
+    """A sharding's mesh as a trace's context names it: a library handed the step's mesh
+    (`ReplicaContext.mesh`) builds its shardings on the concrete one."""
+    return mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
 
 
 def _on_current_mesh(value: Any) -> Any:

@@ -38,9 +38,20 @@ class ReplicaContext:
         num_replicas_in_sync: the number of replicas running the step together.
     """
 
-    def __init__(self, axes: tuple[str, ...], num_replicas: int) -> None:
+    def __init__(
+        self, axes: tuple[str, ...], num_replicas: int, mesh: jax.sharding.Mesh | None = None
+    ) -> None:
         self._axes = axes
         self.num_replicas_in_sync = num_replicas
+        self._mesh = mesh
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh | None:
+        """The mesh the step is traced on, its replica axes manual; None outside a compiled
+        step. Hand it to a library that builds `NamedSharding`s on a mesh it is given
+        (MaxText's model): a sharding on it that names no replica axis is the replica's
+        whole value, and one over a model axis splits the value within the replica."""
+        return self._mesh
 
     @property
     def axis_names(self) -> tuple[str, ...]:

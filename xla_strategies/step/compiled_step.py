@@ -25,6 +25,7 @@ from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.bridge.pipelined_gradients import pipelining_gradients
 from xla_strategies.passes.bridge.remat_policy import given_remat_policy, warn_if_none_given
+from xla_strategies.passes.bridge.step_mesh import replica_view
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.text import print_graph
@@ -261,7 +262,9 @@ class CompiledStep:
         mesh, rename = capture_mesh(strategy, self.axis_name)
         specs = signature.arrays
         flat_args = traced_arguments(specs, mesh)
-        context = ReplicaContext(replica_axes(mesh.axis_names), strategy.num_replicas_in_sync)
+        context = ReplicaContext(
+            replica_axes(mesh.axis_names), strategy.num_replicas_in_sync, replica_view(mesh)
+        )
         outputs = Outputs()
 
         traced: list[Any] = []
