@@ -141,6 +141,7 @@ class ScannedLM(nn.Module):
     layers: int = 3
     remat: bool = True
     remat_policy: str | None = None  # a name in jax.checkpoint_policies
+    param_axis: int = 0  # the stack's layer axis (MaxText's `param_scan_axis` is 1)
 
     @nn.compact
     def __call__(self, tokens):
@@ -149,7 +150,7 @@ class ScannedLM(nn.Module):
         policy = self.remat_policy and getattr(jax.checkpoint_policies, self.remat_policy)
         stack = nn.scan(
             nn.remat(Block, policy=policy) if self.remat else Block,
-            variable_axes={"params": 0},
+            variable_axes={"params": self.param_axis},
             split_rngs={"params": True},
             length=self.layers,
         )
@@ -173,14 +174,19 @@ def clipped_adamw() -> optax.GradientTransformation:
 
 
 def scanned_lm(
-    dtype=np.float32, vocab=11, width=16, layers=3, remat=True, steps=3, remat_policy=None
+    dtype=np.float32,
+    vocab=11,
+    width=16,
+    layers=3,
+    remat=True,
+    steps=3,
+    remat_policy=None,
+    param_axis=0,
 ):
     """A flax linen LM with its layers under nn.scan(nn.remat(...)) and a tied embedding
     (vocab 11 divides by no replica count: the embedding splits on its width), the step
     flax's docs write for it, and its token batches."""
-    model = ScannedLM(
-        vocab=vocab, width=width, layers=layers, remat=remat, remat_policy=remat_policy
-    )
+    model = ScannedLM(vocab, width, layers, remat, remat_policy, param_axis)
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, vocab, size=(16, 7)).astype(np.int32) for _ in range(steps)]
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]

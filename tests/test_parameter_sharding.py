@@ -94,6 +94,21 @@ def test_without_remat_the_backward_loop_gathers_again_instead_of_stacking_weigh
     assert backward.regions[0].count_ops("all_gather") >= 1  # both kernels, one bucket
 
 
+def test_a_stack_whose_layer_axis_is_not_its_first_is_gathered_a_layer_at_a_time():
+    """flax's `nn.scan` with `variable_axes={"params": 1}` (MaxText's `param_scan_axis`)
+    holds each kernel as [in, layers, out] and transposes it whole before the loop. The
+    stack is split besides its layer axis, the transpose runs on the block, and each loop
+    gathers one layer: no whole stack is gathered, and the numbers stay one device's."""
+    executable = _mirrored_scanned_lm_matches_one_device(param_axis=1)
+    graph = executable.graph
+    gathered = [o.size for n in graph.nodes if n.op == "all_gather" for o in n.outputs]
+    assert max(gathered) < 3 * 16 * 32  # a kernel's stack (buckets are flat)
+    kernels = {i.shape for i in graph.inputs if len(i.shape) == 3}  # with their moments
+    assert kernels == {(2, 3, 32), (4, 3, 16)}
+    for loop in (n for n in graph.nodes if n.op == "jax.scan"):
+        assert loop.regions[0].count_ops("all_gather") >= 1
+
+
 def test_a_remat_policy_that_keeps_the_matmuls_reaches_the_program_and_keeps_the_numbers():
     """`nn.remat(..., policy=...)` as MaxText's `remat_policy=minimal` is written for flax
     (every weight's matmul output kept for the backward pass): the layers' checkpoint

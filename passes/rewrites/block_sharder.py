@@ -204,6 +204,8 @@ class BlockSharder:
         if node.has(Trait.RESHAPE):
             new_dim = unit_reshape_dim(node.inputs[0].shape, out.shape, dim)
             return new_dim is not None and self.follow(node, [block], new_dim)
+        if node.has(Trait.TRANSPOSE):  # a stack's gradient back in its parameter's layout
+            return self.follow(node, [block], list(node.attrs["permutation"]).index(dim))
         return False
 
     def elementwise(self, node: Node) -> bool:

@@ -154,45 +154,43 @@ class _Splitter:
     # the state
 
     def split_state(self, graph: Graph) -> None:
-        scanned = {v for n in graph.nodes if n.has(Trait.COUNTED_LOOP) for v in _xs(n)}
         # a stack's optimizer state (its moments, of the stack's shape) is split where the
         # stack is, so the update meets blocks of one dimension: split on the layer
         # dimension instead (where it divides), every moment would be gathered whole
-        stack_shapes = {v.shape for v in scanned}
+        layer_dims = _layer_dims(graph)
         tables = self.lookup_table_dims(graph)
         for arg in graph.io.state_inputs():
             value, attrs = graph.inputs[arg], graph.io.inputs[arg]
             if value.varying_axes or attrs.stacked or attrs.sharded:
                 continue
-            skip = 1 if value.shape in stack_shapes else 0  # a stack's layers stay whole
-            dim = tables.get(value.shape) if not skip else None
+            layer = layer_dims.get(value.shape)  # a stack's layers stay whole
+            dim = tables.get(value.shape) if layer is None else None
             if dim is None:
-                within = self._within_model(value.shape, attrs.model_dim)
-                dim = shard_dimension(within[skip:], self.replicas)
+                within = _without(self._within_model(value.shape, attrs.model_dim), layer)
+                dim = shard_dimension(within, self.replicas)
             if dim is None:
+                but = " besides the layer dimension" if layer is not None else ""
                 self.stats["replicated_state"] += 1
                 self.stats["replicated"].append(
                     {
                         "state": value.name,
                         "type": format_type(value),
-                        "reason": "no dividing dimension"
-                        + (" after the layer dimension" if skip else ""),
+                        "reason": "no dividing dimension" + but,
                     }
                 )
                 if value.shape:  # a scalar (a step count) needs no word
                     self.remarks.append(
-                        f"kept {_type(value)} replicated: no dimension"
-                        f"{' after the layer dimension' if skip else ''} divides by "
+                        f"kept {_type(value)} replicated: no dimension{but} divides by "
                         f"{self.replicas} replicas"
                     )
                 continue
-            block = self.block_of(value, dim + skip)
+            block = self.block_of(value, dim)
             block.name = value.name
             graph.inputs[arg] = block
-            attrs.sharded = Split(dim + skip, tuple(self.axes))
+            attrs.sharded = Split(dim, tuple(self.axes))
             self.stats["split_state"] += 1
             self.stats["split_state_bytes"] += value.nbytes
-            self.hold_split(graph, value, block, dim + skip, attrs.model_dim)
+            self.hold_split(graph, value, block, dim, attrs.model_dim)
 
     def lookup_table_dims(self, graph: Graph) -> dict[tuple[int, ...], int]:
         """By shape, the dimension to split a table that only lookups read on: one each
@@ -219,16 +217,29 @@ class _Splitter:
         return (*shape[:model_dim], 0, *shape[model_dim + 1 :])
 
     def hold_split(
-        self, graph: Graph, value: Value, block: Value, dim: int, model_dim: int | None = None
+        self,
+        graph: Graph,
+        value: Value,
+        block: Value,
+        dim: int,
+        model_dim: int | None = None,
+        defined_by: Node | None = None,
     ) -> None:
         """`graph` read `value`, which it now has as `block`: a loop over its layers or a
-        checkpoint region takes the block (and gathers inside); a deferred `all_gather`
-        defines `value` for every other reader. `model_dim`: the dimension the model axis
-        splits `value` on, which the gather records for the gradient's own blocks."""
+        checkpoint region takes the block (and gathers inside); a transpose runs on the
+        block (a stack whose layer dimension is not its first: flax's `nn.scan` with
+        `variable_axes` of 1); a deferred `all_gather` defines `value` for every other
+        reader, after `defined_by`, the node that makes `block` (none: an input).
+        `model_dim`: the dimension the model axis splits `value` on, which the gather
+        records for the gradient's own blocks."""
         whole_readers = value in graph.outputs
+        transposes = []
         for node in graph.nodes:
             positions = [i for i, v in enumerate(node.inputs) if v is value]
             if not positions:
+                continue
+            if node.has(Trait.TRANSPOSE):
+                transposes.append(node)
                 continue
             inner_dim = _region_dim(node, positions, dim)
             if inner_dim is None:
@@ -245,7 +256,24 @@ class _Splitter:
             attrs = {"axes": self.axes, "dimension": dim, DEFERRED: True}
             if model_dim is not None:
                 attrs["model_dim"] = model_dim
-            graph.nodes.insert(0, self.node("all_gather", [block], [value], attrs))
+            at = 0 if defined_by is None else graph.nodes.index(defined_by) + 1
+            graph.nodes.insert(at, self.node("all_gather", [block], [value], attrs))
+        for node in transposes:
+            self.transpose_block(graph, node, block, dim, model_dim)
+
+    def transpose_block(
+        self, graph: Graph, node: Node, block: Value, dim: int, model_dim: int | None
+    ) -> None:
+        """Run the transpose `node` of a held value on its `block`, and hold its result
+        split where the permutation moves `dim`."""
+        order = list(node.attrs["permutation"])
+        whole = node.outputs[0]
+        moved = self.block_of(whole, order.index(dim))
+        on_block = Node(node.op, [block], [moved], dict(node.attrs), payload=node.payload,
+                        created_by=self.created_by)  # fmt: skip
+        graph.nodes[graph.nodes.index(node)] = on_block
+        moved_model = None if model_dim is None else order.index(model_dim)
+        self.hold_split(graph, whole, moved, order.index(dim), moved_model, on_block)
 
     # the loops
 
@@ -285,6 +313,25 @@ class _Splitter:
 
     def node(self, op: str, inputs: list[Value], outputs: list[Value], attrs: dict) -> Node:
         return Node(op, inputs, outputs, attrs, created_by=self.created_by)
+
+
+def _layer_dims(graph: Graph) -> dict[tuple[int, ...], int]:
+    """By shape, the layer dimension of each stack a loop slices: its first dimension, or,
+    for a stack the loop takes through a transpose, the one the transpose makes first."""
+    producers = {out: node for node in graph.nodes for out in node.outputs}
+    found: dict[tuple[int, ...], int] = {}
+    for node in graph.nodes:
+        for value in _xs(node) if node.has(Trait.COUNTED_LOOP) else ():
+            found[value.shape] = 0
+            made_by = producers.get(value)
+            if made_by is not None and made_by.has(Trait.TRANSPOSE):
+                found.setdefault(made_by.inputs[0].shape, made_by.attrs["permutation"][0])
+    return found
+
+
+def _without(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    """`shape` with dimension `dim` counted as size 0: never split."""
+    return shape if dim is None else (*shape[:dim], 0, *shape[dim + 1 :])
 
 
 def _xs(scan: Node) -> list[Value]:

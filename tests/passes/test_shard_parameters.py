@@ -102,7 +102,7 @@ def test_a_value_with_no_dividing_dimension_stays_replicated_with_a_remark():
         {
             "state": "w",
             "type": "f32[3,15,15]",
-            "reason": "no dividing dimension after the layer dimension",
+            "reason": "no dividing dimension besides the layer dimension",
         }
     ]
 

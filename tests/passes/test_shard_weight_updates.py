@@ -119,7 +119,7 @@ def test_an_op_not_proved_elementwise_reads_the_gradient_whole():
     text = """\
 func @step(%0: f32[8,8], %1: f32[8,8]{replica}) {
   %2: f32[8,8] = all_reduce(%1) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
-  %3: f32[8,8] = jax.transpose(%2) {"permutation": [1, 0]}
+  %3: f32[8,8] = jax.cumsum(%2) {"axis": 0, "reverse": false}
   %4: f32[8,8] = jax.sub(%0, %3)
   return %4 state=%0
 }
@@ -130,11 +130,37 @@ func @step(%0: f32[8,8], %1: f32[8,8]{replica}) {
         """
         CHECK: %[[G:[0-9]+]]: f32[1,8]{replica} = reduce_scatter(%1)
         CHECK-NEXT: %[[FULL:[0-9]+]]: f32[8,8] = all_gather(%[[G]]) {"axes": ["replica"], "dimension": 0}
-        CHECK-NEXT: jax.transpose(%[[FULL]])
+        CHECK-NEXT: jax.cumsum(%[[FULL]])
         """,
     )
     gathered = ctx.stats["shard-weight-updates"]["gathered"]
-    assert [(g["op"], g["types"]) for g in gathered] == [("jax.transpose", ["f32[8,8]"])]
+    assert [(g["op"], g["types"]) for g in gathered] == [("jax.cumsum", ["f32[8,8]"])]
+
+
+def test_a_transposed_gradient_is_updated_on_its_transposed_block():
+    """A stack's gradient put back in its parameter's layout (flax's `nn.scan` over a
+    layer axis other than the first): the transpose runs on the block, whose split
+    dimension it moves, and the update meets the state's block there."""
+    text = """\
+func @step(%0: f32[8,8], %1: f32[8,8]{replica}) {
+  %2: f32[8,8] = all_reduce(%1) {"axes": ["replica"], "origin": "autodiff", "reduce_op": "sum"}
+  %3: f32[8,8] = jax.transpose(%2) {"permutation": [1, 0]}
+  %4: f32[8,8] = jax.sub(%0, %3)
+  return %4 state=%0
+}
+"""
+    _, after, ctx = _run(text)
+    filecheck(
+        after,
+        """
+        CHECK: func @step(%0: f32[8,1]{replica} sharded=1{replica}
+        CHECK: %[[G:[0-9]+]]: f32[1,8]{replica} = reduce_scatter(%1)
+        CHECK-NEXT: %[[T:[0-9]+]]: f32[8,1]{replica} = jax.transpose(%[[G]])
+        CHECK-NEXT: jax.sub(%0, %[[T]])
+        CHECK-NOT: all_gather
+        """,
+    )
+    assert ctx.stats["shard-weight-updates"]["gathered"] == []
 
 
 def test_a_gradient_with_no_dividing_dimension_keeps_its_all_reduce():
