@@ -66,6 +66,18 @@ _REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 _SMALL_CONSTANT = 8  # constants up to this many elements print their value in the IR
 
 
+def _without_dead_code(jaxpr: jex.Jaxpr) -> jex.Jaxpr:
+    """`jaxpr` without the equations no output needs and that have no effect, as XLA
+    removes them: the IR, its cost and the passes then see the program that runs. (A
+    library that builds its model anew in each call, as flax's bridge from NNX modules to
+    linen does, initializes every parameter in the trace, then uses the ones it is given.)
+    Every input stays, unused or not: the step's signature is the IR's."""
+    from jax._src.interpreters import partial_eval as pe
+
+    live, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    return jaxpr.replace(eqns=live.eqns, outvars=live.outvars)
+
+
 def capture(
     fn: Callable[..., Sequence[Any]],
     flat_args: Sequence[jax.ShapeDtypeStruct],
@@ -129,6 +141,7 @@ def capture(
         diagnose_foreign_mesh(name, mesh, exc)
         raise
     jaxpr, consts = jax_compat.jaxpr_parts(box["jaxpr"])
+    jaxpr = _without_dead_code(jaxpr)
     importer = _Importer(AxisRenamer(rename or {}))
     graph = importer.graph(jaxpr, consts, name)
     for value, label in zip(graph.inputs, input_names, strict=False):

@@ -152,7 +152,7 @@ def test_a_convolution_costs_the_flops_xla_counts(features, window, stride, grou
     params = layer.init(jax.random.key(0), images)
 
     def gradients(params, images):
-        return jax.grad(lambda p, x: layer.apply(p, x).sum(), argnums=(0, 1))(params, images)
+        return jax.grad(lambda p, x: (layer.apply(p, x) ** 2).sum(), argnums=(0, 1))(params, images)
 
     graph = xs.OneDeviceStrategy("cpu:0").compile(gradients).executable(params, images).graph
     # a topology whose time is flops alone, one flop a second
