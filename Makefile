@@ -15,6 +15,8 @@ OLDEST_STAMP := $(OLDEST_VENV)/.installed-stamp
 CORPUS_VENV := .venv-corpus
 CORPUS_STAMP := $(CORPUS_VENV)/.installed-stamp
 CORPUS_MODELS := gemma3-1b keras-hub-gpt2-medium keras-hub-llama3.2-1b
+MAXTEXT_VENV := .venv-maxtext
+MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-stamp
 # The suite in parts: `make test` runs most of it on two test workers; `make test-slow`
 # the long end-to-end cases (tests/conftest.py lists them), then the parameter-server
 # tests by themselves (Ray's task processes start 5x slower beside a busy test worker).
@@ -34,6 +36,10 @@ $(DEMO_STAMP): pyproject.toml tools/make-venv
 # Models others wrote (keras-hub, DeepMind's gemma), for `make bench-corpus` only.
 $(CORPUS_STAMP): pyproject.toml constraints/corpus.txt tools/make-corpus-venv tools/make-venv
 	tools/make-corpus-venv $(CORPUS_VENV) "$(PYTHON)"
+
+# MaxText 0.2.5 and its pinned dependencies, for `make bench-corpus` only.
+$(MAXTEXT_STAMP): pyproject.toml tools/make-maxtext-venv
+	tools/make-maxtext-venv $(MAXTEXT_VENV) "$(PYTHON)"
 
 $(OLDEST_STAMP): pyproject.toml tools/make-venv constraints/oldest-jax.txt
 	tools/make-venv $(OLDEST_VENV) "$(OLDEST_PYTHON)" -c constraints/oldest-jax.txt
@@ -80,17 +86,21 @@ bench: $(STAMP)
 
 # The TPU table's rows of models others wrote: plain JAX and Hugging Face's PyTorch models
 # (here), keras-hub and gemma (their own environment), ours beside plain jax.jit on
-# v5e-256 (hours on two cores).
-bench-corpus: $(STAMP) $(CORPUS_STAMP)
+# v5e-256 (hours on two cores); MaxText's model under our strategy beside MaxText's trainer.
+bench-corpus: $(STAMP) $(CORPUS_STAMP) $(MAXTEXT_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models gpt2-medium-plain \
 		gpt2-medium-plain-cast hf-gpt2-medium hf-llama3.2-1b --topologies v5e-256 --variants a c
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models llama2-7b-plain \
 		--topologies v5e-256 --variants c d
 	JAX_PLATFORMS=cpu KERAS_BACKEND=jax $(CORPUS_VENV)/bin/python -m benchmarks.tpu_aot \
 		--models $(CORPUS_MODELS) --topologies v5e-256 --variants a c
+	JAX_PLATFORMS=cpu $(MAXTEXT_VENV)/bin/python -m benchmarks.tpu_aot \
+		--models maxtext-llama2-7b --topologies v5e-256 --variants d
+	mkdir -p benchmarks/results/hlo && JAX_PLATFORMS=cpu $(MAXTEXT_VENV)/bin/python \
+		benchmarks/maxtext_aot.py benchmarks/results/hlo/maxtext-llama2-7b-v5e-256.hlo.txt
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(CORPUS_VENV) *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) $(CORPUS_VENV) $(MAXTEXT_VENV) *.egg-info

@@ -2,10 +2,10 @@
 written out for our reader (`xla-strategies report`), so MaxText is measured the way ours
 is.
 
-MaxText installs in an environment of its own (its dependencies pin their own releases):
+MaxText installs in an environment of its own (its dependencies pin their own releases),
+with this package beside it for `benchmarks/maxtext_models.py`:
 
-    python3.12 -m venv .venv-maxtext && .venv-maxtext/bin/pip install \\
-        "maxtext[tpu]==0.2.5" "jax[tpu]==0.12.0.1" "jaxlib==0.12.0.1"
+    tools/make-maxtext-venv .venv-maxtext python3.12   # or: make .venv-maxtext/.installed-stamp
     JAX_PLATFORMS=cpu .venv-maxtext/bin/python benchmarks/maxtext_aot.py maxtext.hlo.txt
     JAX_PLATFORMS=cpu .venv-maxtext/bin/python benchmarks/maxtext_aot.py 70b.hlo.txt \\
         --model llama2-70b --topology v5p-512 ici_tensor_parallelism=4

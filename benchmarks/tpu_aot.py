@@ -54,7 +54,12 @@ from tqdm import tqdm
 
 import xla_strategies as xs
 from benchmarks.results_rows import merge_rows
-from benchmarks.tpu_models import CORPUS_ENVIRONMENT, WORKLOADS, trained_params
+from benchmarks.tpu_models import (
+    CORPUS_ENVIRONMENT,
+    MAXTEXT_ENVIRONMENT,
+    WORKLOADS,
+    trained_params,
+)
 from benchmarks.tpu_table import markdown, row_text
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.passes.cost.timeline import compute_estimate
@@ -372,9 +377,10 @@ def main() -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        default=[m for m in WORKLOADS if m not in CORPUS_ENVIRONMENT],
+        default=[m for m in WORKLOADS if m not in CORPUS_ENVIRONMENT + MAXTEXT_ENVIRONMENT],
         choices=list(WORKLOADS),
-        help="default: every model but those of the corpus environment (make .venv-corpus)",
+        help="default: every model but those of the corpus (make .venv-corpus) and MaxText's "
+        "environments",
     )
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
     parser.add_argument(

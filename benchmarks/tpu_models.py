@@ -404,12 +404,20 @@ def _plain_llama(name: str, cfg: TransformerConfig) -> Workload:
 
 #: the models of others' packages, which need the corpus environment (`make .venv-corpus`)
 CORPUS_ENVIRONMENT = ("keras-hub-gpt2-medium", "keras-hub-llama3.2-1b", "gemma3-1b", "gemma3-12b")
+#: MaxText's model code, which needs MaxText's environment (`benchmarks/maxtext_aot.py`)
+MAXTEXT_ENVIRONMENT = ("maxtext-llama2-7b",)
 
 
 def _corpus(key: str) -> Workload:
     from benchmarks import corpus_models  # it builds on this module
 
     return corpus_models.workload(key)
+
+
+def _maxtext(key: str) -> Workload:
+    from benchmarks import maxtext_models  # it builds on this module
+
+    return maxtext_models.workload(key)
 
 
 def _hugging_face(key: str) -> Workload:
@@ -448,6 +456,8 @@ WORKLOADS = {
     # Hugging Face's PyTorch model through xla_strategies.torch (`benchmarks.hugging_face_models`)
     "hf-gpt2-medium": lambda: _hugging_face("hf-gpt2-medium"),
     "hf-llama3.2-1b": lambda: _hugging_face("hf-llama3.2-1b"),
+    # MaxText's own model code (`benchmarks.maxtext_models`; MaxText's environment)
+    "maxtext-llama2-7b": lambda: _maxtext("maxtext-llama2-7b"),
     "llama2-7b": lambda tp=False: language_model(
         "Llama-2-7B",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
