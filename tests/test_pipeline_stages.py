@@ -300,10 +300,33 @@ def test_the_dump_draws_the_schedule(tmp_path, monkeypatch):
     assert sum(e["ph"] == "X" for e in events["traceEvents"]) == 2 * 2 * 4
 
 
-def test_a_renamed_replica_axis_is_refused_before_xla_sees_it():
+def test_a_step_written_for_pmap_runs_over_stages_under_its_axis_name():
+    """`compile(axis_name="batch")` with stages: the pmap step's `lax.pmean` of the loss
+    and gradients after `jax.grad`, and the numbers of one device."""
+    params, batches = _plain_params(), _plain_batches()
+    want = _train(xs.OneDeviceStrategy(), _plain_loss, params, batches)
     strategy = xs.MirroredStrategy(pipeline_stages=2)
-    with pytest.raises(ValueError, match="axis_name='batch' renames the replica axis"):
-        strategy.compile(lambda p: p, axis_name="batch")
+
+    @strategy.compile(microbatches=4, axis_name="batch")
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(_plain_loss)(params, x, y)
+        grads, loss = jax.lax.pmean((grads, loss), "batch")
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with strategy.scope():
+        state = strategy.replicate(params), strategy.replicate(TX.init(params))
+    for batch in strategy.experimental_distribute_dataset(batches):
+        *state, _ = step(*state, *batch)
+    _assert_mirrored_and_equal(state[0], want)
+
+
+def test_a_collective_inside_the_pipelined_loss_is_refused_by_name():
+    def loss(params, x, y):
+        return jax.lax.pmean(_plain_loss(params, x, y), "replica")
+
+    with pytest.raises(ValueError, match=r"calls psum\w* over \('replica',\)"):
+        _train(xs.MirroredStrategy(pipeline_stages=2), loss, _plain_params(), _plain_batches())
 
 
 def test_a_remat_scanned_language_model_trains_as_one_device_does(monkeypatch):

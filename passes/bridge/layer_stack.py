@@ -26,6 +26,14 @@ class NothingToPipeline(ValueError):
     """The function has no layer stack the stages can split."""
 
 
+# Collectives across the replicas, which the stage program (the differentiated function
+# run one microbatch and one stage at a time) does not run
+_COLLECTIVES = frozenset(
+    {"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_to_all", "ppermute",
+     "reduce_scatter"}
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LayerStack:
     """`fun` as `before`, the scan, and `after`.
@@ -52,6 +60,7 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
     closed = jax.make_jaxpr(fun)(*args)
     jaxpr, consts = jax_compat.jaxpr_parts(closed)
     jaxpr, consts = _inlined(jaxpr, consts, args)
+    _refuse_collectives(jaxpr)
     # what the function reads from its closure becomes its first inputs
     jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
     scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
@@ -66,6 +75,20 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
         )
     at = max(usable, key=lambda i: _xs_bytes(jaxpr.eqns[i]))
     return _split_at(jaxpr, consts, at)
+
+
+def _refuse_collectives(jaxpr: jex.Jaxpr) -> None:
+    for eqn in jax_compat.equations(jaxpr):
+        if eqn.primitive.name in _COLLECTIVES:
+            axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+            raise ValueError(
+                f"the function differentiated over pipeline stages calls "
+                f"{eqn.primitive.name} over {axes!r}: the stages run it one microbatch at a "
+                "time, in a program that runs no collective across the replicas. Reduce "
+                "across replicas after "
+                "jax.grad instead (lax.pmean of the loss and gradients, as pmap code does), "
+                "or leave it out: the strategy averages the gradients itself"
+            )
 
 
 def _is_layer_stack(eqn: jex.JaxprEqn, divisor: int) -> bool:

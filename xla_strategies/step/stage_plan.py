@@ -33,14 +33,6 @@ def stage_plan(strategy: Any, options: CompileOptions) -> StagePlan | None:
                 f"and {type(strategy).__name__} has none: give it pipeline_stages > 1"
             )
         return None
-    if options.axis_name is not None:
-        # the stage program would be traced on the renamed mesh and lowered on the
-        # strategy's, which XLA's partitioner aborts the process on
-        raise ValueError(
-            f"axis_name={options.axis_name!r} renames the replica axis, which a step with "
-            "pipeline stages does not support yet: name the strategy's replica axes "
-            f"{list(strategy.replica_axes)} in the step instead"
-        )
     schedule = options.schedule or "1f1b"
     interleaved = schedule == "interleaved-1f1b"
     microbatches = stages if options.microbatches is None else options.microbatches
