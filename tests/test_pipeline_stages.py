@@ -321,6 +321,26 @@ def test_a_step_written_for_pmap_runs_over_stages_under_its_axis_name():
     _assert_mirrored_and_equal(state[0], want)
 
 
+def test_every_pass_keeps_the_stacks_gradients_out_of_buckets():
+    """A step that names every pass: the layer stack's gradients, held split over the
+    stages, stay out of buckets and decompositions (a bucket would gather them whole
+    across the stages), the rest are bucketed, and the numbers stay one device's."""
+    params, batches = _plain_params(), _plain_batches()
+    want = _train(xs.OneDeviceStrategy(), _plain_loss, params, batches)
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    pipeline = strategy.pipeline(None)  # every pass
+    got = _train(strategy, _plain_loss, params, batches, microbatches=4, pipeline=pipeline)
+    _assert_mirrored_and_equal(got, want)
+    step = strategy.compile(
+        lambda p, x, y: jax.grad(_plain_loss)(p, x, y), microbatches=4, pipeline=pipeline
+    )
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    reductions = [n for n in step.executable(params, *batch).graph.nodes if n.op == "all_reduce"]
+    stacks = [n for n in reductions if n.attrs.get("stage_split")]
+    assert sorted(n.outputs[0].shape for n in stacks) == [(LAYERS, WIDTH), (LAYERS, WIDTH, WIDTH)]
+    assert [n.inputs[0].shape for n in reductions if n not in stacks] == [(WIDTH * 3 + WIDTH,)]
+
+
 def test_a_collective_inside_the_pipelined_loss_is_refused_by_name():
     def loss(params, x, y):
         return jax.lax.pmean(_plain_loss(params, x, y), "replica")

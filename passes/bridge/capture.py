@@ -45,6 +45,7 @@ from xla_strategies.passes.bridge.step_mesh import diagnose_foreign_mesh
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
+    STAGE_SPLIT_SCOPE,
     marking_gradient_scales,
     matching_operand_types,
     pallas_kernels_per_replica,
@@ -242,6 +243,8 @@ class _Importer:
             autodiff = AUTODIFF_SCOPE in str(eqn.source_info.name_stack)
             origin = Origin.AUTODIFF if autodiff else Origin.USER
             attrs = {"axes": self.axes(params), "reduce_op": _REDUCE[prim], "origin": origin}
+            if STAGE_SPLIT_SCOPE in str(eqn.source_info.name_stack):
+                attrs["stage_split"] = True  # kept out of buckets and decompositions
             source = user_source(eqn)
             if source:
                 attrs["source"] = source

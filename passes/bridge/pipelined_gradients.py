@@ -40,7 +40,13 @@ from xla_strategies.passes.bridge.microbatches import (
     stacked_microbatches,
     tracing_microbatches,
 )
-from xla_strategies.passes.bridge.trace_hooks import AUTODIFF_SCOPE, varying_axes, varying_over, vma
+from xla_strategies.passes.bridge.trace_hooks import (
+    AUTODIFF_SCOPE,
+    STAGE_SPLIT_SCOPE,
+    varying_axes,
+    varying_over,
+    vma,
+)
 from xla_strategies.passes.stages import executor
 from xla_strategies.passes.stages.schedules import Schedule, schedule
 
@@ -152,7 +158,7 @@ def pipelined_vjp(
         )
         losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
-        cotangents = _cotangents(result, mb_mask, plan.virtual_stages)
+        cotangents, stacked_at = _cotangents(result, mb_mask, plan.virtual_stages)
     # the step sees its microbatch's loss and auxiliary outputs, as it was traced
     loss, aux = as_microbatches(losses), [as_microbatches(a) for a in aux]
 
@@ -162,8 +168,8 @@ def pipelined_vjp(
         del ct
         with around_the_microbatches():
             summed = [
-                _summed_like(p, None if c is None else varying_over(c, replicas))
-                for p, c in zip(outputs, cotangents, strict=True)
+                _summed_like(p, None if c is None else varying_over(c, replicas), i in stacked_at)
+                for i, (p, c) in enumerate(zip(outputs, cotangents, strict=True))
             ]
             grads = iter(before_pullback(summed))
             full = [next(grads) if w else None for w in wanted][len(stack.closed_over) :]
@@ -283,25 +289,30 @@ def _merge(mask: list[bool], rows: list, shared: list) -> list:
     return [next(r) if is_row else next(s) for is_row in mask]
 
 
-def _cotangents(result: executor.StageResult, mb_mask: tuple, virtual_stages: int) -> list:
+def _cotangents(
+    result: executor.StageResult, mb_mask: tuple, virtual_stages: int
+) -> tuple[list, range]:
     """The executor's gradients, one per output of `before` (per microbatch where that
-    output is)."""
+    output is), and where the layer stack's (held split over the stages) are among them."""
     d_consts = _merge(mb_mask[1], list(result.layer_rows), list(result.layer_shared))
     d_kept = _merge(mb_mask[3], list(result.head_rows), list(result.head_shared))
     stacked = 2 if virtual_stages == 1 else 3  # [S, chunk, ...] or [V, S, chunk, ...]
     d_xs = [None if a is None else a.reshape(-1, *a.shape[stacked:]) for a in result.weights]
-    return [*result.inputs, *d_consts, *d_xs, *d_kept]
+    start = len(result.inputs) + len(d_consts)
+    return [*result.inputs, *d_consts, *d_xs, *d_kept], range(start, start + len(d_xs))
 
 
-def _summed_like(primal: Any, cotangent: Any) -> Any:
+def _summed_like(primal: Any, cotangent: Any, stage_split: bool = False) -> Any:
     """`cotangent` as the gradient of `primal`: summed over the replica axes `primal` does
-    not vary over (in autodiff's scope, as pvary's transpose sums), float0 for a value
-    that has no gradient."""
+    not vary over (in autodiff's scope, as pvary's transpose sums; `stage_split`: a layer
+    stack's, which the passes keep out of buckets), float0 for a value that has no
+    gradient."""
     if cotangent is None:
         return _zero_cotangent(primal)
     extra = tuple(sorted(vma(cotangent) - set(varying_axes(jax.typeof(primal)))))
     if extra:
-        with jax.named_scope(AUTODIFF_SCOPE):
+        scope = f"{AUTODIFF_SCOPE}/{STAGE_SPLIT_SCOPE}" if stage_split else AUTODIFF_SCOPE
+        with jax.named_scope(scope):
             cotangent = jax.lax.psum(cotangent, extra)
     return cotangent.astype(primal.dtype)
 

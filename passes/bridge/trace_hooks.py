@@ -34,6 +34,8 @@ from xla_strategies.passes.bridge import jax_compat
 
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
 GRADIENT_SCOPE = "xla_strategies.gradient_scale"
+# a pipelined layer stack's gradient, held split over the stage axis (dim 0)
+STAGE_SPLIT_SCOPE = "xla_strategies.stage_split"
 GRADIENT_AXES = re.compile(re.escape(GRADIENT_SCOPE) + r"\(([^)]*)\)")
 
 

@@ -228,7 +228,12 @@ COMBINABLE = ("all_reduce", "reduce_to_one", "broadcast", *BLOCK_COLLECTIVES)
 
 def _combinable(node: Node, kinds: tuple[str, ...] = ()) -> bool:
     kinds = kinds or COMBINABLE
-    return node.op in kinds and len(node.inputs) == 1 and not _is_combined(node)
+    return (
+        node.op in kinds
+        and len(node.inputs) == 1
+        and not _is_combined(node)
+        and not node.attrs.get("stage_split")  # a bucket would gather it across the stages
+    )
 
 
 def _pack_of(graph: Graph, num_packs: int, kinds: tuple[str, ...] = ()) -> dict[Node, int]:

@@ -82,6 +82,7 @@ class DecomposeAllReduces(Pass):
             and len(node.inputs) == 1
             and node.attrs.get("reduce_op") in ("sum", "mean")
             and sum(1 for a in axes if ctx.mesh_axes.get(a, 1) > 1) >= 2
+            and not node.attrs.get("stage_split")  # its dim 0 is split over the stages
         )
 
     def _decide(self, graph: Graph, node: Node, ctx: PassContext) -> dict:
