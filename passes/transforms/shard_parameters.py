@@ -212,9 +212,7 @@ class _Splitter:
         splits (counted as size 0). The replicas' blocks of that dimension would each be
         split over the model axis again, an order XLA's layout of the whole value over the
         model axis does not share, so every gather would move the value whole."""
-        if model_dim is None or self.devices_per_replica == 1:
-            return shape
-        return (*shape[:model_dim], 0, *shape[model_dim + 1 :])
+        return shape if self.devices_per_replica == 1 else _without(shape, model_dim)
 
     def hold_split(
         self,
