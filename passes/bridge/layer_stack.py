@@ -78,6 +78,8 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
 
 
 def _refuse_collectives(jaxpr: jex.Jaxpr) -> None:
+    """Name a collective across the replicas in the differentiated function, which JAX
+    would refuse deep in the stage program ("psum is a variant->invariant collective")."""
     for eqn in jax_compat.equations(jaxpr):
         if eqn.primitive.name in _COLLECTIVES:
             axes = eqn.params.get("axes", eqn.params.get("axis_name"))
@@ -85,9 +87,8 @@ def _refuse_collectives(jaxpr: jex.Jaxpr) -> None:
                 f"the function differentiated over pipeline stages calls "
                 f"{eqn.primitive.name} over {axes!r}: the stages run it one microbatch at a "
                 "time, in a program that runs no collective across the replicas. Reduce "
-                "across replicas after "
-                "jax.grad instead (lax.pmean of the loss and gradients, as pmap code does), "
-                "or leave it out: the strategy averages the gradients itself"
+                "after jax.grad instead (lax.pmean of the loss and gradients, as pmap code "
+                "does), or leave it out: the strategy averages the gradients itself"
             )
 
 
