@@ -5,7 +5,7 @@ is.
 MaxText installs in an environment of its own (its dependencies pin their own releases),
 with this package beside it for `benchmarks/maxtext_models.py`:
 
-    tools/make-maxtext-venv .venv-maxtext python3.12   # or: make .venv-maxtext/.installed-stamp
+    make .venv-maxtext/.installed-stamp     # tools/make-maxtext-venv, with Python 3.12
     JAX_PLATFORMS=cpu .venv-maxtext/bin/python benchmarks/maxtext_aot.py maxtext.hlo.txt
     JAX_PLATFORMS=cpu .venv-maxtext/bin/python benchmarks/maxtext_aot.py 70b.hlo.txt \\
         --model llama2-70b --topology v5p-512 ici_tensor_parallelism=4
