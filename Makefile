@@ -86,7 +86,8 @@ bench: $(STAMP)
 
 # The TPU table's rows of models others wrote: plain JAX and Hugging Face's PyTorch models
 # (here), keras-hub and gemma (their own environment), ours beside plain jax.jit on
-# v5e-256 (hours on two cores); MaxText's model under our strategy beside MaxText's trainer.
+# v5e-256, some on v5p-512 and a DGX H100 node (hours on two cores); MaxText's model under
+# our strategy beside MaxText's trainer.
 bench-corpus: $(STAMP) $(CORPUS_STAMP) $(MAXTEXT_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models gpt2-medium-plain \
 		gpt2-medium-plain-cast hf-gpt2-medium hf-llama3.2-1b --topologies v5e-256 --variants a c
@@ -94,10 +95,14 @@ bench-corpus: $(STAMP) $(CORPUS_STAMP) $(MAXTEXT_STAMP)
 		--topologies v5e-256 --variants c d
 	JAX_PLATFORMS=cpu KERAS_BACKEND=jax $(CORPUS_VENV)/bin/python -m benchmarks.tpu_aot \
 		--models $(CORPUS_MODELS) --topologies v5e-256 --variants a c
+	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models gpt2-medium-plain \
+		hf-gpt2-medium --topologies v5p-512 --variants a c
+	$(BIN)/python -m benchmarks.gpu_aot --models gpt2-medium-plain hf-gpt2-medium
 	JAX_PLATFORMS=cpu $(MAXTEXT_VENV)/bin/python -m benchmarks.tpu_aot \
-		--models maxtext-llama2-7b --topologies v5e-256 --variants d
-	mkdir -p benchmarks/results/hlo && JAX_PLATFORMS=cpu $(MAXTEXT_VENV)/bin/python \
-		benchmarks/maxtext_aot.py benchmarks/results/hlo/maxtext-llama2-7b-v5e-256.hlo.txt
+		--models maxtext-llama2-7b --topologies v5e-256 v5p-512 --variants a d
+	mkdir -p benchmarks/results/hlo && for t in v5e-256 v5p-512; do JAX_PLATFORMS=cpu \
+		$(MAXTEXT_VENV)/bin/python benchmarks/maxtext_aot.py \
+		benchmarks/results/hlo/maxtext-llama2-7b-$$t.hlo.txt --topology $$t; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

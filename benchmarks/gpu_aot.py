@@ -45,6 +45,11 @@ CELLS = [
     ("llama2-7b", "2xdgx-h100", "d"),
     ("llama2-7b", "2xdgx-h100", "g"),
     ("llama2-7b", "2xdgx-h100", "c"),
+    # models others wrote (`make bench-corpus`)
+    ("gpt2-medium-plain", "dgx-h100", "a"),
+    ("gpt2-medium-plain", "dgx-h100", "c"),
+    ("hf-gpt2-medium", "dgx-h100", "a"),
+    ("hf-gpt2-medium", "dgx-h100", "c"),
 ]
 
 
