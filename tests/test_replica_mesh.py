@@ -18,17 +18,19 @@ from tests.helpers import assert_close_to_scale, train_on
 
 
 class MeshModel(nn.Module):
-    """Two dense layers whose activations are laid out on `mesh`, replicated (no rule of
-    the library's names an axis of the step's mesh)."""
+    """Two dense layers whose activations are laid out on `mesh`: replicated, or split on
+    their features over a "model" axis where the mesh has one (a library's layout rule)."""
 
     mesh: Mesh
 
     @nn.compact
     def __call__(self, x):
         whole = NamedSharding(self.mesh, PartitionSpec(None, None))
+        model = "model" if "model" in self.mesh.axis_names else None
+        features = NamedSharding(self.mesh, PartitionSpec(None, model))
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], 16))
         h = jnp.tanh(jnp.dot(x, kernel, out_sharding=whole))
-        h = jax.lax.with_sharding_constraint(h, whole)
+        h = jax.lax.with_sharding_constraint(h, features)
         return nn.Dense(1)(h)
 
 
@@ -69,6 +71,18 @@ def test_a_library_handed_the_replica_mesh_trains_as_one_device(options):
     ours, _ = train_on(xs.MirroredStrategy(), _step(tx), params, tx, batches, **options)
     reference, _ = train_on(xs.OneDeviceStrategy(), _step(tx), params, tx, batches)
     assert_close_to_scale(ours, reference, 1e-5)
+
+
+def test_a_layout_over_the_model_axis_splits_within_the_replica():
+    params, batches = _problem()
+    tx = optax.adam(1e-2)
+    strategy = xs.MirroredStrategy(logical_devices_per_replica=2)
+    ours, step = train_on(strategy, _step(tx), params, tx, batches)
+    reference, _ = train_on(xs.OneDeviceStrategy(), _step(tx), params, tx, batches)
+    assert_close_to_scale(ours, reference, 1e-5)
+    batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+    # each device of a replica computes half the features of its 4 rows
+    assert "f32[4,8]" in step.lower(*ours, batch).compile().as_text()
 
 
 def test_the_replica_mesh_is_the_strategys_with_its_replica_axes_manual():
