@@ -52,6 +52,13 @@ def tf_configs(count: int) -> list[str]:
     ]
 
 
+# What a worker prints when another program took its cluster's port first: the ports
+# `tf_configs` picks are free when picked, and a busy test run may take one before the
+# workers bind it
+_PORT_TAKEN = "free the port or give the chief another one in TF_CONFIG"
+PORT_ATTEMPTS = 3
+
+
 def run_workers(
     argv: list[str],
     count: int = 2,
@@ -59,13 +66,30 @@ def run_workers(
     kill: tuple[int, int | str] | None = None,
     start: list[int] | None = None,
     kill_signal: int = signal.SIGKILL,
+    configs: list[str] | None = None,
 ) -> list[Worker]:
     """Run `python argv...` as `count` workers (only those in `start`, if given); send
     `kill_signal` to worker `kill[0]` when it prints `STEP kill[1]` (or the line
-    `kill[1]`, a string). Returns when all have exited."""
-    configs = tf_configs(count)
+    `kill[1]`, a string). Returns when all have exited. Without `configs` (their
+    TF_CONFIGs), the workers run on fresh loopback ports, and again on others, up to
+    `PORT_ATTEMPTS` times, where another program took a port first."""
+    for _ in range(1 if configs else PORT_ATTEMPTS):
+        workers = _run(argv, configs or tf_configs(count), timeout, kill, start, kill_signal)
+        if not any(_PORT_TAKEN in w.output for w in workers):
+            break
+    return workers
+
+
+def _run(
+    argv: list[str],
+    configs: list[str],
+    timeout: float,
+    kill: tuple[int, int | str] | None,
+    start: list[int] | None,
+    kill_signal: int,
+) -> list[Worker]:
     workers = []
-    for index in start if start is not None else range(count):
+    for index in start if start is not None else range(len(configs)):
         env = {**os.environ, "TF_CONFIG": configs[index], "JAX_PLATFORMS": "cpu"}
         process = subprocess.Popen(
             [sys.executable, *argv],

@@ -76,14 +76,14 @@ def test_a_worker_that_never_starts_is_an_unavailable_error_within_the_timeout()
     assert caught - started < 5 + START_SECONDS, text[-3000:]
 
 
-def test_a_coordinator_port_in_use_is_an_unavailable_error_in_every_worker(monkeypatch):
+def test_a_coordinator_port_in_use_is_an_unavailable_error_in_every_worker():
     configs = multiprocess.tf_configs(2)
-    monkeypatch.setattr(multiprocess, "tf_configs", lambda count: configs)
     address = json.loads(configs[0])["cluster"]["worker"][0]
     host, port = address.rsplit(":", 1)
     with socket.create_server((host, int(port))):  # another program listens on the port
         started = time.time()
-        workers = run_workers(["tests/workers/join.py", "--timeout", "5"], timeout=120)
+        argv = ["tests/workers/join.py", "--timeout", "5"]
+        workers = run_workers(argv, timeout=120, configs=configs)
     for worker in workers:
         text = worker.output
         assert worker.process.returncode == CAUGHT_STATUS, text[-3000:]  # not SIGSEGV
