@@ -15,24 +15,19 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.errors import StoppedAfterCompile
-from xla_strategies.core.layout import Layout, replica_axes
+from xla_strategies.core.layout import Layout
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.base import PassContext
-from xla_strategies.passes.bridge.capture import capture
 from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.bridge.lowering import lower
-from xla_strategies.passes.bridge.pipelined_gradients import pipelining_gradients
-from xla_strategies.passes.bridge.remat_policy import given_remat_policy, warn_if_none_given
-from xla_strategies.passes.bridge.step_mesh import replica_view
 from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.text import print_graph
 from xla_strategies.passes.pipeline import PassPipeline
 from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
-from xla_strategies.step import in_place_state, numerics, replica_rng_streams
+from xla_strategies.step import in_place_state, numerics
 from xla_strategies.step.argument_declarations import declared_arguments
 from xla_strategies.step.arguments import (
     Outputs,
@@ -44,7 +39,6 @@ from xla_strategies.step.arguments import (
 from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.compile_program import LoweredStep, compile_lowered
 from xla_strategies.step.compiler_options import option_values, step_compiler_options
-from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
 from xla_strategies.step.dumping import (
     STOP_AFTER_COMPILE,
     DumpOptions,
@@ -62,18 +56,11 @@ from xla_strategies.step.pipeline_choice import (
 from xla_strategies.step.plan_mode import plan_and_stop
 from xla_strategies.step.recompiles import warn_if_recompiling
 from xla_strategies.step.stage_plan import (
-    check_pipelined,
-    on_microbatches,
     stage_plan,
     staged_pipeline,
 )
 from xla_strategies.step.state import DeclaredState, donated_state
-from xla_strategies.step.step_interface import (
-    capture_mesh,
-    declare_interface,
-    hold_split_over_stages,
-    traced_arguments,
-)
+from xla_strategies.step.step_capture import capture_step
 from xla_strategies.step.step_pipeline import PipelineOptions, check_sharding_options, step_pipeline
 from xla_strategies.step.verdict_cache import fingerprint
 
@@ -258,55 +245,7 @@ class CompiledStep:
         )
 
     def _capture(self, signature: Signature) -> tuple[Graph, Outputs]:
-        strategy = self.strategy
-        mesh, rename = capture_mesh(strategy, self.axis_name)
-        specs = signature.arrays
-        flat_args = traced_arguments(specs, mesh)
-        context = ReplicaContext(
-            replica_axes(mesh.axis_names), strategy.num_replicas_in_sync, replica_view(mesh)
-        )
-        outputs = Outputs()
-
-        traced: list[Any] = []
-
-        def step(*arrays: Any) -> list[Any]:
-            traced[:] = arrays
-            args, kwargs = signature.rebuild(arrays)
-            before = snapshot(args, kwargs)
-            with replica_scope(strategy, context):
-                with (
-                    replica_rng_streams.drawn_per_replica(args, kwargs, context) as restore,
-                    in_place_state.scalar_metric_updates() as scalar_updated,
-                ):
-                    result = self.fn(*args, **kwargs)
-                    restore(result)
-                written = in_place_state.collect(
-                    before, args, kwargs, result, context, scalar_updated
-                )
-            check_unchanged(self.name, before, args, kwargs, result, written.indices)
-            return outputs.split(result, written)
-
-        with (
-            pipelining_gradients(self.stage_plan) as pipelined,
-            given_remat_policy(self.options.remat_policy) as remat_blocks,
-        ):
-            graph = capture(
-                on_microbatches(step, self.stage_plan, specs, self.gradient_reduction),
-                flat_args,
-                mesh,
-                [spec.layout is not Layout.MIRRORED for spec in specs],
-                stacked=[spec.layout is Layout.STACKED for spec in specs],
-                rename=rename,
-                input_names=argument_paths(signature),
-                name=self.name,
-            )
-        check_pipelined(self.stage_plan, pipelined, self.name)
-        warn_if_none_given(self.options.remat_policy, *remat_blocks(), self.name)
-        declare_interface(
-            graph, signature, outputs, self.declared_state, self.mirrored_outputs, self.name
-        )
-        hold_split_over_stages(graph, traced, pipelined.stacked)
-        return graph, outputs
+        return capture_step(self, signature)
 
     def _build(self, signature: Signature) -> Executable:
         """Capture, run the passes (with the dump's instruments), lower; dump if asked."""
