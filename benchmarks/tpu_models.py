@@ -4,6 +4,7 @@ and ResNet-50 as flax's own ImageNet example builds it."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -408,22 +409,10 @@ CORPUS_ENVIRONMENT = ("keras-hub-gpt2-medium", "keras-hub-llama3.2-1b", "gemma3-
 MAXTEXT_ENVIRONMENT = ("maxtext-llama2-7b",)
 
 
-def _corpus(key: str) -> Workload:
-    from benchmarks import corpus_models  # it builds on this module
-
-    return corpus_models.workload(key)
-
-
-def _maxtext(key: str) -> Workload:
-    from benchmarks import maxtext_models  # it builds on this module
-
-    return maxtext_models.workload(key)
-
-
-def _hugging_face(key: str) -> Workload:
-    from benchmarks import hugging_face_models  # it builds on this module
-
-    return hugging_face_models.workload(key)
+def _from(module: str, key: str) -> Workload:
+    """Workload `key` of `benchmarks.<module>`, imported when asked for: it builds on this
+    module, and its models' packages may live in an environment of their own."""
+    return importlib.import_module(f"benchmarks.{module}").workload(key)
 
 
 WORKLOADS = {
@@ -449,15 +438,15 @@ WORKLOADS = {
         "Llama-2-7B plain JAX", TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True)
     ),
     # keras-hub's own models (`benchmarks.corpus_models`; the corpus environment)
-    "keras-hub-gpt2-medium": lambda: _corpus("keras-hub-gpt2-medium"),
-    "keras-hub-llama3.2-1b": lambda: _corpus("keras-hub-llama3.2-1b"),
-    "gemma3-1b": lambda: _corpus("gemma3-1b"),
-    "gemma3-12b": lambda: _corpus("gemma3-12b"),
+    "keras-hub-gpt2-medium": lambda: _from("corpus_models", "keras-hub-gpt2-medium"),
+    "keras-hub-llama3.2-1b": lambda: _from("corpus_models", "keras-hub-llama3.2-1b"),
+    "gemma3-1b": lambda: _from("corpus_models", "gemma3-1b"),
+    "gemma3-12b": lambda: _from("corpus_models", "gemma3-12b"),
     # Hugging Face's PyTorch model through xla_strategies.torch (`benchmarks.hugging_face_models`)
-    "hf-gpt2-medium": lambda: _hugging_face("hf-gpt2-medium"),
-    "hf-llama3.2-1b": lambda: _hugging_face("hf-llama3.2-1b"),
+    "hf-gpt2-medium": lambda: _from("hugging_face_models", "hf-gpt2-medium"),
+    "hf-llama3.2-1b": lambda: _from("hugging_face_models", "hf-llama3.2-1b"),
     # MaxText's own model code (`benchmarks.maxtext_models`; MaxText's environment)
-    "maxtext-llama2-7b": lambda: _maxtext("maxtext-llama2-7b"),
+    "maxtext-llama2-7b": lambda: _from("maxtext_models", "maxtext-llama2-7b"),
     "llama2-7b": lambda tp=False: language_model(
         "Llama-2-7B",
         TransformerConfig(32000, 4096, 32, 32, 11008, 2048, swiglu=True, tensor_parallel=tp),
