@@ -186,7 +186,14 @@ def scanned_lm(
     """A flax linen LM with its layers under nn.scan(nn.remat(...)) and a tied embedding
     (vocab 11 divides by no replica count: the embedding splits on its width), the step
     flax's docs write for it, and its token batches."""
-    model = ScannedLM(vocab, width, layers, remat, remat_policy, param_axis)
+    model = ScannedLM(
+        vocab=vocab,
+        width=width,
+        layers=layers,
+        remat=remat,
+        remat_policy=remat_policy,
+        param_axis=param_axis,
+    )
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, vocab, size=(16, 7)).astype(np.int32) for _ in range(steps)]
     params = model.init(jax.random.key(0), batches[0][:, :-1])["params"]
