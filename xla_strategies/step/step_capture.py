@@ -10,7 +10,7 @@ gradients. After it: the step's declared interface on the graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from xla_strategies.core.context import ReplicaContext, replica_scope
 from xla_strategies.core.layout import Layout, replica_axes
@@ -30,13 +30,10 @@ from xla_strategies.step.step_interface import (
     traced_arguments,
 )
 
-if TYPE_CHECKING:
-    from xla_strategies.step.compiled_step import CompiledStep
 
-
-def capture_step(compiled: CompiledStep, signature: Signature) -> tuple[Graph, Outputs]:
-    """The graph of `compiled`'s function for arguments of `signature`, and how its flat
-    outputs map back to the function's."""
+def capture_step(compiled: Any, signature: Signature) -> tuple[Graph, Outputs]:
+    """The graph of `compiled`'s function (a `CompiledStep`, which imports this module)
+    for arguments of `signature`, and how its flat outputs map back to the function's."""
     strategy = compiled.strategy
     mesh, rename = capture_mesh(strategy, compiled.axis_name)
     specs = signature.arrays
