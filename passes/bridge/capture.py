@@ -45,6 +45,7 @@ from xla_strategies.passes.bridge.step_mesh import diagnose_foreign_mesh
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     GRADIENT_AXES,
+    REPLICA_BLOCK_AXES,
     STAGE_SPLIT_SCOPE,
     marking_gradient_scales,
     matching_operand_types,
@@ -53,6 +54,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
     tagging_autodiff_reductions,
 )
 from xla_strategies.passes.ir.graph import (
+    DEFERRED,
     Graph,
     InputAttrs,
     Interface,
@@ -64,6 +66,7 @@ from xla_strategies.passes.ir.graph import (
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
 _REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
+_GATHERS = {"all_gather", "all_gather_invariant"}
 _SMALL_CONSTANT = 8  # constants up to this many elements print their value in the IR
 
 
@@ -221,6 +224,8 @@ class _Importer:
         if prim in _INLINE:
             sub = params.get("jaxpr", params.get("call_jaxpr", params.get("fun_jaxpr")))
             return self.emit(graph, *jax_compat.jaxpr_parts(sub), inputs)
+        if prim == "pvary" and REPLICA_BLOCK_AXES.search(str(eqn.source_info.name_stack)):
+            return inputs  # `replica_slice` takes the mirrored stack itself
         outputs = [self.value(v.aval) for v in eqn.outvars]
         node = self.known_node(eqn, inputs, outputs) or self.region_node(eqn, inputs, outputs)
         if node is None:
@@ -262,9 +267,17 @@ class _Importer:
             uses = [(self._roots.get(v, v), v) for v in inputs]
             self._uses.setdefault(user_frames(eqn), []).extend(uses)
             return Node("pvary", inputs, outputs, {"axes": self.axes(params)})
-        if prim == "all_gather" and params.get("tiled"):
+        block_axes = REPLICA_BLOCK_AXES.search(str(eqn.source_info.name_stack))
+        if prim in _GATHERS and params.get("tiled"):
             attrs = {"axes": self.axes(params), "dimension": params["all_gather_dimension"]}
+            if block_axes:  # a pipelined stack's gradient, whole only where read whole
+                attrs[DEFERRED] = True
             return Node("all_gather", inputs, outputs, attrs)
+        if prim == "dynamic_slice" and block_axes:  # this replica's block of a stack
+            axes = self._renamer.names(block_axes.group(1).split(","))
+            return Node(
+                "replica_slice", inputs[:1], outputs, {"axes": axes, "dimension": _cut(eqn)}
+            )
         if prim == "reduce_scatter" and params.get("tiled"):
             attrs = {
                 "axes": self.axes(params),
@@ -312,6 +325,12 @@ class _Importer:
             for i, body in enumerate(bodies)
         ]
         return Node("jax." + prim, inputs, outputs, attrs, regions=regions, payload=eqn)
+
+
+def _cut(eqn: jex.JaxprEqn) -> int:
+    """The dimension a slice equation cuts (the one its result is smaller on)."""
+    whole, part = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    return next(d for d, (a, b) in enumerate(zip(whole, part, strict=True)) if a != b)
 
 
 def _constraint_attrs(params: dict[str, Any]) -> dict[str, int]:

@@ -109,13 +109,20 @@ def _global_sharding(
     if split is not None:
         target = sharded_mesh or mesh
         held = split_spec(split, mesh, target)
-        return NamedSharding(target, _with_model_split(held, model_dim, target, value.shape))
+        held = _with_model_split(held, model_dim, target, value.shape)
+        return NamedSharding(target, _with_stage_split(held, target) if stage_split else held)
     spec = _with_model_split(value_spec(value, mesh), model_dim, mesh, value.shape)
-    if stage_split and not spec:  # a mirrored stacked layer weight: each stage its layers
-        spec = PartitionSpec(STAGE_AXIS)
-    elif stage_split and spec[0] is None:
-        spec = PartitionSpec(STAGE_AXIS, *spec[1:])
-    return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, _with_stage_split(spec, mesh) if stage_split else spec)
+
+
+def _with_stage_split(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    """`spec` of a stacked layer weight a pipeline holds split over `mesh`'s stage axis on
+    its layer dimension (0): each stage its layers, in blocks over the replicas where the
+    weight is held so."""
+    name = next(a for a in mesh.axis_names if str(a).rpartition(":")[2] == STAGE_AXIS)
+    if not spec:
+        return PartitionSpec(name)
+    return PartitionSpec(name, *spec[1:]) if spec[0] is None else spec
 
 
 def mark_model_dims(graph: Graph) -> None:

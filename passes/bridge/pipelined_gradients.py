@@ -42,11 +42,13 @@ from xla_strategies.passes.bridge.microbatches import (
 )
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
+    REPLICA_BLOCK_SCOPE,
     STAGE_SPLIT_SCOPE,
     varying_axes,
     varying_over,
     vma,
 )
+from xla_strategies.passes.rewrites.blocks import shard_dimension
 from xla_strategies.passes.stages import executor
 from xla_strategies.passes.stages.schedules import Schedule, schedule
 
@@ -56,7 +58,8 @@ STAGE_AXIS = "stage"
 @dataclass(frozen=True)
 class StagePlan:
     """How a step's gradients are pipelined: `stages` over the mesh axis `axis`,
-    `microbatches` per replica's batch, and the schedule by name."""
+    `microbatches` per replica's batch, and the schedule by name. With `block_axes`,
+    each stage holds its layers in blocks over those replica axes (FSDP within a stage)."""
 
     stages: int
     microbatches: int
@@ -64,6 +67,9 @@ class StagePlan:
     virtual_stages: int = 1
     axis: str = STAGE_AXIS
     seed: float = 0.0  # each microbatch loss's weight: 1/M (a mean) unless given
+    # parameter sharding within each stage: the replica axes the stack's layers are held
+    # split over (shard-parameters' own), each layer gathered where a tick reads it
+    block_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.seed:
@@ -167,8 +173,14 @@ def pipelined_vjp(
         # sum of each one's weighted by the plan's seed (their mean), whole, not one each
         del ct
         with around_the_microbatches():
+            held = block_dims(plan, [outputs[i].shape for i in stacked_at])
+            in_blocks = {i: d for i, d in zip(stacked_at, held, strict=True) if d is not None}
             summed = [
-                _summed_like(p, None if c is None else varying_over(c, replicas), i in stacked_at)
+                _whole(c, in_blocks[i], plan.block_axes).astype(p.dtype)
+                if i in in_blocks
+                else _summed_like(
+                    p, None if c is None else varying_over(c, replicas), i in stacked_at
+                )
                 for i, (p, c) in enumerate(zip(outputs, cotangents, strict=True))
             ]
             grads = iter(before_pullback(summed))
@@ -227,6 +239,11 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     """The schedule's loop, manual over the stage axis, on microbatches of the rows."""
     s, v = plan.stages, plan.virtual_stages
     chunk = stack.length // (s * v)
+    dims = block_dims(plan, [x.shape for x in xs])
+    xs = [
+        x if d is None else _replica_block(x, d, plan.block_axes)
+        for x, d in zip(xs, dims, strict=True)
+    ]
     pick = lambda values, mask, want: [x for x, r in zip(values, mask, strict=True) if r == want]  # noqa: E731
     # stage d's chunk c holds global stage c*S + d. With one chunk a stage's layers are one
     # block of the stack, as the stack is held between steps ([S*chunk] split over the
@@ -237,7 +254,10 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         weights, weights_spec = [x.reshape(s, chunk, *x.shape[1:]) for x in xs], P(plan.axis)
 
     def layer(w, x, rows, shared):
-        return stack.layer(w, x, _merge(layer_rows, rows, shared))
+        # a layer held in blocks is gathered where it is read; JAX's transpose of the
+        # gather reduce-scatters its gradient into the stage's blocks
+        whole = [_gathered(a, d, plan.block_axes) for a, d in zip(w, dims, strict=True)]
+        return stack.layer(whole, x, _merge(layer_rows, rows, shared))
 
     def head(y, rows, shared):
         out = stack.after(y, _merge(head_rows, rows, shared))
@@ -268,6 +288,44 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         body, in_specs=specs, out_specs=out_specs, axis_names={plan.axis}, check_vma=False
     )(*args)
     return executor.StageResult(**jax.tree.map(_the_replicas_own, out))
+
+
+def block_dims(plan: StagePlan, shapes: list[tuple[int, ...]]) -> list[int | None]:
+    """Per stacked weight, the dimension its blocks over `plan.block_axes` split: the
+    first besides the layer dimension that divides by their replicas, shard-parameters'
+    rule for a stack, so its optimizer moments line up; None: held whole."""
+    if not plan.block_axes:
+        return [None] * len(shapes)
+    mesh = jax.sharding.get_abstract_mesh()
+    count = int(np.prod([mesh.shape[a] for a in plan.block_axes]))
+    return [shard_dimension((0, *shape[1:]), count) for shape in shapes]
+
+
+def _block_scope(axes: tuple[str, ...]) -> Any:
+    return jax.named_scope(f"{REPLICA_BLOCK_SCOPE}({','.join(axes)})")
+
+
+def _replica_block(x: Any, dim: int, axes: tuple[str, ...]) -> Any:
+    """This replica's block of the mirrored stack `x` on `dim`, numbered over `axes` as
+    tiled collectives number them (the importer reads it as shard-parameters' slice)."""
+    with _block_scope(axes):
+        size = x.shape[dim] // jax.lax.axis_size(axes)
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
+
+
+def _gathered(block: Any, dim: int | None, axes: tuple[str, ...]) -> Any:
+    """One layer of a stack held in blocks (`dim`: the stack's), gathered whole."""
+    if dim is None:
+        return block
+    return jax.lax.all_gather(block, axes, axis=dim - 1, tiled=True)
+
+
+def _whole(block: Any, dim: int, axes: tuple[str, ...]) -> Any:
+    """A stack's gradient from its blocks, already summed across the replicas (each by
+    the reduce-scatter of its layer's gather): whole, the same on every replica. Held in
+    blocks by shard-parameters, it is gathered only where something reads it whole."""
+    with _block_scope(axes):
+        return jax.lax.all_gather(block, axes, axis=dim, tiled=True, to="invarying")
 
 
 def _the_replicas_own(x: Any) -> Any:

@@ -37,6 +37,10 @@ GRADIENT_SCOPE = "xla_strategies.gradient_scale"
 # a pipelined layer stack's gradient, held split over the stage axis (dim 0)
 STAGE_SPLIT_SCOPE = "xla_strategies.stage_split"
 GRADIENT_AXES = re.compile(re.escape(GRADIENT_SCOPE) + r"\(([^)]*)\)")
+# a pipelined stack held in blocks over the replica axes named in parentheses: the slice
+# of a replica's block and the gather of the gradient's blocks
+REPLICA_BLOCK_SCOPE = "xla_strategies.replica_block"
+REPLICA_BLOCK_AXES = re.compile(re.escape(REPLICA_BLOCK_SCOPE) + r"\(([^)]*)\)")
 
 
 def varying_axes(aval: Any) -> frozenset[str]:

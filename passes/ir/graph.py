@@ -189,6 +189,12 @@ class NewNodes:
         return node
 
 
+# The attribute of an all_gather whose result is a value held split: gathered only where
+# something reads it whole (shard-parameters defers its gathers so; the importer marks a
+# pipeline's gathers of its own blocks so)
+DEFERRED = "deferred"
+
+
 @dataclass(frozen=True)
 class Split:
     """How a mirrored value is held across the replicas: dimension `dim` cut into one block

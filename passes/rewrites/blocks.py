@@ -7,12 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from xla_strategies.passes.ir.graph import Graph, Node, Value
+from xla_strategies.passes.ir.graph import DEFERRED, Graph, Node, Value
 from xla_strategies.passes.ir.traits import Trait
-
-# The attribute of an all_gather a pass defers: the value is held split, and gathered only
-# where something reads it whole.
-DEFERRED = "deferred"
 
 
 def shard_dimension(shape: tuple[int, ...], replicas: int) -> int | None:

@@ -231,13 +231,16 @@ class _Splitter:
         `model_dim`: the dimension the model axis splits `value` on, which the gather
         records for the gradient's own blocks."""
         whole_readers = value in graph.outputs
-        transposes = []
+        transposes, own_slices = [], []
         for node in graph.nodes:
             positions = [i for i, v in enumerate(node.inputs) if v is value]
             if not positions:
                 continue
             if node.has(Trait.TRANSPOSE):
                 transposes.append(node)
+                continue
+            if self.is_own_slice(node, dim):
+                own_slices.append(node)
                 continue
             inner_dim = _region_dim(node, positions, dim)
             if inner_dim is None:
@@ -258,6 +261,18 @@ class _Splitter:
             graph.nodes.insert(at, self.node("all_gather", [block], [value], attrs))
         for node in transposes:
             self.transpose_block(graph, node, block, dim, model_dim)
+        for node in own_slices:  # a pipeline's stage program, which gathers per layer
+            graph.nodes.remove(node)
+            graph.replace_uses(node.outputs[0], block)
+
+    def is_own_slice(self, node: Node, dim: int) -> bool:
+        """Whether `node` takes this replica's block of a value held split on `dim`."""
+        attrs = node.attrs
+        return (
+            node.op == "replica_slice"
+            and attrs["dimension"] == dim
+            and list(attrs["axes"]) == self.axes
+        )
 
     def transpose_block(
         self, graph: Graph, node: Node, block: Value, dim: int, model_dim: int | None
@@ -314,12 +329,13 @@ class _Splitter:
 
 
 def _layer_dims(graph: Graph) -> dict[tuple[int, ...], int]:
-    """By shape, the layer dimension of each stack a loop slices: its first dimension, or,
-    for a stack the loop takes through a transpose, the one the transpose makes first."""
+    """By shape, the layer dimension of each stack a loop slices (or a pipeline's stages
+    take in blocks): its first dimension, or, for a stack taken through a transpose, the
+    one the transpose makes first."""
     producers = {out: node for node in graph.nodes for out in node.outputs}
     found: dict[tuple[int, ...], int] = {}
     for node in graph.nodes:
-        for value in _xs(node) if node.has(Trait.COUNTED_LOOP) else ():
+        for value in _stacks(node):
             found[value.shape] = 0
             made_by = producers.get(value)
             if made_by is not None and made_by.has(Trait.TRANSPOSE):
@@ -330,6 +346,14 @@ def _layer_dims(graph: Graph) -> dict[tuple[int, ...], int]:
 def _without(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
     """`shape` with dimension `dim` counted as size 0: never split."""
     return shape if dim is None else (*shape[:dim], 0, *shape[dim + 1 :])
+
+
+def _stacks(node: Node) -> list[Value]:
+    """The stacks of layers `node` reads a layer at a time: a scan's xs, or the stack a
+    pipeline's stage program takes in blocks (its `replica_slice`)."""
+    if node.has(Trait.COUNTED_LOOP):
+        return _xs(node)
+    return node.inputs[:1] if node.op == "replica_slice" else []
 
 
 def _xs(scan: Node) -> list[Value]:

@@ -25,6 +25,7 @@ from xla_strategies.passes.cost.collective_stats import collective_summary
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.passes.ir.text import print_graph
 from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.passes.rewrites.block_axes import within_slice
 from xla_strategies.runtime import cluster_health
 from xla_strategies.runtime.dispatch_pacing import CPU_PACER
 from xla_strategies.step import in_place_state, numerics
@@ -115,7 +116,7 @@ class CompiledStep:
             options.shard_weight_updates,
             options.shard_parameters,
         )
-        self.stage_plan = stage_plan(strategy, options)
+        self.stage_plan = stage_plan(strategy, options, lambda: within_slice(self._pass_context()))
         self.pipeline = staged_pipeline(
             step_pipeline(strategy, self.pipeline_options), self.stage_plan, options
         )

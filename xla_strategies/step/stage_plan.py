@@ -15,15 +15,21 @@ from xla_strategies.core.layout import STAGE_AXIS, Layout
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes.bridge.microbatches import microbatched
 from xla_strategies.passes.bridge.pipelined_gradients import Pipelined, StagePlan
-from xla_strategies.passes.pipeline import PassPipeline
+from xla_strategies.passes.pipeline import PassPipeline, with_pass
+from xla_strategies.passes.transforms.shard_parameters import ShardParameters
+from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.pipeline_choice import alternatives
 
 _OPTIONS = ("microbatches", "schedule", "virtual_stages")
 
 
-def stage_plan(strategy: Any, options: CompileOptions) -> StagePlan | None:
-    """The step's `StagePlan`, or None on a strategy without stages."""
+def stage_plan(
+    strategy: Any, options: CompileOptions, block_axes: Callable[[], Sequence[str]] = tuple
+) -> StagePlan | None:
+    """The step's `StagePlan`, or None on a strategy without stages. With
+    `shard_parameters=True` each stage holds its layers in blocks over `block_axes()` (the
+    replica axes shard-parameters splits over)."""
     stages = getattr(strategy, "pipeline_stages", 1)
     asked = [name for name in _OPTIONS if getattr(options, name) is not None]
     if stages == 1:
@@ -45,9 +51,24 @@ def stage_plan(strategy: Any, options: CompileOptions) -> StagePlan | None:
         options.virtual_stages or (2 if interleaved else 1),
         STAGE_AXIS,
         seed=per_microbatch,
+        block_axes=_block_axes(strategy, options, block_axes),
     )
     plan.table()  # a plan that does not fit fails here, naming what
     return plan
+
+
+def _block_axes(
+    strategy: Any, options: CompileOptions, block_axes: Callable[[], Sequence[str]]
+) -> tuple[str, ...]:
+    if not options.shard_parameters:
+        return ()
+    if getattr(strategy, "logical_devices_per_replica", 1) > 1:
+        raise ValueError(
+            "shard_parameters=True is not supported with pipeline stages and a model axis "
+            f"(logical_devices_per_replica={strategy.logical_devices_per_replica}) yet: "
+            "drop one of the three"
+        )
+    return tuple(block_axes())
 
 
 def check_pipelined(plan: StagePlan | None, pipelined: Pipelined, name: str) -> None:
@@ -71,17 +92,17 @@ def staged_pipeline(
     and 1.47 ms (the embedding's and head's small reductions decomposed cost latency)."""
     if plan is None or options.pipeline is not None:
         return pipeline
-    asked = [
-        o
-        for o in ("shard_parameters", "shard_weight_updates", "remat_policy")
-        if getattr(options, o)
-    ]
+    asked = [o for o in ("shard_weight_updates", "remat_policy") if getattr(options, o)]
     if asked:  # their passes are the ones left out: the option would do nothing
         raise ValueError(
             f"{asked[0]}={getattr(options, asked[0])!r} is not supported with pipeline stages "
-            "yet: a pipelined step runs only the passes that give its reductions meaning"
+            "yet: a pipelined step runs only the passes that give its reductions meaning "
+            "(and shard_parameters' own)"
         )
-    return alternatives(pipeline).get("replicated", pipeline)
+    staged = alternatives(pipeline).get("replicated", pipeline)
+    if options.shard_parameters:  # the stage program gathers its layers from their blocks
+        staged = with_pass(with_pass(staged, ShardParameters(mode="on")), ShardWeightUpdates())
+    return staged
 
 
 def on_microbatches(

@@ -1,0 +1,105 @@
+"""Pipeline stages with parameter sharding inside each stage (FSDP within a stage):
+`compile(shard_parameters=True)` on a strategy with `pipeline_stages` holds each stage's
+layers in blocks over the replicas between steps, gathers one layer where a tick reads it
+and reduce-scatters its gradient into the blocks, and trains as `OneDeviceStrategy` does."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pipeline_stages import (
+    TOKENS,
+    Decoder,
+    _flax_loss_of,
+    _plain_batches,
+    _plain_loss,
+    _plain_params,
+    _train,
+)
+
+import xla_strategies as xs
+
+
+def _assert_held_in_blocks_and_equal(got, want, stacked, devices=8):
+    """Each leaf equal to the one-device run's; the stacked ones held split over the
+    stages and the replicas, so each device holds 1/devices of them."""
+    for name, g in got.items():
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want[name]), rtol=1e-4, atol=1e-5)
+        if name in stacked:
+            assert tuple(g.sharding.spec)[:1] == ("sharded:stage",), name
+            held = {shard.data.size for shard in g.addressable_shards}
+            assert held == {g.size // devices}, (name, held)
+
+
+@pytest.mark.parametrize(
+    "stages, options",
+    [
+        (2, {"microbatches": 4, "schedule": "gpipe"}),
+        (4, {"microbatches": 8}),  # 1F1B, the default
+        pytest.param(
+            2,
+            {"microbatches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(4, {"microbatches": 4, "schedule": "zero-bubble-h1"}, marks=pytest.mark.slow),
+    ],
+    ids=["gpipe-S2", "1f1b-S4-M8", "interleaved", "zero-bubble"],
+)
+def test_each_schedule_with_sharded_parameters_trains_as_one_device_does(stages, options):
+    params, batches = _plain_params(), _plain_batches()
+    want = _train(xs.OneDeviceStrategy(), _plain_loss, params, batches)
+    strategy = xs.MirroredStrategy(pipeline_stages=stages)
+    got = _train(strategy, _plain_loss, params, batches, shard_parameters=True, **options)
+    _assert_held_in_blocks_and_equal(got, want, stacked={"w", "b"})
+
+
+def test_a_flax_model_scanned_with_nn_scan_trains_with_sharded_stages():
+    params = Decoder().init(jax.random.key(0), TOKENS[:1])["params"]
+    batches, loss = [(TOKENS,)] * 3, _flax_loss_of(Decoder())
+    want = _train(xs.OneDeviceStrategy(), loss, params, batches)
+    got = _train(xs.MirroredStrategy(pipeline_stages=2), loss, params, batches,
+                 shard_parameters=True, microbatches=4)  # fmt: skip
+    stack = got["ScanBlock_0"]
+    for kernel in (stack["Dense_0"]["kernel"], stack["Dense_1"]["kernel"]):
+        assert {s.data.size for s in kernel.addressable_shards} == {kernel.size // 8}
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def test_a_stage_gathers_one_layer_at_a_time_and_scatters_its_gradient():
+    """The compiled program's gathers of the stack are each one layer (a stage's layers
+    are never whole on a device), and its gradients are reduce-scattered into blocks."""
+    layers, width, stages = 8, 64, 2
+    strategy = xs.MirroredStrategy(pipeline_stages=stages)
+    replicas = strategy.num_replicas_in_sync
+
+    def loss(params, x, y):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["w"])
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    @strategy.compile(microbatches=4, shard_parameters=True)
+    def grads(params, x, y):
+        return jax.grad(loss)(params, x, y)
+
+    f32 = jnp.float32
+    params = {
+        "w": jax.ShapeDtypeStruct((layers, width, width), f32),
+        "head": jax.ShapeDtypeStruct((width, 1), f32),
+    }
+    batch = [jax.ShapeDtypeStruct((32, n), f32, sharding=strategy.split_sharding())
+             for n in (width, 1)]  # fmt: skip
+    hlo = grads.lower(params, *batch).compile().as_text()
+    gathered = re.findall(r"= f32\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(", hlo)
+    sizes = [int(np.prod([int(n) for n in dims.split(",") if n])) for dims in gathered]
+    assert sizes and max(sizes) <= width * width  # one layer, never a stage's 4
+    scattered = re.findall(r"= f32\[([0-9,]*)\][^ ]* reduce-scatter\(", hlo)
+    assert f"{width // replicas},{width}" in scattered  # a layer's gradient block
+
+
+def test_sharded_stages_with_a_model_axis_are_refused_by_name():
+    strategy = xs.MirroredStrategy(pipeline_stages=2, logical_devices_per_replica=2)
+    with pytest.raises(ValueError, match="shard_parameters=True is not supported with "
+                       "pipeline stages and a model axis"):  # fmt: skip
+        strategy.compile(lambda p: p, shard_parameters=True)
