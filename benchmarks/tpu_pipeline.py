@@ -9,6 +9,10 @@ multislice topology at one global batch:
 - `ours S stages, <schedule>`: `TPUStrategy(topology, pipeline_stages=S)` with
   `compile(microbatches=M, schedule=...)`: the layers split over the slices.
 
+With `--shard-parameters` every program holds its parameters split: `jax.jit` FSDP over
+every chip, ours `shard_parameters=True` (within each slice, replicated across them), and
+each stage in blocks over its replicas.
+
 Each row: memory per chip (arguments + outputs - aliased + temporaries), the estimated step
 with its calibration (`hardware.calibration`), and the bytes a step moves across slices.
 
@@ -67,17 +71,21 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
+    parser.add_argument("--shard-parameters", action="store_true")
     args = parser.parse_args()
     workload = WORKLOADS[args.model]()
     flat = xs.TPUStrategy(args.topology, compile_only=True)
+    split = {"shard_parameters": True} if args.shard_parameters else {}
+    kind = "FSDP" if split else "DP"
     rows = [
-        _row("jit DP", flat, lambda: peer(flat, workload, fsdp=False)),
-        _row("ours DP", flat, lambda: _ours(flat, workload)),
+        _row(f"jit {kind}", flat, lambda: peer(flat, workload, fsdp=bool(split))),
+        _row(f"ours {kind}", flat, lambda: _ours(flat, workload, **split)),
     ]
     staged = xs.TPUStrategy(args.topology, compile_only=True, pipeline_stages=args.stages)
     for schedule in args.schedules:
-        label = f"ours {args.stages} stages, {schedule}, M={args.microbatches}"
-        options = {"schedule": schedule, "microbatches": args.microbatches}
+        label = f"ours {args.stages} stages{' FSDP' if split else ''}, {schedule}, "
+        label += f"M={args.microbatches}"
+        options = {"schedule": schedule, "microbatches": args.microbatches, **split}
         rows.append(_row(label, staged, lambda o=options: _ours(staged, workload, **o)))
     print(f"{workload.name} on {args.topology}, {workload.batch_per_chip} per chip")
     print(f"{'program':36s} {'GiB/chip':>9s} {'step ms':>9s} {'DCN MB':>8s}")
@@ -91,7 +99,7 @@ def main() -> None:
         )
     print(rows[-1].get("calibration", ""))
     found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    found[f"{args.model} {args.topology} S={args.stages}"] = rows
+    found[f"{args.model} {args.topology} S={args.stages}{' FSDP' if split else ''}"] = rows
     RESULTS.write_text(json.dumps(found, indent=1) + "\n")
 
 

@@ -45,6 +45,7 @@ def microbatched(
             for x, r in zip(flat, rows, strict=True)
         ]
         batched: list[bool] = []
+        once: dict[int, Any] = {}  # what does not depend on the batch: its one value
 
         def body(*args: Any) -> list[Any]:
             stack = _stack()
@@ -52,16 +53,19 @@ def microbatched(
             try:
                 out = list(fn(*args))
                 batched[:] = [stacked_microbatches(o) is not None for o in out]
+                # taken out as it is, not broadcast over the microbatches and sliced:
+                # held in blocks (new parameters), a broadcast's slice is gathered whole
+                once.update((i, outside(o)) for i, o in enumerate(out) if not batched[i])
             finally:
                 stack.pop()
-            return out
+            return [o for o, b in zip(out, batched, strict=True) if b]
 
         in_axes = [0 if r else None for r in rows]
-        outs = jax.vmap(body, in_axes=in_axes, out_axes=0)(*split)
+        outs = iter(jax.vmap(body, in_axes=in_axes, out_axes=0)(*split))
         per_microbatch = next((x.shape[1] for x, r in zip(split, rows, strict=True) if r), 0)
         return [
-            combined(o, per_microbatch, mean) if b else o[0]
-            for o, b in zip(outs, batched, strict=True)
+            combined(next(outs), per_microbatch, mean) if b else once[i]
+            for i, b in enumerate(batched)
         ]
 
     return run

@@ -176,7 +176,7 @@ def pipelined_vjp(
             held = block_dims(plan, [outputs[i].shape for i in stacked_at])
             in_blocks = {i: d for i, d in zip(stacked_at, held, strict=True) if d is not None}
             summed = [
-                _whole(c, in_blocks[i], plan.block_axes).astype(p.dtype)
+                _whole(c, in_blocks[i], plan.block_axes, replicas).astype(p.dtype)
                 if i in in_blocks
                 else _summed_like(
                     p, None if c is None else varying_over(c, replicas), i in stacked_at
@@ -320,10 +320,15 @@ def _gathered(block: Any, dim: int | None, axes: tuple[str, ...]) -> Any:
     return jax.lax.all_gather(block, axes, axis=dim - 1, tiled=True)
 
 
-def _whole(block: Any, dim: int, axes: tuple[str, ...]) -> Any:
-    """A stack's gradient from its blocks, already summed across the replicas (each by
-    the reduce-scatter of its layer's gather): whole, the same on every replica. Held in
-    blocks by shard-parameters, it is gathered only where something reads it whole."""
+def _whole(block: Any, dim: int, axes: tuple[str, ...], replicas: frozenset[str]) -> Any:
+    """A stack's gradient from its blocks, each summed across the replicas of `axes` by
+    its layer's reduce-scatter, then across the other `replicas` (the slices, over which
+    the blocks are replicated): whole, the same on every replica. Held in blocks by
+    shard-parameters, it is gathered only where something reads it whole."""
+    across = tuple(sorted(replicas - set(axes)))
+    if across:
+        with jax.named_scope(f"{AUTODIFF_SCOPE}/{STAGE_SPLIT_SCOPE}"):
+            block = jax.lax.psum(block, across)
     with _block_scope(axes):
         return jax.lax.all_gather(block, axes, axis=dim, tiled=True, to="invarying")
 
