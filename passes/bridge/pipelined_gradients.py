@@ -40,15 +40,14 @@ from xla_strategies.passes.bridge.microbatches import (
     stacked_microbatches,
     tracing_microbatches,
 )
+from xla_strategies.passes.bridge.stage_blocks import block_dims, gathered, replica_block, whole
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
-    REPLICA_BLOCK_SCOPE,
     STAGE_SPLIT_SCOPE,
     varying_axes,
     varying_over,
     vma,
 )
-from xla_strategies.passes.rewrites.blocks import shard_dimension
 from xla_strategies.passes.stages import executor
 from xla_strategies.passes.stages.schedules import Schedule, schedule
 
@@ -173,10 +172,10 @@ def pipelined_vjp(
         # sum of each one's weighted by the plan's seed (their mean), whole, not one each
         del ct
         with around_the_microbatches():
-            held = block_dims(plan, [outputs[i].shape for i in stacked_at])
+            held = block_dims(plan.block_axes, [outputs[i].shape for i in stacked_at])
             in_blocks = {i: d for i, d in zip(stacked_at, held, strict=True) if d is not None}
             summed = [
-                _whole(c, in_blocks[i], plan.block_axes, replicas).astype(p.dtype)
+                whole(c, in_blocks[i], plan.block_axes, replicas).astype(p.dtype)
                 if i in in_blocks
                 else _summed_like(
                     p, None if c is None else varying_over(c, replicas), i in stacked_at
@@ -239,9 +238,9 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     """The schedule's loop, manual over the stage axis, on microbatches of the rows."""
     s, v = plan.stages, plan.virtual_stages
     chunk = stack.length // (s * v)
-    dims = block_dims(plan, [x.shape for x in xs])
+    dims = block_dims(plan.block_axes, [x.shape for x in xs])
     xs = [
-        x if d is None else _replica_block(x, d, plan.block_axes)
+        x if d is None else replica_block(x, d, plan.block_axes)
         for x, d in zip(xs, dims, strict=True)
     ]
     pick = lambda values, mask, want: [x for x, r in zip(values, mask, strict=True) if r == want]  # noqa: E731
@@ -256,7 +255,7 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     def layer(w, x, rows, shared):
         # a layer held in blocks is gathered where it is read; JAX's transpose of the
         # gather reduce-scatters its gradient into the stage's blocks
-        whole = [_gathered(a, d, plan.block_axes) for a, d in zip(w, dims, strict=True)]
+        whole = [gathered(a, d, plan.block_axes) for a, d in zip(w, dims, strict=True)]
         return stack.layer(whole, x, _merge(layer_rows, rows, shared))
 
     def head(y, rows, shared):
@@ -288,49 +287,6 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         body, in_specs=specs, out_specs=out_specs, axis_names={plan.axis}, check_vma=False
     )(*args)
     return executor.StageResult(**jax.tree.map(_the_replicas_own, out))
-
-
-def block_dims(plan: StagePlan, shapes: list[tuple[int, ...]]) -> list[int | None]:
-    """Per stacked weight, the dimension its blocks over `plan.block_axes` split: the
-    first besides the layer dimension that divides by their replicas, shard-parameters'
-    rule for a stack, so its optimizer moments line up; None: held whole."""
-    if not plan.block_axes:
-        return [None] * len(shapes)
-    mesh = jax.sharding.get_abstract_mesh()
-    count = int(np.prod([mesh.shape[a] for a in plan.block_axes]))
-    return [shard_dimension((0, *shape[1:]), count) for shape in shapes]
-
-
-def _block_scope(axes: tuple[str, ...]) -> Any:
-    return jax.named_scope(f"{REPLICA_BLOCK_SCOPE}({','.join(axes)})")
-
-
-def _replica_block(x: Any, dim: int, axes: tuple[str, ...]) -> Any:
-    """This replica's block of the mirrored stack `x` on `dim`, numbered over `axes` as
-    tiled collectives number them (the importer reads it as shard-parameters' slice)."""
-    with _block_scope(axes):
-        size = x.shape[dim] // jax.lax.axis_size(axes)
-        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
-
-
-def _gathered(block: Any, dim: int | None, axes: tuple[str, ...]) -> Any:
-    """One layer of a stack held in blocks (`dim`: the stack's), gathered whole."""
-    if dim is None:
-        return block
-    return jax.lax.all_gather(block, axes, axis=dim - 1, tiled=True)
-
-
-def _whole(block: Any, dim: int, axes: tuple[str, ...], replicas: frozenset[str]) -> Any:
-    """A stack's gradient from its blocks, each summed across the replicas of `axes` by
-    its layer's reduce-scatter, then across the other `replicas` (the slices, over which
-    the blocks are replicated): whole, the same on every replica. Held in blocks by
-    shard-parameters, it is gathered only where something reads it whole."""
-    across = tuple(sorted(replicas - set(axes)))
-    if across:
-        with jax.named_scope(f"{AUTODIFF_SCOPE}/{STAGE_SPLIT_SCOPE}"):
-            block = jax.lax.psum(block, across)
-    with _block_scope(axes):
-        return jax.lax.all_gather(block, axes, axis=dim, tiled=True, to="invarying")
 
 
 def _the_replicas_own(x: Any) -> Any:

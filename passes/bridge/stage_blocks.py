@@ -1,0 +1,67 @@
+"""A pipeline's layer stack held in blocks over the replicas of each stage (FSDP within a
+stage, `compile(shard_parameters=True)` with `pipeline_stages`).
+
+The stage program takes this replica's block of each stacked weight (`replica_block`),
+gathers a layer where a tick reads it (`gathered`; JAX's transpose of that gather
+reduce-scatters the layer's gradient into the block), and the stack's gradient leaves as
+its blocks' gather (`whole`). Each is traced in a named scope the importer reads:
+shard-parameters holds the stack as those blocks between steps and drops the slice, and
+the update runs on the gradient's blocks, so no stack is ever whole on a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from xla_strategies.passes.bridge.trace_hooks import (
+    AUTODIFF_SCOPE,
+    REPLICA_BLOCK_SCOPE,
+    STAGE_SPLIT_SCOPE,
+)
+from xla_strategies.passes.rewrites.blocks import shard_dimension
+
+
+def block_dims(axes: tuple[str, ...], shapes: list[tuple[int, ...]]) -> list[int | None]:
+    """Per stacked weight, the dimension its blocks over the replica `axes` split: the
+    first besides the layer dimension that divides by their replicas, shard-parameters'
+    rule for a stack, so its optimizer moments line up; None: held whole."""
+    if not axes:
+        return [None] * len(shapes)
+    mesh = jax.sharding.get_abstract_mesh()
+    count = int(np.prod([mesh.shape[a] for a in axes]))
+    return [shard_dimension((0, *shape[1:]), count) for shape in shapes]
+
+
+def _block_scope(axes: tuple[str, ...]) -> Any:
+    return jax.named_scope(f"{REPLICA_BLOCK_SCOPE}({','.join(axes)})")
+
+
+def replica_block(x: Any, dim: int, axes: tuple[str, ...]) -> Any:
+    """This replica's block of the mirrored stack `x` on `dim`, numbered over `axes` as
+    tiled collectives number them (the importer reads it as shard-parameters' slice)."""
+    with _block_scope(axes):
+        size = x.shape[dim] // jax.lax.axis_size(axes)
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
+
+
+def gathered(block: Any, dim: int | None, axes: tuple[str, ...]) -> Any:
+    """One layer of a stack held in blocks (`dim`: the stack's), gathered whole."""
+    if dim is None:
+        return block
+    return jax.lax.all_gather(block, axes, axis=dim - 1, tiled=True)
+
+
+def whole(block: Any, dim: int, axes: tuple[str, ...], replicas: frozenset[str]) -> Any:
+    """A stack's gradient from its blocks, each summed across the replicas of `axes` by
+    its layer's reduce-scatter, then across the other `replicas` (the slices, over which
+    the blocks are replicated): whole, the same on every replica. Held in blocks by
+    shard-parameters, it is gathered only where something reads it whole."""
+    across = tuple(sorted(replicas - set(axes)))
+    if across:
+        with jax.named_scope(f"{AUTODIFF_SCOPE}/{STAGE_SPLIT_SCOPE}"):
+            block = jax.lax.psum(block, across)
+    with _block_scope(axes):
+        return jax.lax.all_gather(block, axes, axis=dim, tiled=True, to="invarying")
