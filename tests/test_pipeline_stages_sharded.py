@@ -57,6 +57,7 @@ def test_each_schedule_with_sharded_parameters_trains_as_one_device_does(stages,
     _assert_held_in_blocks_and_equal(got, want, stacked={"w", "b"})
 
 
+@pytest.mark.slow
 def test_a_flax_model_scanned_with_nn_scan_trains_with_sharded_stages():
     params = Decoder().init(jax.random.key(0), TOKENS[:1])["params"]
     batches, loss = [(TOKENS,)] * 3, _flax_loss_of(Decoder())
