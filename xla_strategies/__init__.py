@@ -28,6 +28,7 @@ from xla_strategies.hardware import accelerator_plugins as _plugins  # noqa: F40
 from xla_strategies.hardware.devices import emulate_cpu_devices
 from xla_strategies.hardware.topology import Topology
 from xla_strategies.passes.bridge.axis_names import UnknownAxisError
+from xla_strategies.passes.bridge.pipeline_boundary import pipeline_boundary
 from xla_strategies.passes.bridge.step_mesh import ForeignMeshError
 from xla_strategies.passes.transforms.insert_reductions import MirroredOutputError
 from xla_strategies.runtime.checkpoint import CheckpointError, CheckpointManager
@@ -93,4 +94,5 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "pipeline_boundary",
 ]

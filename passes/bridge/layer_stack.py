@@ -11,7 +11,6 @@ loss) stay whole. Nothing here changes how the user wrote the model.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,11 +18,12 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from xla_strategies.passes.bridge import jax_compat
+from xla_strategies.passes.bridge.boundary_stack import split_at_boundaries
 from xla_strategies.passes.bridge.jaxpr_eval import CALLS, evaluate
+from xla_strategies.passes.bridge.pipeline_boundary import boundary_p
+from xla_strategies.passes.bridge.stack_parts import LayerStack, NothingToPipeline, function_of
 
-
-class NothingToPipeline(ValueError):
-    """The function has no layer stack the stages can split."""
+__all__ = ["LayerStack", "NothingToPipeline", "split"]
 
 
 # Collectives across the replicas, which the stage program (the differentiated function
@@ -34,35 +34,19 @@ _COLLECTIVES = frozenset(
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class LayerStack:
-    """`fun` as `before`, the scan, and `after`.
-
-    Each function of the function's inputs takes them as `[*closed_over, *args]`: the
-    values it reads from its closure first, explicitly (a batch read from the closure is
-    one of them). `before(*inputs) -> (carry, consts, xs, kept)`: flat lists;
-    `layer(x, carry, consts)` runs the scan's body on one layer's `x` (its weights);
-    `after(carry, kept) -> outputs` (the loss first)."""
-
-    before: Callable[..., tuple[list, list, list, list]]
-    layer: Callable[[list, list, list], list]
-    after: Callable[[list, list], list]
-    length: int
-    closed_over: tuple[Any, ...]  # values the function reads from its closure: inputs first
-    depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
-    outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
-    xs_inputs: tuple[int | None, ...]  # per scanned input, the input it is, if one
-
-
 def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerStack:
-    """`fun(*args)` (flat arrays in, flat arrays out) split at its longest layer scan whose
-    length `divisor` divides. Raises `NothingToPipeline` naming what it found instead."""
+    """`fun(*args)` (flat arrays in, flat arrays out) split at its `xs.pipeline_boundary`
+    marks where it has any, else at its longest layer scan whose length `divisor` divides.
+    Raises `NothingToPipeline` naming what it found instead."""
     closed = jax.make_jaxpr(fun)(*args)
     jaxpr, consts = jax_compat.jaxpr_parts(closed)
     jaxpr, consts = _inlined(jaxpr, consts, args)
     _refuse_collectives(jaxpr)
     # what the function reads from its closure becomes its first inputs
     jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+    marks = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is boundary_p]
+    if marks:
+        return split_at_boundaries(jaxpr, consts, marks, divisor)
     scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
     usable = [i for i in scans if _is_layer_stack(jaxpr.eqns[i], divisor)]
     if not usable:
@@ -126,9 +110,9 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     kept = [v for v in dict.fromkeys(used_after) if v in defined_before]
     scan_in = list(scan.invars)
     head = jaxpr.eqns[:at]
-    before = _function(jaxpr, head, jaxpr.invars, scan_in + kept)
+    before = function_of(jaxpr, head, jaxpr.invars, scan_in + kept)
     body = scan.params["jaxpr"]
-    after = _function(jaxpr, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
+    after = function_of(jaxpr, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
 
     def grouped(values: list) -> tuple[list, list, list, list]:
         """`before`'s outputs (or one flag per output) as (carry, consts, xs, kept)."""
@@ -164,14 +148,6 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
             for v in scan.invars[num_consts + num_carry :]
         ),
     )
-
-
-def _function(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Callable[..., list]:
-    """The equations `eqns` of `jaxpr` (which has no constants) as a function of `invars`
-    returning `outvars`."""
-    inputs = [v for v in invars if isinstance(v, jex.Var)]
-    part = jaxpr.replace(invars=inputs, outvars=outvars, eqns=eqns)
-    return lambda *args: evaluate(part, (), args)
 
 
 def _inlined(

@@ -1,0 +1,46 @@
+"""What a differentiated function split at its layers is (`LayerStack`), shared by the
+two ways of finding the layers: one scan over stacked weights (`layer_stack`), or the
+equations between `xs.pipeline_boundary` marks (`boundary_stack`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+
+from xla_strategies.passes.bridge.jaxpr_eval import evaluate
+
+
+class NothingToPipeline(ValueError):
+    """The function has no layer stack the stages can split."""
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """`fun` as `before`, its `length` alike layers, and `after`.
+
+    Each function of the function's inputs takes them as `[*closed_over, *args]`: the
+    values it reads from its closure first, explicitly (a batch read from the closure is
+    one of them). `before(*inputs) -> (carry, consts, xs, kept)`: flat lists;
+    `layer(x, carry, consts)` runs one layer on its `x` (its weights: a row of `xs`);
+    `after(carry, kept) -> outputs` (the loss first)."""
+
+    before: Callable[..., tuple[list, list, list, list]]
+    layer: Callable[[list, list, list], list]
+    after: Callable[[list, list], list]
+    length: int
+    closed_over: tuple[Any, ...]  # values the function reads from its closure: inputs first
+    depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
+    outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
+    xs_inputs: tuple[int | None, ...]  # per scanned input, the input it is, if one
+
+
+def function_of(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Callable[..., list]:
+    """The equations `eqns` of `jaxpr` (which has no constants) as a function of `invars`
+    returning `outvars`."""
+    inputs = [v for v in invars if isinstance(v, jex.Var)]
+    part = jaxpr.replace(invars=inputs, outvars=outvars, eqns=eqns)
+    return lambda *args: evaluate(part, (), args)
