@@ -28,41 +28,16 @@ def split_at_boundaries(
 ) -> LayerStack:
     """`jaxpr` (no constants: its closure is its first inputs) split at the boundary
     equations at `marks` into layers, a multiple of `divisor` of them."""
-    layers = len(marks) - 1
-    if layers < 1 or layers % divisor:
-        raise NothingToPipeline(
-            f"{len(marks)} xs.pipeline_boundary marks enclose {layers} layers; pipelining "
-            f"needs a multiple of pipeline_stages x virtual_stages = {divisor}: mark the "
-            "input of each layer and the input of the head"
-        )
     eqns = jaxpr.eqns
-    segments = [_Segment(eqns, marks[k], marks[k + 1]) for k in range(layers)]
-    template = segments[0]
-    for k, segment in enumerate(segments[1:], start=1):
-        template.match(segment, k)
+    segments = _layers(eqns, marks, divisor)
+    layers, template = len(segments), segments[0]
     defined_before = set(jaxpr.invars) | {v for e in eqns[: marks[0]] for v in e.outvars}
-    outside = [[s.reads[j] for s in segments] for j in range(len(template.reads))]
-    for values in outside:
-        if not all(v in defined_before for v in values):
-            raise NothingToPipeline(
-                "a layer between xs.pipeline_boundary marks reads a value another layer "
-                "computes: layers may pass on only the value given to the boundary"
-            )
+    outside = _outside_reads(segments, defined_before)
     shared = [all(v is values[0] for v in values) for values in outside]
     head = eqns[marks[-1] + 1 :]
-    inside = {v for e in eqns[marks[0] : marks[-1]] for v in e.outvars}
     carry_out = list(eqns[marks[-1]].outvars)
-    if any(v in inside for e in head for v in e.invars if isinstance(v, jex.Var)) or any(
-        v in inside for v in jaxpr.outvars if isinstance(v, jex.Var)
-    ):
-        raise NothingToPipeline(
-            "what follows the last xs.pipeline_boundary reads a value a layer computed: "
-            "the head may read only what the last boundary is given"
-        )
-    read_after = [v for e in head for v in e.invars if isinstance(v, jex.Var)]
-    read_after += [v for v in jaxpr.outvars if isinstance(v, jex.Var)]
-    kept = [v for v in dict.fromkeys(read_after) if v in defined_before and v not in carry_out]
-    carry_in = [v for v in eqns[marks[0]].invars]
+    kept = _read_by_the_head(jaxpr, marks, defined_before)
+    carry_in = list(eqns[marks[0]].invars)
     consts_in = [values[0] for values, s in zip(outside, shared, strict=True) if s]
     rows_in = [values for values, s in zip(outside, shared, strict=True) if not s]
     flat_rows = [v for values in rows_in for v in values]
@@ -117,6 +92,48 @@ def split_at_boundaries(
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
         (None,) * len(rows_in),  # stacked here: no input is a stack
     )
+
+
+def _layers(eqns: list, marks: list[int], divisor: int) -> list[_Segment]:
+    """The layers between the marks, each checked alike the first."""
+    layers = len(marks) - 1
+    if layers < 1 or layers % divisor:
+        raise NothingToPipeline(
+            f"{len(marks)} xs.pipeline_boundary marks enclose {layers} layers; pipelining "
+            f"needs a multiple of pipeline_stages x virtual_stages = {divisor}: mark the "
+            "input of each layer and the input of the head"
+        )
+    segments = [_Segment(eqns, marks[k], marks[k + 1]) for k in range(layers)]
+    for k, segment in enumerate(segments[1:], start=1):
+        segments[0].match(segment, k)
+    return segments
+
+
+def _outside_reads(segments: list[_Segment], defined_before: set) -> list[list]:
+    """Per position of the first layer's reads, every layer's value there: each defined
+    before the first mark."""
+    outside = [[s.reads[j] for s in segments] for j in range(len(segments[0].reads))]
+    if not all(v in defined_before for values in outside for v in values):
+        raise NothingToPipeline(
+            "a layer between xs.pipeline_boundary marks reads a value another layer "
+            "computes: layers may pass on only the value given to the boundary"
+        )
+    return outside
+
+
+def _read_by_the_head(jaxpr: jex.Jaxpr, marks: list[int], defined_before: set) -> list:
+    """What the equations after the last mark (and the outputs) read from before the
+    first, besides the last mark's value; a value a layer computed is refused."""
+    eqns = jaxpr.eqns
+    inside = {v for e in eqns[marks[0] : marks[-1]] for v in e.outvars}
+    read = [v for e in eqns[marks[-1] + 1 :] for v in e.invars if isinstance(v, jex.Var)]
+    read += [v for v in jaxpr.outvars if isinstance(v, jex.Var)]
+    if any(v in inside for v in read):
+        raise NothingToPipeline(
+            "what follows the last xs.pipeline_boundary reads a value a layer computed: "
+            "the head may read only what the last boundary is given"
+        )
+    return [v for v in dict.fromkeys(read) if v in defined_before]
 
 
 class _Segment:
