@@ -110,3 +110,16 @@ def test_a_layer_count_the_stages_do_not_divide_is_named():
     params = _plain_params(layers=3)
     with pytest.raises(ValueError, match="4 xs.pipeline_boundary marks enclose 3 layers"):
         _train(xs.MirroredStrategy(pipeline_stages=2), _plain_loss, params, _plain_batches())
+
+
+@pytest.mark.slow
+def test_boundaries_with_sharded_parameters_hold_each_layer_in_blocks():
+    params = _plain_params()
+    want = _train(xs.OneDeviceStrategy(), _plain_loss, params, _plain_batches())
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    got = _train(strategy, _plain_loss, params, _plain_batches(), microbatches=4,
+                 shard_parameters=True)  # fmt: skip
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    kernel = got["layers"][0]["w"]
+    assert {s.data.size for s in kernel.addressable_shards} == {kernel.size // 4}
