@@ -12,6 +12,7 @@ stage (the embedding); those after the last on the last stage (the head and the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +104,12 @@ def _layers(eqns: list, marks: list[int], divisor: int) -> list[_Segment]:
             f"needs a multiple of pipeline_stages x virtual_stages = {divisor}: mark the "
             "input of each layer and the input of the head"
         )
+    leaves = sorted({len(eqns[m].invars) for m in marks})
+    if len(leaves) > 1:
+        raise NothingToPipeline(
+            f"the xs.pipeline_boundary marks are given {leaves} arrays: every mark must be "
+            "given the same activations (the value a layer passes to the next)"
+        )
     segments = [_Segment(eqns, marks[k], marks[k + 1]) for k in range(layers)]
     for k, segment in enumerate(segments[1:], start=1):
         segments[0].match(segment, k)
@@ -177,10 +184,15 @@ def _wired(mine: list, theirs: list, ours: dict) -> bool:
 
 
 def _signature(eqn: jex.JaxprEqn) -> tuple:
-    params = sorted((k, str(v)) for k, v in eqn.params.items())
+    # a parameter that is a function made per call (custom_vjp's `out_trees`) prints its
+    # address: the same function for alike layers
+    params = sorted((k, _ADDRESS.sub("", str(v))) for k, v in eqn.params.items())
     literals = [str(v.val) if isinstance(v, jex.Literal) else None for v in eqn.invars]
     return (eqn.primitive.name, tuple(params), tuple(map(_type, eqn.invars)), tuple(literals),
             tuple(map(_type, eqn.outvars)))  # fmt: skip
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def _type(v: Any) -> tuple:

@@ -115,7 +115,12 @@ _REDUCERS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmi
 def _all_reduce(node: Node, args: list[Any]) -> list[Any]:
     """One collective for all operands (a tuple bucket is one tuple all-reduce)."""
     reducer = _REDUCERS[node.attrs["reduce_op"]]
-    return list(reducer(list(args), tuple(node.attrs["axes"])))
+    axes = tuple(node.attrs["axes"])
+    if all(lax.axis_size(a) == 1 for a in axes):
+        # one replica (pipeline stages over every device): nothing to combine, and XLA's
+        # partitioner refuses a cross-partition all-reduce over no partitions
+        return list(args)
+    return list(reducer(list(args), axes))
 
 
 def _reduce_scatter(node: Node, args: list[Any]) -> list[Any]:

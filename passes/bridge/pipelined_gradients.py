@@ -151,7 +151,7 @@ def pipelined_vjp(
     if not all(mb_mask[0]):
         raise ValueError(
             "pipeline stages split the layers' activations into microbatches of the batch; "
-            "the layer scan's carry does not depend on the step's batch"
+            "the activations the layers carry do not depend on the step's batch"
         )
     if stacked is not None:
         stacked.extend(inputs[i] for i in stack.xs_inputs if i is not None)
@@ -172,7 +172,7 @@ def pipelined_vjp(
         # sum of each one's weighted by the plan's seed (their mean), whole, not one each
         del ct
         with around_the_microbatches():
-            held = block_dims(plan.block_axes, [outputs[i].shape for i in stacked_at])
+            held = block_dims(plan.block_axes, [outputs[i] for i in stacked_at])
             in_blocks = {i: d for i, d in zip(stacked_at, held, strict=True) if d is not None}
             summed = [
                 whole(c, in_blocks[i], plan.block_axes, replicas).astype(p.dtype)
@@ -238,7 +238,7 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     """The schedule's loop, manual over the stage axis, on microbatches of the rows."""
     s, v = plan.stages, plan.virtual_stages
     chunk = stack.length // (s * v)
-    dims = block_dims(plan.block_axes, [x.shape for x in xs])
+    dims = block_dims(plan.block_axes, xs)
     xs = [
         x if d is None else replica_block(x, d, plan.block_axes)
         for x, d in zip(xs, dims, strict=True)

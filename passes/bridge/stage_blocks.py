@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from xla_strategies.passes.bridge.trace_hooks import (
@@ -21,18 +22,22 @@ from xla_strategies.passes.bridge.trace_hooks import (
     REPLICA_BLOCK_SCOPE,
     STAGE_SPLIT_SCOPE,
 )
-from xla_strategies.passes.rewrites.blocks import shard_dimension
+from xla_strategies.passes.rewrites.blocks import shard_dimension, without
 
 
-def block_dims(axes: tuple[str, ...], shapes: list[tuple[int, ...]]) -> list[int | None]:
+def block_dims(axes: tuple[str, ...], stacks: list[Any]) -> list[int | None]:
     """Per stacked weight, the dimension its blocks over the replica `axes` split: the
     first besides the layer dimension that divides by their replicas, shard-parameters'
-    rule for a stack, so its optimizer moments line up; None: held whole."""
-    if not axes:
-        return [None] * len(shapes)
+    rule for a stack, so its optimizer moments line up; None: held whole (no dimension
+    divides, one replica, or a stack with no gradient: integers, keys)."""
     mesh = jax.sharding.get_abstract_mesh()
     count = int(np.prod([mesh.shape[a] for a in axes]))
-    return [shard_dimension((0, *shape[1:]), count) for shape in shapes]
+    return [
+        shard_dimension(without(jnp.shape(x), 0), count)
+        if count > 1 and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        else None
+        for x in stacks
+    ]
 
 
 def _block_scope(axes: tuple[str, ...]) -> Any:

@@ -19,6 +19,11 @@ def shard_dimension(shape: tuple[int, ...], replicas: int) -> int | None:
     return candidates[0] if candidates else None
 
 
+def without(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    """`shape` with dimension `dim` counted as size 0: never split (a stack's layers)."""
+    return shape if dim is None else (*shape[:dim], 0, *shape[dim + 1 :])
+
+
 def divides(shape: tuple[int, ...], dim: int | None, replicas: int) -> bool:
     """Whether dimension `dim` of `shape` splits into `replicas` equal, non-empty blocks."""
     return dim is not None and shape[dim] >= replicas and shape[dim] % replicas == 0

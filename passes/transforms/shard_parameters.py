@@ -53,7 +53,7 @@ from xla_strategies.passes.ir.text import format_type
 from xla_strategies.passes.ir.traits import Trait
 from xla_strategies.passes.rewrites.block_axes import within_slice
 from xla_strategies.passes.rewrites.block_sharder import DEFERRED, BlockSharder
-from xla_strategies.passes.rewrites.blocks import block_value, shard_dimension
+from xla_strategies.passes.rewrites.blocks import block_value, shard_dimension, without
 from xla_strategies.passes.rewrites.held_state import require_state, warn_if_nothing_held
 from xla_strategies.passes.rewrites.lookup_blocks import table_dims
 from xla_strategies.passes.rewrites.regather_residuals import regather_residuals
@@ -166,7 +166,7 @@ class _Splitter:
             layer = layer_dims.get(value.shape)  # a stack's layers stay whole
             dim = tables.get(value.shape) if layer is None else None
             if dim is None:
-                within = _without(self._within_model(value.shape, attrs.model_dim), layer)
+                within = without(self._within_model(value.shape, attrs.model_dim), layer)
                 dim = shard_dimension(within, self.replicas)
             if dim is None:
                 but = " besides the layer dimension" if layer is not None else ""
@@ -212,7 +212,7 @@ class _Splitter:
         splits (counted as size 0). The replicas' blocks of that dimension would each be
         split over the model axis again, an order XLA's layout of the whole value over the
         model axis does not share, so every gather would move the value whole."""
-        return shape if self.devices_per_replica == 1 else _without(shape, model_dim)
+        return shape if self.devices_per_replica == 1 else without(shape, model_dim)
 
     def hold_split(
         self,
@@ -330,10 +330,13 @@ class _Splitter:
 
 def _layer_dims(graph: Graph) -> dict[tuple[int, ...], int]:
     """By shape, the layer dimension of each stack a loop slices (or a pipeline's stages
-    take in blocks): its first dimension, or, for a stack taken through a transpose, the
-    one the transpose makes first."""
+    hold): its first dimension, or, for a stack taken through a transpose, the one the
+    transpose makes first."""
     producers = {out: node for node in graph.nodes for out in node.outputs}
     found: dict[tuple[int, ...], int] = {}
+    for value, attrs in zip(graph.inputs, graph.io.inputs, strict=True):
+        if attrs.stage_split:  # split over the stages on its layers
+            found[value.shape] = 0
     for node in graph.nodes:
         for value in _stacks(node):
             found[value.shape] = 0
@@ -341,11 +344,6 @@ def _layer_dims(graph: Graph) -> dict[tuple[int, ...], int]:
             if made_by is not None and made_by.has(Trait.TRANSPOSE):
                 found.setdefault(made_by.inputs[0].shape, made_by.attrs["permutation"][0])
     return found
-
-
-def _without(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
-    """`shape` with dimension `dim` counted as size 0: never split."""
-    return shape if dim is None else (*shape[:dim], 0, *shape[dim + 1 :])
 
 
 def _stacks(node: Node) -> list[Value]:

@@ -68,6 +68,11 @@ def _block_axes(
             f"(logical_devices_per_replica={strategy.logical_devices_per_replica}) yet: "
             "drop one of the three"
         )
+    if options.axis_name is not None:  # the blocks are numbered over the strategy's axes
+        raise ValueError(
+            f"shard_parameters=True is not supported with pipeline stages and "
+            f"axis_name={options.axis_name!r} yet: drop one of the three"
+        )
     return tuple(block_axes())
 
 
@@ -85,14 +90,17 @@ def staged_pipeline(
     pipeline: PassPipeline, plan: StagePlan | None, options: CompileOptions
 ) -> PassPipeline:
     """The pass pipeline of a step with stages: only the passes that give its reductions
-    their meaning, unless the step names its own. The others keep the layer stack's
+    their meaning (and, with `shard_parameters=True`, the two sharding passes), unless
+    the step names its own. The others keep the layer stack's
     gradients (held split over the stages) out of their buckets and decompositions, and
     still lose: on 2xv5e-16 (an 8-layer, 1024-wide stack, 2 stages, GPipe over 8
     microbatches) every pass gives 36.55 MiB a chip and a 1.60 ms step, these 36.13 MiB
     and 1.47 ms (the embedding's and head's small reductions decomposed cost latency)."""
     if plan is None or options.pipeline is not None:
         return pipeline
-    asked = [o for o in ("shard_weight_updates", "remat_policy") if getattr(options, o)]
+    asked = ["remat_policy"] if options.remat_policy else []
+    if options.shard_weight_updates and not options.shard_parameters:  # else implied
+        asked.insert(0, "shard_weight_updates")
     if asked:  # their passes are the ones left out: the option would do nothing
         raise ValueError(
             f"{asked[0]}={getattr(options, asked[0])!r} is not supported with pipeline stages "
