@@ -34,7 +34,7 @@ def _looped_params(layers=4):
     "options",
     [
         pytest.param({"microbatches": 4, "schedule": "gpipe"}, marks=pytest.mark.slow),
-        {"microbatches": 4},
+        pytest.param({"microbatches": 4}, marks=pytest.mark.slow),
     ],
     ids=["gpipe", "1f1b"],
 )
