@@ -21,7 +21,12 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from xla_strategies.passes.bridge.jaxpr_eval import evaluate
-from xla_strategies.passes.bridge.stack_parts import LayerStack, NothingToPipeline, function_of
+from xla_strategies.passes.bridge.stack_parts import (
+    LayerStack,
+    NothingToPipeline,
+    depending,
+    function_of,
+)
 
 
 def split_at_boundaries(
@@ -76,11 +81,9 @@ def split_at_boundaries(
     after = function_of(jaxpr, head, [*carry_out, *kept], list(jaxpr.outvars))
 
     def depends(inputs: Sequence[bool]) -> tuple[list, list, list, list]:
-        flagged = {v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}
-        for eqn in eqns[: marks[0]]:
-            if any(isinstance(v, jex.Var) and v in flagged for v in eqn.invars):
-                flagged.update(eqn.outvars)
-        flags = [v in flagged for v in [*carry_in, *consts_in, *flat_rows, *kept]]
+        flags = depending(
+            jaxpr, eqns[: marks[0]], inputs, [*carry_in, *consts_in, *flat_rows, *kept]
+        )
         return group(flags, any)
 
     return LayerStack(

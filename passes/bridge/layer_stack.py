@@ -21,7 +21,12 @@ from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.boundary_stack import split_at_boundaries
 from xla_strategies.passes.bridge.jaxpr_eval import CALLS, evaluate
 from xla_strategies.passes.bridge.pipeline_boundary import boundary_p
-from xla_strategies.passes.bridge.stack_parts import LayerStack, NothingToPipeline, function_of
+from xla_strategies.passes.bridge.stack_parts import (
+    LayerStack,
+    NothingToPipeline,
+    depending,
+    function_of,
+)
 
 __all__ = ["LayerStack", "NothingToPipeline", "split"]
 
@@ -129,11 +134,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
 
     def depends(inputs: Sequence[bool]) -> tuple[list, list, list, list]:
         """Which of `before`'s outputs depend on the inputs flagged in `inputs`."""
-        flagged = {v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}
-        for eqn in head:
-            if any(isinstance(v, jex.Var) and v in flagged for v in eqn.invars):
-                flagged.update(eqn.outvars)
-        return grouped([isinstance(v, jex.Var) and v in flagged for v in scan_in + kept])
+        return grouped(depending(jaxpr, head, inputs, scan_in + kept))
 
     return LayerStack(
         split_before,

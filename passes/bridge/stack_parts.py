@@ -44,3 +44,13 @@ def function_of(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Ca
     inputs = [v for v in invars if isinstance(v, jex.Var)]
     part = jaxpr.replace(invars=inputs, outvars=outvars, eqns=eqns)
     return lambda *args: evaluate(part, (), args)
+
+
+def depending(jaxpr: jex.Jaxpr, eqns: list, inputs: Sequence[bool], values: list) -> list[bool]:
+    """Which of `values` (computed by `eqns` from `jaxpr`'s inputs) depend on the inputs
+    flagged in `inputs`."""
+    flagged = {v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}
+    for eqn in eqns:
+        if any(isinstance(v, jex.Var) and v in flagged for v in eqn.invars):
+            flagged.update(eqn.outvars)
+    return [isinstance(v, jex.Var) and v in flagged for v in values]
