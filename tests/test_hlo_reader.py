@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import xla_strategies as xs
 from tests.helpers import jit_sgd_hlo
 from xla_strategies.cli import main as cli
-from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
+from xla_strategies.hardware.compiled_report import collective_seconds, compiled_report, hlo_report
 from xla_strategies.hardware.hlo import (
     HloReadError,
     computations,
@@ -334,3 +334,45 @@ def test_a_conditional_counts_its_costliest_branch_never_zero():
     assert sum(hlo_flops(text).values()) == 5 * 2 * matmul
     topology = Topology.from_name("v5e-8")
     assert roofline_seconds(text, topology) >= 5 * 2 * matmul / topology.peak_flops
+
+
+def test_a_tick_is_priced_by_its_costliest_branch_with_its_collectives():
+    """A pipeline tick runs one branch a stage; the estimate adds the branch whose compute
+    and exposed communication are the longest, once per trip: two branches that each
+    all-reduce are one all-reduce a tick, not two (the collectives list still holds both,
+    each counted every trip: what must never be missed)."""
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc("v5e:4x4", "tpu").devices
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(16), ("r",))
+    trips = 6
+
+    def ticks(v):
+        def tick(i, x):
+            branches = [
+                lambda x: x * 0.5,
+                lambda x: jax.lax.psum(jnp.sin(x), "r"),
+                lambda x: jax.lax.psum(jnp.cos(x), "r"),
+            ]
+            return jax.lax.switch(i % 3, branches, x)
+
+        return jax.lax.fori_loop(0, trips, tick, v)
+
+    step = jax.jit(
+        jax.shard_map(ticks, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec())
+    )
+    x = jax.ShapeDtypeStruct(
+        (1024, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec())
+    )
+    text = step.lower(x).compile().as_text()
+    assert " conditional(" in text
+    topology = Topology.from_name("v5e-16")
+    report = hlo_report(text, topology)
+    reduced = [c for c in report.collectives if c.kind == "all-reduce"]
+    assert len(reduced) == 2 and all(c.times == trips for c in reduced)
+    one = collective_seconds(reduced[0], topology)
+    assert one == collective_seconds(reduced[1], topology) > 0
+    estimate = report.estimate
+    assert estimate["communication_s"] == pytest.approx(trips * one)  # a bound counts 2x
+    assert estimate["step_s"] == estimate["compute_s"] + estimate["exposed_s"]
+    assert estimate["exposed_s"] <= estimate["communication_s"]

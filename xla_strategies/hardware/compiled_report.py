@@ -16,6 +16,7 @@ cycle estimates gave BERT-large 23.7 ms of compute on v5e-256 where its matmuls 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from xla_strategies.hardware.calibration import Calibration, uncalibrated
 from xla_strategies.hardware.hlo import HloReadError
 from xla_strategies.hardware.hlo_collectives import Collective, collectives, total_cycles
 from xla_strategies.hardware.hlo_flops import hlo_flops, matmul_seconds, opaque_kernel_calls
-from xla_strategies.hardware.hlo_roofline import roofline_seconds
+from xla_strategies.hardware.hlo_roofline import roofline_seconds, roofline_step
 from xla_strategies.passes.cost import model as cost_model
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ def hlo_report(
         opaque_kernels=opaque_kernel_calls(hlo_text),
     )
     compute = roofline_seconds(hlo_text, topology)
-    report.estimate = step_estimate(report, topology, total_cycles(hlo_text), compute)
+    report.estimate = step_estimate(report, topology, total_cycles(hlo_text), compute, hlo_text)
     report.calibration = calibration_label(topology)
     return report
 
@@ -178,7 +179,11 @@ def calibration_label(topology: Topology | None) -> str:
 
 
 def step_estimate(
-    report: CompiledReport, topology: Topology | None, cycles: int, compute: float | None = None
+    report: CompiledReport,
+    topology: Topology | None,
+    cycles: int,
+    compute: float | None = None,
+    hlo_text: str | None = None,
 ) -> dict[str, float | None]:
     """Seconds per step: compute by the HLO's roofline (`compute`, `hlo_roofline`: each
     instruction's matmul flops at peak or its device-memory bytes at the memory's
@@ -188,7 +193,12 @@ def step_estimate(
     the topology's cost model per collective XLA kept; exposed communication from XLA's
     schedule (an asynchronous collective hides behind the share of the compute, by XLA's
     cycle estimates, scheduled between its start and done). None where the topology does
-    not know a rate."""
+    not know a rate.
+
+    With the program's `hlo_text`, a conditional (a pipeline's tick) adds the branch whose
+    compute and exposed communication together are the longest: every stage runs one
+    branch a tick and the tick waits for the slowest. Without it, every branch's
+    collectives are counted (`Collective.times`: a bound)."""
     matmul = matmul_seconds(report.flops_by_dtype or {}, topology)
     compute = matmul if compute is None else compute
     if topology is None:
@@ -199,16 +209,30 @@ def step_estimate(
             "exposed_s": None,
             "step_s": None,
         }
-    communication = exposed = 0.0
     # the share of the compute beside an asynchronous collective that measured steps hide
     hides = (topology.calibration or Calibration()).hidden_fraction
+    per_run: dict[str, Counter[str]] = {}  # each computation's collectives, one run of it
+    communication = exposed = 0.0
     for c in report.collectives:
         seconds = collective_seconds(c, topology)
         hidden = 0.0
         if c.asynchronous and compute is not None and cycles:
             hidden = compute * c.overlapped_cycles / cycles * hides
+        run = per_run.setdefault(c.computation, Counter())
+        run["communication"] += seconds
+        run["exposed"] += max(0.0, seconds - hidden)
         communication += c.times * seconds
         exposed += c.times * max(0.0, seconds - hidden)
+    if hlo_text is not None and compute is not None:
+        taken, totals = roofline_step(
+            hlo_text,
+            topology,
+            beside=lambda name: per_run.get(name, Counter()),
+            rank=lambda c: c["serial"] + c["exposed"],
+        )
+        if taken is not None:
+            compute, communication = taken, totals["communication"]
+            exposed = totals["exposed"]
     step = None if compute is None else compute + exposed
     return {
         "compute_s": compute,

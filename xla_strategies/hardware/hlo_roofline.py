@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from xla_strategies.hardware.hlo import (
@@ -86,15 +87,28 @@ _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 def roofline_seconds(hlo_text: str, topology: Topology | None) -> float | None:
     """Seconds one step computes by the roofline (see the module's docstring); None where
     the topology knows no peak flops or no memory bandwidth."""
+    return roofline_step(hlo_text, topology)[0]
+
+
+def roofline_step(
+    hlo_text: str,
+    topology: Topology | None,
+    beside: Callable[[str], Counter[str]] | None = None,
+    rank: Callable[[Counter[str]], float] = lambda c: c["serial"],
+) -> tuple[float | None, Counter[str]]:
+    """The step's roofline seconds, and what `beside(computation)` adds up per run of a
+    computation (a collective's exposed seconds) along the same path: a conditional's
+    branch taken is the costliest by `rank` of its totals (its compute, `serial`, alone by
+    default). None for the seconds where the topology knows no peak or bandwidth."""
     if topology is None or not topology.memory_bandwidth or not topology.peak_flops:
-        return None
+        return None, Counter()
     bandwidth = topology.memory_bandwidth
     comps, entry = computations(hlo_text)
 
     def own(name: str) -> Counter[str]:  # one run of a computation's own instructions
         ops = comps.get(name, [])
         types = {op[0]: op[1] for op in ops}
-        found: Counter[str] = Counter()
+        found: Counter[str] = Counter(beside(name)) if beside else Counter()
         for op in ops:
             nbytes = hbm_bytes(op, comps, types)
             found["moved"] += nbytes
@@ -103,8 +117,8 @@ def roofline_seconds(hlo_text: str, topology: Topology | None) -> float | None:
             found["serial"] += instruction_seconds(op, comps, types, topology, nbytes)
         return found
 
-    step = step_total(comps, entry, own, rank=lambda c: c["serial"])
-    return max(step["serial"], step["moved"] / bandwidth)
+    step = step_total(comps, entry, own, rank=rank)
+    return max(step["serial"], step["moved"] / bandwidth), step
 
 
 def instruction_seconds(
