@@ -55,7 +55,7 @@ def tf_configs(count: int) -> list[str]:
 # What a worker prints when another program took its cluster's port first: the ports
 # `tf_configs` picks are free when picked, and a busy test run may take one before the
 # workers bind it
-_PORT_TAKEN = "free the port or give the chief another one in TF_CONFIG"
+PORT_TAKEN = "free the port or give the chief another one in TF_CONFIG"
 PORT_ATTEMPTS = 3
 
 
@@ -75,7 +75,7 @@ def run_workers(
     `PORT_ATTEMPTS` times, where another program took a port first."""
     for _ in range(1 if configs else PORT_ATTEMPTS):
         workers = _run(argv, configs or tf_configs(count), timeout, kill, start, kill_signal)
-        if not any(_PORT_TAKEN in w.output for w in workers):
+        if not any(PORT_TAKEN in w.output for w in workers):
             break
     return workers
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import xla_strategies as xs
-from tests.multiprocess import ROOT, free_ports
+from tests.multiprocess import PORT_ATTEMPTS, PORT_TAKEN, ROOT, free_ports
 from xla_strategies.cluster_resolver import slurm
 
 SLURM = {
@@ -117,22 +117,25 @@ def test_slurm_checks_jobs_and_gpus(slurm_env):
 def test_slurm_feeds_multi_worker_mirrored_strategy():
     """Two `srun` tasks on one node: each finds its place in the Slurm environment and
     MultiWorkerMirroredStrategy joins them (2 processes x 2 CPU devices)."""
-    (port,) = free_ports(1)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TF_CONFIG"))}
     slurm_vars = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
                   "SLURM_TASKS_PER_NODE": "2", "JAX_PLATFORMS": "cpu"}  # fmt: skip
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "tests/workers/slurm_worker.py", str(port)],
-            cwd=ROOT,
-            env={**base, **slurm_vars, "SLURM_PROCID": str(rank)},
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(2)
-    ]
-    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    for _ in range(PORT_ATTEMPTS):  # a busy run may take the free port before the chief
+        (port,) = free_ports(1)
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "tests/workers/slurm_worker.py", str(port)],
+                cwd=ROOT,
+                env={**base, **slurm_vars, "SLURM_PROCID": str(rank)},
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for rank in range(2)
+        ]
+        outputs = [p.communicate(timeout=240)[0] for p in processes]
+        if not any(PORT_TAKEN in output for output in outputs):
+            break
     for rank, (process, output) in enumerate(zip(processes, outputs, strict=True)):
         assert process.returncode == 0, output[-3000:]
         assert f"TASK worker {rank} REPLICAS 4 SUM 6.0" in output  # 0 + 1 + 2 + 3
