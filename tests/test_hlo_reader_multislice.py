@@ -95,3 +95,33 @@ def test_a_gradient_summed_across_slices_is_read_and_priced_over_dcn(two_slice_s
 def test_a_multislice_program_read_as_one_slice_is_an_error(two_slice_sgd_hlo):
     with pytest.raises(HloReadError, match=r"across 2 slices, but v5e-4 is one slice"):
         hlo_report(two_slice_sgd_hlo, Topology.from_name("v5e-4"))
+
+
+def test_a_collective_inside_a_stage_is_priced_over_its_slice_not_the_stages():
+    """Pipeline stages are cut from the slices, yet the stage axis sits last in the mesh
+    (before a model axis). A gather over one slice's 16 chips is priced over that slice's
+    torus, as on the topology without stages: it was priced over the DCN stage axis too,
+    2x the time for Llama-2-7B's layers on 2xv5e-16."""
+    from xla_strategies.hardware.compiled_report import collective_seconds
+    from xla_strategies.hardware.hlo_collectives import Collective
+
+    flat = Topology.from_name("2xv5e-16")
+    staged = flat.split_stage_axis(2)
+    assert [a.name for a in staged.axes][-1] == "stage"
+    gather = Collective(
+        kind="all-gather",
+        name="all-gather.1",
+        computation="main",
+        times=1,
+        nbytes=90 * 2**20,
+        group_size=16,
+        replica_groups="{{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}}",
+        algorithm=None,
+        asynchronous=False,
+        overlapped_ops=0,
+        overlapped_cycles=0,
+    )
+    seconds = collective_seconds(gather, flat)
+    assert collective_seconds(gather, staged) == pytest.approx(seconds)
+    over_both = dataclasses.replace(gather, group_size=32)
+    assert collective_seconds(over_both, staged) > 1.5 * seconds  # across the stages too

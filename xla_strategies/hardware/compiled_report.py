@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from xla_strategies.core.layout import MODEL_AXIS
+from xla_strategies.core.layout import MODEL_AXIS, STAGE_AXIS
 from xla_strategies.hardware.calibration import Calibration, uncalibrated
 from xla_strategies.hardware.hlo import HloReadError
 from xla_strategies.hardware.hlo_collectives import Collective, collectives, total_cycles
@@ -263,7 +263,10 @@ def collective_seconds(c: Collective, topology: Topology) -> float:
         return 0.0
     axes, size = [], 1
     model = [a for a in topology.axes if a.name == MODEL_AXIS]
-    replicas = [a for a in topology.axes if a.name != MODEL_AXIS]
+    # slowest first: the stage axis sits where the mesh puts it, but is cut from the slices
+    replicas = sorted(
+        (a for a in topology.axes if a.name != MODEL_AXIS), key=lambda a: a.name != STAGE_AXIS
+    )
     links = model if c.inside_replica else model + replicas  # the model axis taken last
     for link in reversed(links):  # fastest (ICI minor) first
         if size >= c.group_size:
