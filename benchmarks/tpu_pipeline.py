@@ -15,6 +15,8 @@ each stage in blocks over its replicas.
 
 Each row: memory per chip (arguments + outputs - aliased + temporaries), the estimated step
 with its calibration (`hardware.calibration`), and the bytes a step moves across slices.
+Each program's HLO text is kept as `tpu_aot`'s are, so `--reread` reads every recorded row
+again with the reader as it is, without compiling.
 
     JAX_PLATFORMS=cpu python -m benchmarks.tpu_pipeline --model gpt2-medium --topology 2xv5e-256
 """
@@ -22,7 +24,9 @@ with its calibration (`hardware.calibration`), and the bytes a step moves across
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +34,9 @@ from typing import Any
 import optax
 
 import xla_strategies as xs
-from benchmarks.tpu_aot import _batch, abstract_state, peer
+from benchmarks.tpu_aot import HLO_DIR, _batch, abstract_state, peer
 from benchmarks.tpu_models import WORKLOADS
-from xla_strategies.hardware.compiled_report import compiled_report
+from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 
 RESULTS = Path(__file__).parent / "results" / "tpu_pipeline.json"
 
@@ -45,23 +49,58 @@ def _ours(strategy: Any, workload: Any, **options: Any) -> Any:
     return step.lower(*state, _batch(strategy, workload)).compile()
 
 
-def _row(label: str, strategy: Any, compile_one: Any) -> dict[str, Any]:
+def _row(label: str, strategy: Any, compile_one: Any, cell: str) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         compiled = compile_one()
     except xs.errors.OutOfMemoryError as exc:
         return {"program": label, "fits": False, "error": str(exc)[:300]}
     report = compiled_report(compiled, strategy)
-    across = sum(c.nbytes * c.times for c in report.collectives if c.across_slices)
-    return {
+    row = {
         "program": label,
         "fits": report.fits,
         "memory_gib": report.memory.total_bytes / 2**30,
+        "stages": getattr(strategy, "pipeline_stages", 1),
+        **_read(report),
+        "compile_s": time.perf_counter() - start,
+        "hlo": re.sub(r"[^\w.-]+", "-", f"pipeline {cell} {label}") + ".hlo.txt.gz",
+    }
+    HLO_DIR.mkdir(parents=True, exist_ok=True)
+    (HLO_DIR / row["hlo"]).write_bytes(gzip.compress(compiled.as_text().encode()))
+    return row
+
+
+def _read(report: Any) -> dict[str, Any]:
+    """What a row reads from a compiled program's report."""
+    across = sum(c.nbytes * c.times for c in report.collectives if c.across_slices)
+    return {
         "step_ms": 1e3 * report.estimate["step_s"],
         "across_slices_mb": across / 1e6,
         "calibration": report.calibration,
-        "compile_s": time.perf_counter() - start,
     }
+
+
+def reread() -> None:
+    """Read every recorded row's saved HLO text again with the reader as it is now (memory
+    and compile time are the executable's, kept); rows without a saved text are named."""
+    found = json.loads(RESULTS.read_text())
+    missing = []
+    for cell, rows in found.items():
+        topology = cell.split()[1]
+        for row in rows:
+            path = HLO_DIR / row.get("hlo", "-")
+            if "error" in row:
+                continue
+            if not path.exists():
+                missing.append(f"{cell}: {row['program']}")
+                continue
+            text = gzip.decompress(path.read_bytes()).decode()
+            split = xs.Topology.from_name(topology).split_stage_axis(row["stages"])
+            row.update(_read(hlo_report(text, split)))
+            print(f"{cell}: {row['program']}: {row['step_ms']:.1f} ms")
+    RESULTS.write_text(json.dumps(found, indent=1) + "\n")
+    if missing:
+        print(f"not re-read, no saved HLO text (compile them again): {', '.join(missing)}")
 
 
 def main() -> None:
@@ -72,21 +111,30 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
     parser.add_argument("--shard-parameters", action="store_true")
+    parser.add_argument(
+        "--reread",
+        action="store_true",
+        help="only read every recorded row's saved HLO text again, with the reader as it is",
+    )
     args = parser.parse_args()
+    if args.reread:
+        reread()
+        return
     workload = WORKLOADS[args.model]()
     flat = xs.TPUStrategy(args.topology, compile_only=True)
     split = {"shard_parameters": True} if args.shard_parameters else {}
     kind = "FSDP" if split else "DP"
+    cell = f"{args.model} {args.topology} S={args.stages}{' FSDP' if split else ''}"
     rows = [
-        _row(f"jit {kind}", flat, lambda: peer(flat, workload, fsdp=bool(split))),
-        _row(f"ours {kind}", flat, lambda: _ours(flat, workload, **split)),
+        _row(f"jit {kind}", flat, lambda: peer(flat, workload, fsdp=bool(split)), cell),
+        _row(f"ours {kind}", flat, lambda: _ours(flat, workload, **split), cell),
     ]
     staged = xs.TPUStrategy(args.topology, compile_only=True, pipeline_stages=args.stages)
     for schedule in args.schedules:
         label = f"ours {args.stages} stages{' FSDP' if split else ''}, {schedule}, "
         label += f"M={args.microbatches}"
         options = {"schedule": schedule, "microbatches": args.microbatches, **split}
-        rows.append(_row(label, staged, lambda o=options: _ours(staged, workload, **o)))
+        rows.append(_row(label, staged, lambda o=options: _ours(staged, workload, **o), cell))
     print(f"{workload.name} on {args.topology}, {workload.batch_per_chip} per chip")
     print(f"{'program':36s} {'GiB/chip':>9s} {'step ms':>9s} {'DCN MB':>8s}")
     for row in rows:
@@ -99,7 +147,7 @@ def main() -> None:
         )
     print(rows[-1].get("calibration", ""))
     found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    found[f"{args.model} {args.topology} S={args.stages}{' FSDP' if split else ''}"] = rows
+    found[cell] = rows
     RESULTS.write_text(json.dumps(found, indent=1) + "\n")
 
 
