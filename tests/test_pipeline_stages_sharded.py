@@ -161,3 +161,71 @@ def test_a_train_step_never_gathers_a_whole_stack():
     gathered = [n.outputs[0].size for n in graph.nodes if n.op == "all_gather"]
     assert gathered  # the embedding and the head, read whole; no stack, nor a stage's
     assert max(gathered) <= max(params["embed"].size, params["head"].size)
+
+
+def _cast_per_use_loss(params, x, y):
+    """`_plain_loss` with its layers' matmuls in bfloat16 on float32 weights, the cast
+    where each weight is read (as flax's `dtype=` and plain mixed-precision JAX write it)."""
+    h = jnp.tanh(x * params["embed"])
+
+    def layer(h, w):
+        out = h.astype(jnp.bfloat16) @ w["w"].astype(jnp.bfloat16)
+        return jnp.tanh(out.astype(jnp.float32) + w["b"]), None
+
+    h, _ = jax.lax.scan(layer, h, {"w": params["w"], "b": params["b"]})
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def test_a_layer_read_as_bfloat16_is_gathered_and_scattered_as_bfloat16():
+    """A layer that reads its float32 weight only as bfloat16 gathers the weight as
+    bfloat16 and reduce-scatters its gradient as bfloat16 (half the bytes, what
+    `jax.jit`'s partitioner moves); a weight it reads as float32 (the bias) stays float32.
+    The gradients equal one device's to bfloat16's precision."""
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    replicas = strategy.num_replicas_in_sync
+    params, (x, y) = _plain_params(), _plain_batches()[0]
+
+    @strategy.compile(microbatches=4, shard_parameters=True)
+    def grads(params, x, y):
+        return jax.grad(_cast_per_use_loss)(params, x, y)
+
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    with strategy.scope():
+        held = strategy.replicate(params)
+    # the program as emitted (XLA:CPU widens bfloat16 collectives to float32 when it
+    # compiles them; a TPU keeps them)
+    emitted = grads.lower(held, *batch).as_text()
+    width = params["w"].shape[-1]
+    block, whole = f"tensor<{width // replicas}x{width}xbf16>", f"tensor<{width}x{width}xbf16>"
+    gathered = re.findall(r'all_gather"[^\n]*: \((tensor<[^>]*>)\) -> (tensor<[^>]*>)', emitted)
+    assert (block, whole) in gathered
+    assert f"tensor<{width}x{width}xf32>" not in {t for _, t in gathered}
+    scattered = re.findall(
+        r"reduce_scatter.*?\}\) : \((tensor<[^>]*>)\) -> (tensor<[^>]*>)", emitted, re.S
+    )
+    assert (whole, block) in scattered
+    assert (f"tensor<{width}xf32>", f"tensor<{width // replicas}xf32>") in scattered  # bias
+
+    want = xs.OneDeviceStrategy().compile(lambda p, x, y: jax.grad(_cast_per_use_loss)(p, x, y))
+    expected = want(params, x, y)
+    for name, g in grads(held, *batch).items():
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(expected[name]), rtol=2e-2, atol=2e-3, err_msg=name
+        )
+
+
+def test_the_type_a_layer_reads_is_found_through_its_checkpoint_and_never_guessed():
+    """A weight cast to bfloat16 wherever it is read, inside `jax.checkpoint` too, is read
+    as bfloat16; one also read as float32 anywhere, or not read at all, is not."""
+    from xla_strategies.passes.bridge.cast_reads import read_as
+
+    def cast_only(w, x):
+        return jax.checkpoint(lambda w, x: x @ w.astype(jnp.bfloat16))(w, x)
+
+    def also_wide(w, x):
+        return x @ w.astype(jnp.bfloat16) + w.sum().astype(jnp.bfloat16)
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4), jnp.bfloat16)
+    for fn, expected in [(cast_only, jnp.bfloat16), (also_wide, None), (lambda w, x: x, None)]:
+        jaxpr = jax.make_jaxpr(fn)(w, x).jaxpr
+        assert read_as(jaxpr, jaxpr.invars[0]) == expected, fn

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.boundary_stack import split_at_boundaries
+from xla_strategies.passes.bridge.cast_reads import read_as
 from xla_strategies.passes.bridge.jaxpr_eval import CALLS, evaluate
 from xla_strategies.passes.bridge.pipeline_boundary import boundary_p
 from xla_strategies.passes.bridge.stack_parts import (
@@ -117,6 +118,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     head = jaxpr.eqns[:at]
     before = function_of(jaxpr, head, jaxpr.invars, scan_in + kept)
     body = scan.params["jaxpr"]
+    inner = jax_compat.jaxpr_parts(body)[0]
     after = function_of(jaxpr, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
 
     def grouped(values: list) -> tuple[list, list, list, list]:
@@ -148,6 +150,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
             jaxpr.invars.index(v) if v in jaxpr.invars else None
             for v in scan.invars[num_consts + num_carry :]
         ),
+        tuple(read_as(inner, v) for v in inner.invars[num_consts + num_carry :]),
     )
 
 

@@ -252,10 +252,15 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
     if v == 1:
         weights, weights_spec = [x.reshape(s, chunk, *x.shape[1:]) for x in xs], P(plan.axis)
 
+    read_as = stack.xs_read_as or (None,) * len(xs)
+
     def layer(w, x, rows, shared):
-        # a layer held in blocks is gathered where it is read; JAX's transpose of the
-        # gather reduce-scatters its gradient into the stage's blocks
-        whole = [gathered(a, d, plan.block_axes) for a, d in zip(w, dims, strict=True)]
+        # a layer held in blocks is gathered where it is read (as the type the layer reads
+        # it as); JAX's transpose of the gather reduce-scatters its gradient into the
+        # stage's blocks
+        whole = [
+            gathered(a, d, plan.block_axes, t) for a, d, t in zip(w, dims, read_as, strict=True)
+        ]
         return stack.layer(whole, x, _merge(layer_rows, rows, shared))
 
     def head(y, rows, shared):

@@ -36,6 +36,9 @@ class LayerStack:
     depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
     outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
     xs_inputs: tuple[int | None, ...]  # per scanned input, the input it is, if one
+    #: per scanned input, the narrower float type a layer reads it as, if it only ever
+    #: reads it as one (`cast_reads.read_as`); empty: none known
+    xs_read_as: tuple[Any, ...] = ()
 
 
 def function_of(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Callable[..., list]:

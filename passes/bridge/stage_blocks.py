@@ -52,11 +52,17 @@ def replica_block(x: Any, dim: int, axes: tuple[str, ...]) -> Any:
         return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
 
 
-def gathered(block: Any, dim: int | None, axes: tuple[str, ...]) -> Any:
-    """One layer of a stack held in blocks (`dim`: the stack's), gathered whole."""
+def gathered(block: Any, dim: int | None, axes: tuple[str, ...], read_as: Any = None) -> Any:
+    """One layer of a stack held in blocks (`dim`: the stack's), gathered whole; as
+    `read_as` where the layer reads it only as that narrower type (the values it sees are
+    the same), so the gather and its transpose, the gradient's reduce-scatter, move that
+    type."""
     if dim is None:
         return block
-    return jax.lax.all_gather(block, axes, axis=dim - 1, tiled=True)
+    if read_as is None:
+        return jax.lax.all_gather(block, axes, axis=dim - 1, tiled=True)
+    narrow = jax.lax.all_gather(block.astype(read_as), axes, axis=dim - 1, tiled=True)
+    return narrow.astype(block.dtype)
 
 
 def whole(block: Any, dim: int, axes: tuple[str, ...], replicas: frozenset[str]) -> Any:
