@@ -176,6 +176,7 @@ def _cast_per_use_loss(params, x, y):
     return jnp.mean((h @ params["head"] - y) ** 2)
 
 
+@pytest.mark.slow
 def test_a_layer_read_as_bfloat16_is_gathered_and_scattered_as_bfloat16():
     """A layer that reads its float32 weight only as bfloat16 gathers the weight as
     bfloat16 and reduce-scatters its gradient as bfloat16 (half the bytes, what
