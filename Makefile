@@ -94,7 +94,7 @@ bench-corpus: $(STAMP) $(CORPUS_STAMP) $(MAXTEXT_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models llama2-7b-plain \
 		--topologies v5e-256 --variants c d
 	JAX_PLATFORMS=cpu KERAS_BACKEND=jax $(CORPUS_VENV)/bin/python -m benchmarks.tpu_aot \
-		--models $(CORPUS_MODELS) --topologies v5e-256 --variants a c
+		--models $(CORPUS_MODELS) --topologies v5e-256 v5p-512 --variants a c
 	JAX_PLATFORMS=cpu $(BIN)/python -m benchmarks.tpu_aot --models gpt2-medium-plain \
 		hf-gpt2-medium hf-llama3.2-1b --topologies v5p-512 --variants a c
 	$(BIN)/python -m benchmarks.gpu_aot --models gpt2-medium-plain hf-gpt2-medium
