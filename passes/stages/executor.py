@@ -3,7 +3,7 @@
 Run inside a program manual over the stage axis. In each tick every stage looks up its
 action in the schedule's table by (tick, its stage index) and runs it under `lax.switch`:
 idle, the forward of one microbatch through its chunk of layers, that microbatch's
-backward (the chunk's forward recomputed from the stage input the forward kept), or for
+backward (each layer recomputed from the input the forward kept of it), or for
 zero-bubble schedules the input and weight gradients as two actions. A chunk runs one
 layer at a time, each layer's weights read in place from the stage's stack and its
 gradient added in place into the stage's: a chunk's gradient taken out of the stack and
@@ -12,7 +12,9 @@ the layer loop; for two 1024-wide f32 layers on v5e, 20 us a tick, now 10). At t
 tick each stage sends its forward's output to the next stage and its backward's input
 gradient to the previous one with two collective-permutes, which XLA can overlap with the
 next tick's compute. Values wait in slot buffers whose sizes the schedule computed, so
-1F1B's program holds S microbatches' stage inputs where GPipe's holds M.
+1F1B's program holds S microbatches' layer inputs where GPipe's holds M. (Keeping only the
+chunk's input, the backward ran the chunk's forward again to find them: a fifth more
+compute, and with parameters in blocks a third more layer gathers.)
 
 The last stage runs the head (what follows the layers, up to the loss) of each
 microbatch in its forward and seeds the backward with the head's gradient; the first
@@ -90,11 +92,13 @@ def run(
     x0 = jax.tree.map(lambda a: a[0], inputs)
     aux_shape = program.aux
     zeros = _float_zeros
-    buffers = lambda n: jax.tree.map(lambda a: jnp.zeros((max(n, 1), *a.shape), a.dtype), x0)  # noqa: E731
+    buffers = lambda n, *per: jax.tree.map(  # noqa: E731
+        lambda a: jnp.zeros((max(n, 1), *per, *a.shape), a.dtype), x0
+    )
     state = {
         "F": buffers(schedule.slots["F"]),
         "B": buffers(schedule.slots["B"]),
-        "stash": buffers(schedule.slots["stash"]),
+        "stash": buffers(schedule.slots["stash"], _depth(weights)),  # each layer's input
         "seed": buffers(schedule.slots["stash"]),
         "grad": buffers(schedule.slots["grad"]),  # zero-bubble: B's gradient kept for W
         "loss": jnp.zeros((m_count,), jnp.float32),
@@ -166,8 +170,8 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
     m, chunk = where.micro, where.chunk
     arrived = _get(s["F"], jnp.maximum(where.in_slot, 0))
     x = jax.tree.map(lambda a, b: jnp.where(where.first, a, b), _get(inputs, m), arrived)
-    y = _chunk_forward(program, weights, chunk, x, _get(layer_rows, m), layer_shared)
-    s = dict(s, stash=_put(s["stash"], where.stash_slot, x))
+    y, layer_inputs = _chunk_forward(program, weights, chunk, x, _get(layer_rows, m), layer_shared)
+    s = dict(s, stash=_put(s["stash"], where.stash_slot, layer_inputs))
     rows = _get(head_rows, m)
 
     def head_and_seed(y):
@@ -204,12 +208,20 @@ def _output_gradient(s, where):
 
 def _backward(s, where, program, weights, layer_rows, layer_shared, split):
     m, chunk = where.micro, where.chunk
-    x = _get(s["stash"], where.stash_slot)
+    layer_inputs = _get(s["stash"], where.stash_slot)
     dy = _output_gradient(s, where)
     if split:  # the input gradients only; the weight gradient is its own action
         s = dict(s, grad=_put(s["grad"], where.stash_slot, dy))
     grads = _chunk_backward(
-        program, weights, chunk, x, dy, _get(layer_rows, m), layer_shared, s, not split
+        program,
+        weights,
+        chunk,
+        layer_inputs,
+        dy,
+        _get(layer_rows, m),
+        layer_shared,
+        s,
+        not split,
     )
     s = dict(grads.state)
     s["d_layer_rows"] = _add_at(s["d_layer_rows"], m, grads.rows)
@@ -221,11 +233,11 @@ def _backward(s, where, program, weights, layer_rows, layer_shared, split):
 
 def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
     m, chunk = where.micro, where.chunk
-    x = _get(s["stash"], where.stash_slot)
+    layer_inputs = _get(s["stash"], where.stash_slot)
     dy = _get(s["grad"], where.stash_slot)
     rows = _get(layer_rows, m)
-    grads = _chunk_backward(program, weights, chunk, x, dy, rows, layer_shared, s, True)
-    zero = jax.tree.map(jnp.zeros_like, x)
+    grads = _chunk_backward(program, weights, chunk, layer_inputs, dy, rows, layer_shared, s, True)
+    zero = jax.tree.map(lambda a: jnp.zeros_like(a[0]), layer_inputs)
     return grads.state, zero, zero
 
 
@@ -233,10 +245,13 @@ def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
 
 
 def _chunk_forward(program, weights, chunk, x, rows, shared):
-    def one(x, i):
-        return program.layer(_layer(weights, chunk, i), x, rows, shared), None
+    """The chunk's output, and each of its layers' inputs (stacked), which the backward
+    reads: the values JAX's gradient of a scan of checkpointed layers keeps."""
 
-    return lax.scan(one, x, jnp.arange(_depth(weights)))[0]
+    def one(x, i):
+        return program.layer(_layer(weights, chunk, i), x, rows, shared), x
+
+    return lax.scan(one, x, jnp.arange(_depth(weights)))
 
 
 @dataclass(frozen=True)
@@ -246,19 +261,14 @@ class _ChunkGradients:
     state: dict  # with the layers' weight and shared gradients added, when asked
 
 
-def _chunk_backward(program, weights, chunk, x, dy, rows, shared, s, with_weights):
-    """`dy` taken back through the chunk's layers from its input `x`: each layer's input
-    kept going forward, then, from the last layer, the layer recomputed and its pullback
+def _chunk_backward(program, weights, chunk, inputs, dy, rows, shared, s, with_weights):
+    """`dy` taken back through the chunk's layers, each layer's input (`inputs`, stacked)
+    kept by the forward: from the last layer, the layer recomputed and its pullback
     applied. (Keeping each layer's pullback instead would keep its weights as one of its
     values: a copy of the chunk.) With `with_weights`, each layer's weight gradient is
     added into `s["d_weights"]` where its weights sit, and the shared values' into
     `s["d_layer_shared"]`."""
     layer_indices = jnp.arange(_depth(weights))
-
-    def keep_input(x, i):
-        return program.layer(_layer(weights, chunk, i), x, rows, shared), x
-
-    _, inputs = lax.scan(keep_input, x, layer_indices)
 
     def back(carry, i):
         dy, d_rows, acc = carry
