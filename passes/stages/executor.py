@@ -34,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from xla_strategies.passes.stages.chunk import chunk_backward, chunk_forward, depth, vjp
 from xla_strategies.passes.stages.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
+from xla_strategies.passes.stages.slots import add_at, float_zeros, get, plus, put
 
 _KINDS = {FORWARD: 1, BACKWARD: 2, WEIGHT: 3}
 
@@ -91,14 +93,14 @@ def run(
     last = schedule.virtual_stages * stages - 1
     x0 = jax.tree.map(lambda a: a[0], inputs)
     aux_shape = program.aux
-    zeros = _float_zeros
+    zeros = float_zeros
     buffers = lambda n, *per: jax.tree.map(  # noqa: E731
         lambda a: jnp.zeros((max(n, 1), *per, *a.shape), a.dtype), x0
     )
     state = {
         "F": buffers(schedule.slots["F"]),
         "B": buffers(schedule.slots["B"]),
-        "stash": buffers(schedule.slots["stash"], _depth(weights)),  # each layer's input
+        "stash": buffers(schedule.slots["stash"], depth(weights)),  # each layer's input
         "seed": buffers(schedule.slots["stash"]),
         "grad": buffers(schedule.slots["grad"]),  # zero-bubble: B's gradient kept for W
         "loss": jnp.zeros((m_count,), jnp.float32),
@@ -119,8 +121,8 @@ def run(
     def tick(t: Any, state: dict) -> dict:
         row = {k: v[t, stage] for k, v in tables.items()}
         state = dict(state)
-        state["F"] = _put(state["F"], row["arrive_f"], state["recv_f"])
-        state["B"] = _put(state["B"], row["arrive_b"], state["recv_b"])
+        state["F"] = put(state["F"], row["arrive_f"], state["recv_f"])
+        state["B"] = put(state["B"], row["arrive_b"], state["recv_b"])
         g = row["chunk"] * stages + stage
         where = _Where(row, g == 0, g == last)
         actions = [
@@ -168,14 +170,14 @@ class _Where:
 
 def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_rows, head_shared):
     m, chunk = where.micro, where.chunk
-    arrived = _get(s["F"], jnp.maximum(where.in_slot, 0))
-    x = jax.tree.map(lambda a, b: jnp.where(where.first, a, b), _get(inputs, m), arrived)
-    y, layer_inputs = _chunk_forward(program, weights, chunk, x, _get(layer_rows, m), layer_shared)
-    s = dict(s, stash=_put(s["stash"], where.stash_slot, layer_inputs))
-    rows = _get(head_rows, m)
+    arrived = get(s["F"], jnp.maximum(where.in_slot, 0))
+    x = jax.tree.map(lambda a, b: jnp.where(where.first, a, b), get(inputs, m), arrived)
+    y, layer_inputs = chunk_forward(program, weights, chunk, x, get(layer_rows, m), layer_shared)
+    s = dict(s, stash=put(s["stash"], where.stash_slot, layer_inputs))
+    rows = get(head_rows, m)
 
     def head_and_seed(y):
-        (loss, aux), pullback = _vjp(program.head, y, rows, head_shared, has_aux=True)
+        (loss, aux), pullback = vjp(program.head, y, rows, head_shared, has_aux=True)
         dy, d_rows, d_shared = pullback(jnp.full_like(loss, program.seed))
         return loss, aux, dy, d_rows, d_shared
 
@@ -184,48 +186,48 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
         return (
             jnp.zeros((), jnp.float32),
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux),
-            _float_zeros(y),
-            _float_zeros(rows),
-            _float_zeros(head_shared),
+            float_zeros(y),
+            float_zeros(rows),
+            float_zeros(head_shared),
         )
 
     loss, aux, dy, d_rows, d_shared = lax.cond(where.last, head_and_seed, no_head, y)
-    s["loss"] = _put(s["loss"], m, loss.astype(jnp.float32))
-    s["aux"] = _put(s["aux"], m, aux)
-    s["seed"] = _put(s["seed"], where.stash_slot, dy)
-    s["d_head_rows"] = _add_at(s["d_head_rows"], m, d_rows)
-    s["d_head_shared"] = _plus(s["d_head_shared"], d_shared)
+    s["loss"] = put(s["loss"], m, loss.astype(jnp.float32))
+    s["aux"] = put(s["aux"], m, aux)
+    s["seed"] = put(s["seed"], where.stash_slot, dy)
+    s["d_head_rows"] = add_at(s["d_head_rows"], m, d_rows)
+    s["d_head_shared"] = plus(s["d_head_shared"], d_shared)
     return s, y, jax.tree.map(jnp.zeros_like, y)
 
 
 def _output_gradient(s, where):
     """The gradient of the chunk's output: the head's seed on the last stage, else what
     the next stage sent."""
-    seed = _get(s["seed"], where.stash_slot)
-    arrived = _get(s["B"], jnp.maximum(where.in_slot, 0))
+    seed = get(s["seed"], where.stash_slot)
+    arrived = get(s["B"], jnp.maximum(where.in_slot, 0))
     return jax.tree.map(lambda a, b: jnp.where(where.last, a, b), seed, arrived)
 
 
 def _backward(s, where, program, weights, layer_rows, layer_shared, split):
     m, chunk = where.micro, where.chunk
-    layer_inputs = _get(s["stash"], where.stash_slot)
+    layer_inputs = get(s["stash"], where.stash_slot)
     dy = _output_gradient(s, where)
     if split:  # the input gradients only; the weight gradient is its own action
-        s = dict(s, grad=_put(s["grad"], where.stash_slot, dy))
-    grads = _chunk_backward(
+        s = dict(s, grad=put(s["grad"], where.stash_slot, dy))
+    grads = chunk_backward(
         program,
         weights,
         chunk,
         layer_inputs,
         dy,
-        _get(layer_rows, m),
+        get(layer_rows, m),
         layer_shared,
         s,
         not split,
     )
     s = dict(grads.state)
-    s["d_layer_rows"] = _add_at(s["d_layer_rows"], m, grads.rows)
-    s["d_inputs"] = _add_at(
+    s["d_layer_rows"] = add_at(s["d_layer_rows"], m, grads.rows)
+    s["d_inputs"] = add_at(
         s["d_inputs"], m, jax.tree.map(lambda d: jnp.where(where.first, d, 0), grads.x)
     )
     return s, jax.tree.map(jnp.zeros_like, grads.x), grads.x
@@ -233,153 +235,12 @@ def _backward(s, where, program, weights, layer_rows, layer_shared, split):
 
 def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
     m, chunk = where.micro, where.chunk
-    layer_inputs = _get(s["stash"], where.stash_slot)
-    dy = _get(s["grad"], where.stash_slot)
-    rows = _get(layer_rows, m)
-    grads = _chunk_backward(program, weights, chunk, layer_inputs, dy, rows, layer_shared, s, True)
+    layer_inputs = get(s["stash"], where.stash_slot)
+    dy = get(s["grad"], where.stash_slot)
+    rows = get(layer_rows, m)
+    grads = chunk_backward(program, weights, chunk, layer_inputs, dy, rows, layer_shared, s, True)
     zero = jax.tree.map(lambda a: jnp.zeros_like(a[0]), layer_inputs)
     return grads.state, zero, zero
-
-
-# a chunk, one layer at a time
-
-
-def _chunk_forward(program, weights, chunk, x, rows, shared):
-    """The chunk's output, and each of its layers' inputs (stacked), which the backward
-    reads: the values JAX's gradient of a scan of checkpointed layers keeps."""
-
-    def one(x, i):
-        return program.layer(_layer(weights, chunk, i), x, rows, shared), x
-
-    return lax.scan(one, x, jnp.arange(_depth(weights)))
-
-
-@dataclass(frozen=True)
-class _ChunkGradients:
-    x: Any  # the chunk input's
-    rows: Any  # the microbatch's rows', summed over the layers
-    state: dict  # with the layers' weight and shared gradients added, when asked
-
-
-def _chunk_backward(program, weights, chunk, inputs, dy, rows, shared, s, with_weights):
-    """`dy` taken back through the chunk's layers, each layer's input (`inputs`, stacked)
-    kept by the forward: from the last layer, the layer recomputed and its pullback
-    applied. (Keeping each layer's pullback instead would keep its weights as one of its
-    values: a copy of the chunk.) With `with_weights`, each layer's weight gradient is
-    added into `s["d_weights"]` where its weights sit, and the shared values' into
-    `s["d_layer_shared"]`."""
-    layer_indices = jnp.arange(_depth(weights))
-
-    def back(carry, i):
-        dy, d_rows, acc = carry
-        w, x_i = _layer(weights, chunk, i), _get(inputs, i)
-        if with_weights:
-            _, pullback = _vjp(program.layer, w, x_i, rows, shared)
-            d_w, dx, d_r, d_shared = pullback(dy)
-            acc = {
-                "d_weights": _add_layer(acc["d_weights"], chunk, i, d_w),
-                "d_layer_shared": _plus(acc["d_layer_shared"], d_shared),
-            }
-        else:
-            _, pullback = _vjp(lambda x, r: program.layer(w, x, r, shared), x_i, rows)
-            dx, d_r = pullback(dy)
-        return (dx, _plus(d_rows, d_r), acc), None
-
-    kept = {k: s[k] for k in ("d_weights", "d_layer_shared")} if with_weights else {}
-    (dx, d_rows, kept), _ = lax.scan(
-        back, (dy, _float_zeros(rows), kept), layer_indices, reverse=True
-    )
-    return _ChunkGradients(dx, d_rows, {**s, **kept})
-
-
-def _depth(weights: Any) -> int:
-    """Layers per chunk: every weight leaf is [chunks, layers per chunk, ...]."""
-    return jax.tree.leaves(weights)[0].shape[1]
-
-
-def _layer(weights: Any, chunk: Any, i: Any) -> Any:
-    """Layer `i` of chunk `chunk`, read where it sits in the stage's stack."""
-
-    def read(a):
-        return lax.dynamic_slice(a, (chunk, i) + (0,) * (a.ndim - 2), (1, 1, *a.shape[2:]))[0, 0]
-
-    return jax.tree.map(read, weights)
-
-
-def _add_layer(weights: Any, chunk: Any, i: Any, value: Any) -> Any:
-    """`weights` with `value` added to layer `i` of chunk `chunk`, in place."""
-
-    def add(a, v):
-        at = (chunk, i) + (0,) * (a.ndim - 2)
-        layer = lax.dynamic_slice(a, at, (1, 1, *a.shape[2:]))
-        return lax.dynamic_update_slice(a, layer + v.astype(a.dtype)[None, None], at)
-
-    return jax.tree.map(add, weights, value)
-
-
-def _vjp(fn: Callable[..., Any], *args: Any, has_aux: bool = False) -> tuple[Any, Callable]:
-    """`jax.vjp` of `fn` over the float leaves of `args`; the others (token ids, PRNG
-    keys) get None for a cotangent. With `has_aux`, `fn` returns `(loss, aux)` and the
-    result is `((loss, aux), pullback)`."""
-    leaves, tree = jax.tree.flatten(args)
-    floats = [_is_float(a) for a in leaves]
-
-    def of_floats(*diff: Any) -> Any:
-        it = iter(diff)
-        full = [next(it) if f else a for a, f in zip(leaves, floats, strict=True)]
-        return fn(*jax.tree.unflatten(tree, full))
-
-    diff = [a for a, f in zip(leaves, floats, strict=True) if f]
-    out, pull, *aux = jax.vjp(of_floats, *diff, has_aux=has_aux)
-
-    def pullback(ct: Any) -> Any:
-        it = iter(pull(ct))
-        return jax.tree.unflatten(tree, [next(it) if f else None for f in floats])
-
-    return ((out, aux[0]) if has_aux else out), pullback
-
-
-def _is_float(a: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-
-
-def _float_zeros(tree: Any) -> Any:
-    """Zeros like the float leaves of `tree`; None for the others (they get no gradient)."""
-    return jax.tree.map(lambda a: jnp.zeros_like(a) if _is_float(a) else None, tree)
-
-
-# slot buffers: every leaf has the slot (or microbatch, or chunk) first
-
-
-def _get(tree: Any, index: Any) -> Any:
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
-
-
-def _put(tree: Any, index: Any, value: Any) -> Any:
-    """`tree` with `value` at `index`; unchanged where `index` is -1 (nothing to store)."""
-    at = jnp.maximum(index, 0)
-
-    def put(a, v):
-        kept = lax.dynamic_index_in_dim(a, at, keepdims=False)
-        return lax.dynamic_update_index_in_dim(
-            a, jnp.where(index >= 0, v, kept).astype(a.dtype), at, 0
-        )
-
-    return jax.tree.map(put, tree, value, is_leaf=lambda v: v is None)
-
-
-def _add_at(tree: Any, index: Any, value: Any) -> Any:
-    return jax.tree.map(
-        lambda a, v: lax.dynamic_update_index_in_dim(
-            a, lax.dynamic_index_in_dim(a, index, keepdims=False) + v.astype(a.dtype), index, 0
-        ),
-        tree,
-        value,
-    )
-
-
-def _plus(tree: Any, value: Any) -> Any:
-    return jax.tree.map(lambda a, v: a + v.astype(a.dtype), tree, value)
 
 
 def _tables(schedule: Schedule) -> dict[str, np.ndarray]:
