@@ -60,7 +60,7 @@ def _row(label: str, strategy: Any, compile_one: Any, cell: str) -> dict[str, An
         "program": label,
         "fits": report.fits,
         "memory_gib": report.memory.total_bytes / 2**30,
-        "stages": getattr(strategy, "pipeline_stages", 1),
+        "stages": strategy.pipeline_stages,
         **_read(report),
         "compile_s": time.perf_counter() - start,
         "hlo": re.sub(r"[^\w.-]+", "-", f"pipeline {cell} {label}") + ".hlo.txt.gz",
