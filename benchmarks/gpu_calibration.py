@@ -44,6 +44,9 @@ PROGRAMS = (
     ("gpt2-medium", 2, "ours"),
     ("gpt2-medium", 8, "jit"),
     ("bert-large", 32, "ours"),
+    ("gpt2-medium-plain-cast", 8, "ours"),
+    ("bert-large", 8, "jit"),
+    ("resnet50", 64, "ours"),
 )
 
 
@@ -67,8 +70,11 @@ def _median_ms(run: Any, steps: int, warmup: int = 3) -> dict[str, float]:
     }
 
 
-def measure_program(workload_key: str, batch: int, program: str, hlo_dir: Path) -> dict:
-    """One train step on this process's first device: timed, its memory, its HLO kept."""
+def measure_program(
+    workload_key: str, batch: int, program: str, hlo_dir: Path, trace: bool = False
+) -> dict:
+    """One train step on this process's first device: timed, its memory, its HLO kept, and
+    (`trace`) a profile of three more steps, each kernel's time (`xplane.pb`, gzipped)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -111,6 +117,14 @@ def measure_program(workload_key: str, batch: int, program: str, hlo_dir: Path) 
     text = compiled.as_text()
     name = program_key(workload_key, batch, program).replace(":", "_").replace("@", "_")
     hlo_dir.mkdir(parents=True, exist_ok=True)
+    if trace:
+        traced = hlo_dir / "trace" / name
+        with jax.profiler.trace(str(traced)):
+            for _ in range(3):
+                run()
+        (xplane,) = traced.rglob("*.xplane.pb")
+        with gzip.open(hlo_dir / f"{name}.xplane.pb.gz", "wb") as f:
+            f.write(xplane.read_bytes())
     with gzip.open(hlo_dir / f"{name}.hlo.txt.gz", "wt") as f:
         f.write(text)
     memory = compiled.memory_analysis()
@@ -153,7 +167,7 @@ def _one(args: argparse.Namespace) -> None:
     jax.config.update("jax_compilation_cache_dir", str(Path(args.hlo_dir) / "cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     workload, batch, program = args.one
-    found = measure_program(workload, int(batch), program, Path(args.hlo_dir))
+    found = measure_program(workload, int(batch), program, Path(args.hlo_dir), args.trace)
     print("RESULT " + json.dumps(found))
 
 
@@ -173,12 +187,15 @@ def measure(args: argparse.Namespace) -> None:
     started = time.monotonic()
     for workload, batch, program in PROGRAMS:
         key = program_key(workload, batch, program)
+        if args.programs and key not in args.programs:
+            continue
         left = args.deadline_s - (time.monotonic() - started)
         if left < 30:
             found["programs"][key] = {"error": "not run: the deadline came first"}
             continue
         command = [sys.executable, "-m", "benchmarks.gpu_calibration", "--one",
-                   workload, str(batch), program, "--hlo-dir", args.hlo_dir]  # fmt: skip
+                   workload, str(batch), program, "--hlo-dir", args.hlo_dir,
+                   *(["--trace"] if args.trace else [])]  # fmt: skip
         try:
             child = subprocess.run(command, capture_output=True, text=True, timeout=left)
             lines = [x for x in child.stdout.splitlines() if x.startswith("RESULT ")]
@@ -201,6 +218,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--hlo-dir", default=str(HLO_DIR))
     parser.add_argument("--deadline-s", type=float, default=1e9)
+    parser.add_argument("--programs", nargs="+", help="of PROGRAMS' keys (all by default)")
+    parser.add_argument("--trace", action="store_true", help="also profile 3 steps")
     args = parser.parse_args()
     if args.one:
         _one(args)
