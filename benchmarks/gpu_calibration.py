@@ -8,6 +8,9 @@ project's reader and fits the node file's `[calibration]` to the measured times.
     # here, from what it wrote:
     python -m benchmarks.gpu_calibration --fit --node dgx-h200
 
+Each `--measure` writes one run; `results/gpu_calibration.json` keeps the runs the fit
+reads (`{"runs": [...]}`), their HLO under `results/hlo/<run's hlo_dir>/`.
+
 `--measure` runs each program of `PROGRAMS` in a process of its own (so its device memory
 peak is its own): three warm-up steps, then the median of ten, the step's peak device
 memory (`memory_stats()["peak_bytes_in_use"]`) beside XLA's memory analysis, and the
@@ -177,6 +180,8 @@ def measure(args: argparse.Namespace) -> None:
 
     device = jax.devices()[0]
     found: dict[str, Any] = {
+        "hlo_dir": Path(args.hlo_dir).name,  # where `--fit` finds the programs, under hlo/
+        "traced": args.trace,
         "device_kind": device.device_kind,
         "jax": jax.__version__,
         "ceilings": ceilings(),

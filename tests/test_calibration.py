@@ -60,6 +60,39 @@ def test_a_calibration_must_name_its_steps_and_keep_fractions_in_range():
     with pytest.raises(ValueError, match=r"unknown keys \['matmul'\]"):
         Calibration.of({"calibration": {**_TABLE, "matmul": 1}}, "x.toml")
     assert Calibration.of({}, "x.toml") is None
+    with pytest.raises(ValueError, match="not_fitted names"):
+        Calibration.of({"calibration": {**_TABLE, "not_fitted": ["links"]}}, "x.toml")
+    with pytest.raises(ValueError, match="a fraction not fitted must be 1"):
+        Calibration.of({"calibration": {**_TABLE, "not_fitted": ["link_fraction"]}}, "x.toml")
+
+
+@pytest.mark.parametrize("name", ["dgx-h200", "2xdgx-h100"])
+def test_a_gpu_fitted_on_one_chip_says_its_links_were_never_measured(name):
+    report = hlo_report(_HLO, Topology.from_name(name))
+    assert report.calibration.startswith("calibrated against 4 measured step(s)")
+    assert "links and overlap not fitted (no measured step exercised them)" in report.calibration
+
+
+def test_the_gpu_fit_recovers_the_fractions_its_steps_ran_at():
+    """Steps made at known fractions (a matmul-bound and a memory-bound instruction mix):
+    the fit finds the memory fraction they ran at, and the estimate then equals them."""
+    from benchmarks.gpu_calibration_fit import estimate_s, fit_memory_fraction
+
+    topology = Topology.from_name("dgx-h200").at_datasheet_rates()
+    peak = topology.peak_flops
+
+    def terms(matmul_flops: float, matmul_bytes: float, other_bytes: float) -> dict:
+        instruction = {"flops_at_bf16_peak": matmul_flops, "hbm_bytes": matmul_bytes}
+        return {
+            "matmul_instructions": [{**instruction, "times": 24}],
+            "other_hbm_bytes": other_bytes,
+            "async_copy_hbm_bytes": 0.0,
+        }
+
+    steps = [terms(peak * 1e-3, 2e9, 5e10), terms(peak * 4e-3, 1e9, 1e10)]
+    rows = [(t, estimate_s(t, topology, 0.5, 0.7)) for t in steps]
+    assert fit_memory_fraction(rows, topology, 0.5) == pytest.approx(0.7)
+    assert fit_memory_fraction(rows, topology, 0.5) != fit_memory_fraction(rows, topology, 0.9)
 
 
 def test_the_fitted_generations_say_what_they_were_fitted_to():
@@ -69,8 +102,20 @@ def test_the_fitted_generations_say_what_they_were_fitted_to():
     assert "none kept out to check it" in v5p.calibration
 
 
-@pytest.mark.parametrize("name", ["dgx-h100", "v5e-8"])
+@pytest.mark.parametrize("name", ["v4-16", "v5e-8"])
 def test_an_uncalibrated_estimate_says_so(name):
     report = hlo_report(_HLO, Topology.from_name(name))
     assert report.calibration.startswith("uncalibrated: ")
     assert "never fitted to a measured step" in report.calibration
+
+
+def test_a_verdict_cached_under_other_rates_is_not_reused():
+    """The compiler's verdicts are cached by the program's fingerprint: a refitted
+    `[calibration]` changes the estimates they were chosen by, so it changes the key."""
+    from xla_strategies.step.verdict_cache import fingerprint
+
+    fitted = Topology.from_name("dgx-h200")
+    assert fingerprint("ir", fitted, None) == fingerprint(
+        "ir", Topology.from_name("dgx-h200"), None
+    )
+    assert fingerprint("ir", fitted, None) != fingerprint("ir", fitted.at_datasheet_rates(), None)

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import xla_strategies as xs
 from tests.frameworks.test_flax_quick_start import CNN  # flax's quick start, as written
 from xla_strategies.hardware.compiled_report import compiled_report
+from xla_strategies.step.pipeline_choice import STEP_RESOLUTION
 
 pytest.importorskip("libtpu", reason="the [tpu] extra provides XLA's TPU compiler")
 
@@ -152,7 +153,10 @@ def _assert_never_worse(topology, make):
     assert _data_bytes(ours) <= _data_bytes(plain) + SAME_PROGRAM_BYTES, (ours.memory, plain.memory)
     code = ours.memory.generated_code_bytes
     assert code <= plain.memory.generated_code_bytes * 1.05, (ours.memory, plain.memory)
-    assert ours.estimate["step_s"] <= plain.estimate["step_s"] * (1 + 1e-4)
+    # the rule's own resolution: a program 1 % slower by the estimate ranks as the same
+    # step, and the smaller in memory is kept (flax's CNN on dgx-h100: its sharded update,
+    # 10.99 MB against 16.54, 53.79 us against 53.63 at the H200-fitted rates)
+    assert ours.estimate["step_s"] <= plain.estimate["step_s"] * (1 + STEP_RESOLUTION)
 
 
 def test_the_verdict_is_cached_by_the_programs_fingerprint_and_said(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ kept out of the fit included:
     fitted_to = ["Llama 2 70B, v5p-128, MaxText: 692 tokens/s/chip", ...]
     checked_on = ["Mixtral 8x7B, v5p-128, MaxText: 2,909 tokens/s/chip"]
     error_band = 0.08          # the largest relative error of the estimate on those rows
+    not_fitted = ["link_fraction"]   # left at 1: no measured row exercised it (one GPU)
     source = "..."
 
 `Topology.from_name` applies the fractions to its rates, so the passes' cost model and the
@@ -27,6 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+#: what each fraction scales, as a report names it
+_TERMS = {
+    "matmul_fraction": "matmuls",
+    "memory_fraction": "memory",
+    "link_fraction": "links",
+    "hidden_fraction": "overlap",
+}
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class Calibration:
     fitted_to: tuple[str, ...] = ()
     checked_on: tuple[str, ...] = ()
     error_band: float | None = None
+    #: fractions left at 1 because no measured row exercised them (one GPU: no links)
+    not_fitted: tuple[str, ...] = ()
     source: str = ""
 
     @classmethod
@@ -62,6 +73,14 @@ class Calibration:
             raise ValueError(f"{where} [calibration]: every fraction must lie in (0, 1]")
         if not found.fitted_to:
             raise ValueError(f"{where} [calibration]: fitted_to must name the measured steps")
+        fraction_names = {f for f in known if f.endswith("_fraction")}
+        if not set(found.not_fitted) <= fraction_names:
+            raise ValueError(
+                f"{where} [calibration]: not_fitted names {sorted(found.not_fitted)}; "
+                f"fractions are {sorted(fraction_names)}"
+            )
+        if any(getattr(found, f) != 1.0 for f in found.not_fitted):
+            raise ValueError(f"{where} [calibration]: a fraction not fitted must be 1")
         return found
 
     def describe(self) -> str:
@@ -72,9 +91,15 @@ class Calibration:
             if self.checked_on
             else ", none kept out to check it"
         )
+        unfitted = (
+            f"; {' and '.join(_TERMS[f] for f in self.not_fitted)} not fitted (no measured "
+            "step exercised them)"
+            if self.not_fitted
+            else ""
+        )
         return (
-            f"calibrated against {len(self.fitted_to)} measured step(s){checked}{band} "
-            "(tpu_configs/ [calibration])"
+            f"calibrated against {len(self.fitted_to)} measured step(s){checked}{band}"
+            f"{unfitted} (tpu_configs/ [calibration])"
         )
 
 

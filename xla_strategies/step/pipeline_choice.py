@@ -82,8 +82,8 @@ REFINEMENTS: dict[str, Callable[[], Pass]] = {
 #: the same (programs that differ in their instructions' names and fusion boundaries)
 SAME = 1e-4
 #: estimated steps this close (relative) rank as one: the smaller program in memory is kept.
-#: The estimate's calibrated rates are within +-25 % of measured steps on v6e and
-#: uncalibrated on v5e; a difference under 1 % is below what it can tell.
+#: The estimate's calibrated rates are within +-25 % of measured steps on v6e, +-16 % on
+#: the H200 and uncalibrated on v5e; a difference under 1 % is below what it can tell.
 STEP_RESOLUTION = 0.01
 
 

@@ -21,12 +21,13 @@ CACHE = "XLA_STRATEGIES_CACHE"
 
 
 def fingerprint(captured_ir: str, topology: TopologyLike | None, options: Any) -> str:
-    """The key of a program: its captured IR, where it compiles for, with what options,
-    and the compiler's releases."""
+    """The key of a program: its captured IR, where it compiles for (the topology whole:
+    its rates too, so a refitted `[calibration]` judges the program again), with what
+    options, and the compiler's releases."""
     key = json.dumps(
         [
             captured_ir,
-            topology.name if topology is not None else None,
+            repr(topology),
             repr(options),
             compiler_versions(),
         ],  # fmt: skip
