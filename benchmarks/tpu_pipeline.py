@@ -111,6 +111,10 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
     parser.add_argument("--shard-parameters", action="store_true")
+    parser.add_argument("--stage-keeps", choices=["layer-inputs", "stage-inputs"])
+    parser.add_argument(
+        "--stages-only", action="store_true", help="only the staged rows (the cell's others kept)"
+    )
     parser.add_argument(
         "--reread",
         action="store_true",
@@ -125,15 +129,17 @@ def main() -> None:
     split = {"shard_parameters": True} if args.shard_parameters else {}
     kind = "FSDP" if split else "DP"
     cell = f"{args.model} {args.topology} S={args.stages}{' FSDP' if split else ''}"
-    rows = [
+    found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    rows = [] if args.stages_only else [
         _row(f"jit {kind}", flat, lambda: peer(flat, workload, fsdp=bool(split)), cell),
         _row(f"ours {kind}", flat, lambda: _ours(flat, workload, **split), cell),
-    ]
+    ]  # fmt: skip
     staged = xs.TPUStrategy(args.topology, compile_only=True, pipeline_stages=args.stages)
+    keeps = {"stage_keeps": args.stage_keeps} if args.stage_keeps else {}
     for schedule in args.schedules:
         label = f"ours {args.stages} stages{' FSDP' if split else ''}, {schedule}, "
-        label += f"M={args.microbatches}"
-        options = {"schedule": schedule, "microbatches": args.microbatches, **split}
+        label += f"M={args.microbatches}" + (f", {args.stage_keeps}" if keeps else "")
+        options = {"schedule": schedule, "microbatches": args.microbatches, **split, **keeps}
         rows.append(_row(label, staged, lambda o=options: _ours(staged, workload, **o), cell))
     print(f"{workload.name} on {args.topology}, {workload.batch_per_chip} per chip")
     print(f"{'program':36s} {'GiB/chip':>9s} {'step ms':>9s} {'DCN MB':>8s}")
@@ -146,8 +152,9 @@ def main() -> None:
             f"{row['across_slices_mb']:8.1f}"
         )
     print(rows[-1].get("calibration", ""))
-    found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    found[cell] = rows
+    labels = {row["program"] for row in rows}
+    kept = [row for row in found.get(cell, []) if row["program"] not in labels]
+    found[cell] = (kept if args.stages_only else []) + rows
     RESULTS.write_text(json.dumps(found, indent=1) + "\n")
 
 

@@ -69,6 +69,8 @@ class StagePlan:
     # parameter sharding within each stage: the replica axes the stack's layers are held
     # split over (shard-parameters' own), each layer gathered where a tick reads it
     block_axes: tuple[str, ...] = ()
+    # what a forward keeps for its backward (`executor.StageProgram.keeps`)
+    keeps: str = "layer-inputs"
 
     def __post_init__(self) -> None:
         if not self.seed:
@@ -269,7 +271,7 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
 
     def body(w, inputs, lrows, lshared, hrows, hshared):
         w = w if v == 1 else [x[:, 0] for x in w]  # each [V, chunk, ...]
-        program = executor.StageProgram(layer, head, plan.seed, list(stack.outputs[1:]))
+        program = executor.StageProgram(layer, head, plan.seed, list(stack.outputs[1:]), plan.keeps)
         r = executor.run(
             plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
         )

@@ -12,9 +12,10 @@ the layer loop; for two 1024-wide f32 layers on v5e, 20 us a tick, now 10). At t
 tick each stage sends its forward's output to the next stage and its backward's input
 gradient to the previous one with two collective-permutes, which XLA can overlap with the
 next tick's compute. Values wait in slot buffers whose sizes the schedule computed, so
-1F1B's program holds S microbatches' layer inputs where GPipe's holds M. (Keeping only the
-chunk's input, the backward ran the chunk's forward again to find them: a fifth more
-compute, and with parameters in blocks a third more layer gathers.)
+1F1B's program holds S microbatches' layer inputs where GPipe's holds M. Keeping only the
+chunk's input (`keeps="stage-inputs"`, the step's `stage_keeps`) holds a chunk's depth
+times less, and the backward runs the chunk's forward again to find them: a fifth more
+compute, and with parameters in blocks a third more layer gathers.
 
 The last stage runs the head (what follows the layers, up to the loss) of each
 microbatch in its forward and seeds the backward with the head's gradient; the first
@@ -41,6 +42,10 @@ from xla_strategies.passes.stages.slots import add_at, float_zeros, get, plus, p
 _KINDS = {FORWARD: 1, BACKWARD: 2, WEIGHT: 3}
 
 
+#: what a stage's forward can keep of a microbatch for its backward (`StageProgram.keeps`)
+KEEPS = ("layer-inputs", "stage-inputs")
+
+
 @dataclass(frozen=True)
 class StageProgram:
     """What the executor runs, as functions of pytrees.
@@ -53,6 +58,9 @@ class StageProgram:
     head: Callable[..., tuple[Any, Any]]
     seed: float  # the weight of each microbatch's loss in the total: 1/M for their mean
     aux: Any  # the head's auxiliary output, as `jax.ShapeDtypeStruct`s
+    #: what a forward keeps for its backward: each layer's input ("layer-inputs"), or the
+    #: chunk's input alone ("stage-inputs"; the backward runs the chunk forward again)
+    keeps: str = "layer-inputs"
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ def run(
     state = {
         "F": buffers(schedule.slots["F"]),
         "B": buffers(schedule.slots["B"]),
-        "stash": buffers(schedule.slots["stash"], depth(weights)),  # each layer's input
+        "stash": buffers(schedule.slots["stash"], *_kept_depth(program, weights)),
         "seed": buffers(schedule.slots["stash"]),
         "grad": buffers(schedule.slots["grad"]),  # zero-bubble: B's gradient kept for W
         "loss": jnp.zeros((m_count,), jnp.float32),
@@ -156,6 +164,21 @@ def run(
     )
 
 
+def _kept_depth(program: StageProgram, weights: Any) -> tuple[int, ...]:
+    """The stash's per-microbatch leading dimensions: one per layer, or none (the chunk's
+    input alone)."""
+    return (depth(weights),) if program.keeps == "layer-inputs" else ()
+
+
+def _layer_inputs(s, where, program, weights, rows, shared):
+    """Each layer's input of the microbatch `where` runs back through: the forward's, or
+    found by running the chunk forward again from the chunk input it kept."""
+    kept = get(s["stash"], where.stash_slot)
+    if program.keeps == "layer-inputs":
+        return kept
+    return chunk_forward(program, weights, where.chunk, kept, rows, shared)[1]
+
+
 @dataclass(frozen=True)
 class _Where:
     """One stage's action in one tick: its table row and where its chunk sits."""
@@ -173,7 +196,8 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
     arrived = get(s["F"], jnp.maximum(where.in_slot, 0))
     x = jax.tree.map(lambda a, b: jnp.where(where.first, a, b), get(inputs, m), arrived)
     y, layer_inputs = chunk_forward(program, weights, chunk, x, get(layer_rows, m), layer_shared)
-    s = dict(s, stash=put(s["stash"], where.stash_slot, layer_inputs))
+    kept = layer_inputs if program.keeps == "layer-inputs" else x
+    s = dict(s, stash=put(s["stash"], where.stash_slot, kept))
     rows = get(head_rows, m)
 
     def head_and_seed(y):
@@ -210,20 +234,13 @@ def _output_gradient(s, where):
 
 def _backward(s, where, program, weights, layer_rows, layer_shared, split):
     m, chunk = where.micro, where.chunk
-    layer_inputs = get(s["stash"], where.stash_slot)
+    rows = get(layer_rows, m)
+    layer_inputs = _layer_inputs(s, where, program, weights, rows, layer_shared)
     dy = _output_gradient(s, where)
     if split:  # the input gradients only; the weight gradient is its own action
         s = dict(s, grad=put(s["grad"], where.stash_slot, dy))
     grads = chunk_backward(
-        program,
-        weights,
-        chunk,
-        layer_inputs,
-        dy,
-        get(layer_rows, m),
-        layer_shared,
-        s,
-        not split,
+        program, weights, chunk, layer_inputs, dy, rows, layer_shared, s, not split
     )
     s = dict(grads.state)
     s["d_layer_rows"] = add_at(s["d_layer_rows"], m, grads.rows)
@@ -234,10 +251,9 @@ def _backward(s, where, program, weights, layer_rows, layer_shared, split):
 
 
 def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
-    m, chunk = where.micro, where.chunk
-    layer_inputs = get(s["stash"], where.stash_slot)
+    chunk, rows = where.chunk, get(layer_rows, where.micro)
+    layer_inputs = _layer_inputs(s, where, program, weights, rows, layer_shared)
     dy = get(s["grad"], where.stash_slot)
-    rows = get(layer_rows, m)
     grads = chunk_backward(program, weights, chunk, layer_inputs, dy, rows, layer_shared, s, True)
     zero = jax.tree.map(lambda a: jnp.zeros_like(a[0]), layer_inputs)
     return grads.state, zero, zero

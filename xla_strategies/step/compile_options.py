@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes.bridge.remat_policy import checked_policy
+from xla_strategies.passes.stages.executor import KEEPS as STAGE_KEEPS
 
 if TYPE_CHECKING:
     from xla_strategies.passes.pipeline import PassPipeline
@@ -57,6 +58,11 @@ class CompileOptions:
         schedule: the pipeline's schedule: "1f1b" (the default), "gpipe",
             "interleaved-1f1b" or "zero-bubble-h1".
         virtual_stages: chunks of layers per stage for "interleaved-1f1b" (default 2).
+        stage_keeps: what each stage's forward keeps of a microbatch for its backward:
+            "layer-inputs" (the default: each layer's input, as JAX's gradient of a scan
+            of checkpointed layers keeps) or "stage-inputs" (the chunk's input alone: the
+            backward runs the chunk's forward again, a layer's activations held per
+            microbatch instead of a chunk's, for about a third more compute).
         remat_policy: what every rematerialised block (`jax.checkpoint`, `nn.remat`)
             without a policy of its own keeps for the backward pass: a policy of
             `jax.checkpoint_policies` by name ("nothing_saveable", "dots_saveable",
@@ -79,6 +85,7 @@ class CompileOptions:
     microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
+    stage_keeps: str | None = None
     remat_policy: str | None = None
     name: str | None = None
 
@@ -100,6 +107,11 @@ class CompileOptions:
             raise TypeError(f"axis_name must be a non-empty string, got {self.axis_name!r}")
         if self.remat_policy is not None:
             checked_policy(self.remat_policy)
+        if self.stage_keeps not in (None, *STAGE_KEEPS):
+            raise ValueError(
+                f"stage_keeps must be one of {', '.join(map(repr, STAGE_KEEPS))}, got "
+                f"{self.stage_keeps!r}"
+            )
         for flag in ("shard_weight_updates", "shard_parameters", "select_by_compiling"):
             if getattr(self, flag) not in (None, True, False):
                 raise TypeError(f"{flag} must be True, False or None, got {getattr(self, flag)!r}")

@@ -21,7 +21,7 @@ from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpd
 from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.pipeline_choice import alternatives
 
-_OPTIONS = ("microbatches", "schedule", "virtual_stages")
+_OPTIONS = ("microbatches", "schedule", "virtual_stages", "stage_keeps")
 
 
 def stage_plan(
@@ -52,6 +52,7 @@ def stage_plan(
         STAGE_AXIS,
         seed=per_microbatch,
         block_axes=_block_axes(strategy, options, block_axes),
+        keeps=options.stage_keeps or "layer-inputs",
     )
     plan.table()  # a plan that does not fit fails here, naming what
     return plan
