@@ -133,7 +133,8 @@ def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
 ):
     """24 layers of 6656 x 6656 float32 weights with Adam (12.8 GB of state) on two v5e-4
     slices: replicated it does not fit a chip (18.2 GB); split over two pipeline stages,
-    each slice its 12 layers, it does (11.9 GiB)."""
+    each slice its 12 layers, it does (11.9 GiB), and in less with the stage's parameters
+    held in blocks over its 4 chips."""
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
     strategy = xs.TPUStrategy("2xv5e-4", compile_only=True)
     tx = optax.adam(1e-3)
@@ -145,7 +146,10 @@ def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
     fits = {(row.sharding, row.stages): row.fits for row in found.rows}
     assert fits[("replicated", 1)] is False
     assert fits[("replicated", 2)] is True
-    staged = next(row for row in found.rows if row.stages == 2)
+    assert fits[("parameter sharding", 2)] is True
+    by = {(row.sharding, row.stages): row for row in found.rows}
+    assert by["parameter sharding", 2].memory_bytes < by["replicated", 2].memory_bytes / 2
+    staged = by["replicated", 2]
     assert staged.microbatches == 4  # 16 rows over 4 replicas: 4 a replica, at most 8
     assert "stages" in found.table().splitlines()[1]
 

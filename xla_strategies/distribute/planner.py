@@ -8,8 +8,9 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
 - a model axis of 1, 2, 4 or 8 devices per replica, where the strategy can build one
   (`Strategy.with_logical_devices_per_replica`) and it divides the topology's fastest axis;
 - pipeline stages across 2 or 4 slices, where the strategy can cut its slices so
-  (`Strategy.with_pipeline_stages`): the state replicated within each stage, 1F1B over as
-  many microbatches as divide a replica's rows, at most 4 per stage;
+  (`Strategy.with_pipeline_stages`): the state replicated within each stage or its
+  parameters sharded over the stage's replicas, 1F1B over as many microbatches as divide
+  a replica's rows, at most 4 per stage;
 - the per-chip batch: the one given, then doubled while it fits (every batch argument,
   the ones split over the replicas, grows together);
 - on the best configuration found, where the step has remat blocks (`jax.checkpoint`,
@@ -202,9 +203,11 @@ def _candidates(
             variant = staged.with_logical_devices_per_replica(model)
             if variant is None:
                 continue
-            # with stages, the state is replicated within each: the passes that shard it
-            # do not know the stages yet (`step.stage_plan.staged_pipeline`)
-            for sharding in SHARDINGS if count == 1 else ("replicated",):
+            # with stages, the state is replicated within each, or its parameters are held
+            # in blocks over the stage's replicas (FSDP inside each stage; not with a
+            # model axis yet, `step.stage_plan`); weight-update sharding alone is refused
+            within = ("replicated",) + (("parameter sharding",) if model == 1 else ())
+            for sharding in SHARDINGS if count == 1 else within:
                 yield variant, sharding, model
 
 
