@@ -8,11 +8,11 @@ a real GPU. Run on one GPU; writes `results/gpu_device_check.json` (or `--out`).
    instruction counts by opcode, collectives and memory, side by side.
 3. Speed: GPT-2 medium's train step, ours (`strategy.compile`) against plain `jax.jit`,
    timed side by side on the same GPU (the median of 20 steps after 3 warm-up steps).
-4. Calibration: ResNet-50's, BERT-large's and GPT-2 medium's train steps under
-   `MirroredStrategy()`, each timed (the median of 10 steps after 3 warm-up steps) against
-   the estimates made without running it: the reader's compute for its compiled HLO (the
-   roofline, and the matmul flops at peak alone) and the cost model's compute estimate of
-   our graph, at the rates of the node's file (`tpu_configs/<node>.toml`).
+
+The estimate's calibration against measured steps is `benchmarks.gpu_calibration` (each
+step in a process of its own, its HLO and a profile kept) and `gpu_calibration_fit`.
+(`results/gpu_device_check.json` keeps the H100's calibration rows of 2026-11-27, which
+`tpu_configs/dgx-h100.toml` is checked on.)
 
 `--checks` runs some of them (all by default).
 """
@@ -35,11 +35,9 @@ import optax
 from flax import linen as nn
 
 import xla_strategies as xs
-from benchmarks.tpu_models import WORKLOADS, trained_params
-from xla_strategies.hardware.compiled_report import hlo_report
+from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.hardware.gpu_compile import target_config
 from xla_strategies.hardware.hlo import computations
-from xla_strategies.passes.cost.timeline import compute_estimate
 
 RESULTS = Path(__file__).parent / "results" / "gpu_device_check.json"
 
@@ -158,48 +156,6 @@ def speed(steps: int = 20) -> dict[str, Any]:
     return {**timings, "ours_over_jit": ratio}
 
 
-CALIBRATED = ("resnet50", "bert-large", "gpt2-medium")
-
-
-def calibration(node: str, steps: int = 10) -> dict[str, Any]:
-    """Each of `CALIBRATED`'s steps on this GPU: measured, and estimated (ms)."""
-    topology = xs.Topology.from_name(node)
-    strategy = xs.MirroredStrategy()
-    rng = np.random.default_rng(0)
-    found = {}
-    for name in CALIBRATED:
-        workload, tx = WORKLOADS[name](), optax.adamw(1e-4)
-        variables = jax.jit(workload.init)()
-        opt_state = strategy.replicate(jax.jit(tx.init)(trained_params(variables)))
-        variables = strategy.replicate(variables)
-        data = {
-            key: rng.normal(size=s.shape).astype(s.dtype)
-            if jnp.issubdtype(s.dtype, jnp.floating)
-            else np.zeros(s.shape, s.dtype)  # token ids and labels: any valid one
-            for key, s in workload.batch(workload.batch_per_chip).items()
-        }
-        batch = next(iter(strategy.experimental_distribute_dataset([data])))
-        step = strategy.compile(workload.step(tx, "batch"), axis_name="batch",
-                                donate_argnums=(0, 1))  # fmt: skip
-        graph = step.executable(variables, opt_state, batch).graph
-        text = step.lower(variables, opt_state, batch).compile().as_text()
-        estimate = hlo_report(text, topology)
-        seconds = []
-        for i in range(steps + 3):
-            started = time.perf_counter()
-            variables, opt_state, loss = step(variables, opt_state, batch)
-            jax.block_until_ready(loss)
-            if i >= 3:
-                seconds.append(time.perf_counter() - started)
-        found[workload.name] = {
-            "measured_ms": 1e3 * statistics.median(seconds),
-            "hlo_roofline_ms": 1e3 * estimate.estimate["compute_s"],
-            "hlo_matmul_ms": 1e3 * estimate.estimate["matmul_s"],
-            "cost_model_ms": 1e3 * compute_estimate(graph, topology),
-        }
-    return found
-
-
 def _recorded(check: Any, *args: Any) -> dict[str, Any]:
     """A check's findings, or the error that stopped it: one failing check leaves the
     others' numbers on record."""
@@ -209,7 +165,7 @@ def _recorded(check: Any, *args: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
-CHECKS = ("numbers", "compiled_program", "speed", "calibration")
+CHECKS = ("numbers", "compiled_program", "speed")
 
 
 def main() -> None:
@@ -242,8 +198,6 @@ def main() -> None:
         found["compiled_program"] = _recorded(compiled_program, node_name)
     if "speed" in args.checks:
         found["speed"] = _recorded(speed)
-    if "calibration" in args.checks:
-        found["calibration"] = _recorded(calibration, node_name)
     text = json.dumps(found, indent=1, default=lambda o: dict(o))
     Path(args.out).write_text(text + "\n")
     print(re.sub(r"\n\s+", " ", text))
