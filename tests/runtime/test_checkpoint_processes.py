@@ -72,17 +72,22 @@ def _every_listed_step_restores(directory: Path, leaves: int = LEAVES) -> list[i
 
 
 def test_a_second_writer_is_refused_naming_the_first_and_no_step_mixes(tmp_path):
-    first = _start("write", str(tmp_path), "--steps", "30", "--pause", "0.05")
+    # the first holds the directory after its step 2 until the second has run: a loaded
+    # machine that starts the second late cannot find the first done
+    directory, go = tmp_path / "checkpoints", tmp_path / "go"
+    first = _start("write", str(directory), "--steps", "30", "--pause", "0.05",
+                   "--hold-until", str(go))  # fmt: skip
     _wait_for_line(first, "STEP 2")
-    second = _start("write", str(tmp_path), "--steps", "30", "--tag", "0.75")
+    second = _start("write", str(directory), "--steps", "30", "--tag", "0.75")
     out = _finish(second)
+    go.touch()
     assert second.returncode == REFUSED_STATUS, out[-3000:]
     host = socket.gethostname()
     assert f"locked by process {first.pid} on {host}" in out, out[-3000:]
     assert "read_only=True" in out, out[-3000:]
     assert "DONE" in _finish(first)
     assert first.returncode == 0
-    assert _every_listed_step_restores(tmp_path) == list(range(1, 31))
+    assert _every_listed_step_restores(directory) == list(range(1, 31))
 
 
 @pytest.mark.parametrize("max_to_keep", [100, 3])

@@ -59,9 +59,17 @@ def write(args: argparse.Namespace, overwrite: bool) -> None:
             print(f"REFUSED {exc}".splitlines()[0], flush=True)
             sys.exit(REFUSED_STATUS)
         print(f"STEP {n + 1}", flush=True)
+        if args.hold_until and n == 1:  # the lock held after step 2 until another is done
+            _wait_for(Path(args.hold_until))
         time.sleep(args.pause)
     manager.close()
     print("DONE", flush=True)
+
+
+def _wait_for(path: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def read(args: argparse.Namespace) -> None:
@@ -95,6 +103,7 @@ def main() -> None:
     parser.add_argument("--max-to-keep", type=int, default=100)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--hold-until", help="after step 2, wait until this file exists")
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     if args.mode == "read":
