@@ -60,9 +60,9 @@ class CompileOptions:
         virtual_stages: chunks of layers per stage for "interleaved-1f1b" (default 2).
         stage_keeps: what each stage's forward keeps of a microbatch for its backward:
             "layer-inputs" (the default: each layer's input, as JAX's gradient of a scan
-            of checkpointed layers keeps) or "stage-inputs" (the chunk's input alone: the
-            backward runs the chunk's forward again, a layer's activations held per
-            microbatch instead of a chunk's, for about a third more compute).
+            of checkpointed layers keeps) or "stage-inputs" (the chunk's input alone, a
+            chunk's depth times less held per microbatch; the backward runs the chunk's
+            forward again, about a third more compute).
         remat_policy: what every rematerialised block (`jax.checkpoint`, `nn.remat`)
             without a policy of its own keeps for the backward pass: a policy of
             `jax.checkpoint_policies` by name ("nothing_saveable", "dots_saveable",
