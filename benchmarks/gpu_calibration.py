@@ -1,12 +1,13 @@
 """The GPU step estimate against measured steps: on a real GPU, `--measure` times train
-steps and keeps each one's compiled HLO; anywhere, `--fit` reads those programs with the
-project's reader and fits the node file's `[calibration]` to the measured times.
+steps and keeps each one's compiled HLO (and with `--trace` a profile); anywhere,
+`benchmarks.gpu_calibration_fit` reads those programs with the project's reader and fits
+the node file's `[calibration]` to the measured times.
 
     # on one GPU (JAX with its CUDA plugin, flax, optax):
-    python -m benchmarks.gpu_calibration --measure --out results/gpu_calibration.json \\
-        --hlo-dir results/hlo/gpu
-    # here, from what it wrote:
-    python -m benchmarks.gpu_calibration --fit --node dgx-h200
+    python -m benchmarks.gpu_calibration --measure --trace --out run.json \\
+        --hlo-dir results/hlo/gpu-h200-1
+    # here, from the runs kept in results/gpu_calibration.json:
+    python -m benchmarks.gpu_calibration_fit --node dgx-h200
 
 Each `--measure` writes one run; `results/gpu_calibration.json` keeps the runs the fit
 reads (`{"runs": [...]}`), their HLO under `results/hlo/<run's hlo_dir>/`.
@@ -57,7 +58,7 @@ def program_key(workload: str, batch: int, program: str) -> str:
     return f"{workload}@{batch}:{program}"
 
 
-def _median_ms(run: Any, steps: int, warmup: int = 3) -> dict[str, float]:
+def median_ms(run: Any, steps: int, warmup: int = 3) -> dict[str, float]:
     """`run()`'s median wall time over `steps` calls after `warmup` (it blocks until its
     result is ready), and the spread of the timed calls."""
     seconds = []
@@ -115,7 +116,7 @@ def measure_program(
     started = time.perf_counter()
     run()  # compiles (kept in the compilation cache for the text below)
     first_ms = 1e3 * (time.perf_counter() - started)
-    timed = _median_ms(run, steps=10)
+    timed = median_ms(run, steps=10)
     compiled = step.lower(*state, batch_args).compile()
     text = compiled.as_text()
     name = program_key(workload_key, batch, program).replace(":", "_").replace("@", "_")
@@ -153,10 +154,10 @@ def ceilings(n: int = 8192, elements: int = 1 << 30) -> dict[str, float]:
     keys = jax.random.split(jax.random.key(0), 2)
     a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys)
     matmul = jax.jit(lambda x, y: x @ y)
-    found = _median_ms(lambda: matmul(a, b).block_until_ready(), steps=20)
+    found = median_ms(lambda: matmul(a, b).block_until_ready(), steps=20)
     x = jax.random.normal(keys[0], (elements,), jnp.float32)
     copy = jax.jit(lambda v: v + 1.0)
-    moved = _median_ms(lambda: copy(x).block_until_ready(), steps=20)
+    moved = median_ms(lambda: copy(x).block_until_ready(), steps=20)
     return {
         "bf16_matmul_flops_per_s": 2 * n**3 / (found["median_ms"] / 1e3),
         "copy_bytes_per_s": 2 * 4 * elements / (moved["median_ms"] / 1e3),
@@ -180,7 +181,7 @@ def measure(args: argparse.Namespace) -> None:
 
     device = jax.devices()[0]
     found: dict[str, Any] = {
-        "hlo_dir": Path(args.hlo_dir).name,  # where `--fit` finds the programs, under hlo/
+        "hlo_dir": Path(args.hlo_dir).name,  # where the fit finds the programs, under hlo/
         "traced": args.trace,
         "device_kind": device.device_kind,
         "jax": jax.__version__,

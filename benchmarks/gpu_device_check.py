@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ import optax
 from flax import linen as nn
 
 import xla_strategies as xs
+from benchmarks.gpu_calibration import median_ms
 from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.hardware.gpu_compile import target_config
 from xla_strategies.hardware.hlo import computations
@@ -143,15 +142,14 @@ def speed(steps: int = 20) -> dict[str, Any]:
         else:
             step = jax.jit(workload.step(tx, None), donate_argnums=(0, 1))
             batch = {"tokens": jnp.asarray(tokens)}
-        seconds = []
-        for i in range(steps + 3):
-            started = time.perf_counter()
-            params, opt_state, loss = step(params, opt_state, batch)
-            loss.block_until_ready()
-            if i >= 3:
-                seconds.append(time.perf_counter() - started)
-        median = 1e3 * statistics.median(seconds)
-        timings[name] = {"median_ms": median, "loss": float(np.mean(loss))}
+        state = [params, opt_state, None]
+
+        def run(state=state, step=step, batch=batch):
+            state[:] = step(state[0], state[1], batch)
+            state[2].block_until_ready()
+
+        median = median_ms(run, steps)["median_ms"]
+        timings[name] = {"median_ms": median, "loss": float(np.mean(state[2]))}
     ratio = timings["ours"]["median_ms"] / timings["jax.jit"]["median_ms"]
     return {**timings, "ours_over_jit": ratio}
 

@@ -37,6 +37,7 @@ import xla_strategies as xs
 from benchmarks.tpu_aot import HLO_DIR, _batch, abstract_state, peer
 from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
+from xla_strategies.passes.stages.executor import KEEPS
 
 RESULTS = Path(__file__).parent / "results" / "tpu_pipeline.json"
 
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
     parser.add_argument("--shard-parameters", action="store_true")
-    parser.add_argument("--stage-keeps", choices=["layer-inputs", "stage-inputs"])
+    parser.add_argument("--stage-keeps", choices=KEEPS)
     parser.add_argument(
         "--stages-only", action="store_true", help="only the staged rows (the cell's others kept)"
     )

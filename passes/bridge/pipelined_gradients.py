@@ -50,6 +50,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
 )
 from xla_strategies.passes.stages import executor
 from xla_strategies.passes.stages.schedules import Schedule, schedule
+from xla_strategies.passes.stages.slots import is_float
 
 STAGE_AXIS = "stage"
 
@@ -148,7 +149,7 @@ def pipelined_vjp(
     stack = split(flat_fun, flat, plan.stages * plan.virtual_stages)
     inputs = [*stack.closed_over, *flat]
     row_mask = [stacked_microbatches(x) is not None for x in inputs]
-    wanted = [False] * len(stack.closed_over) + [_is_float(x) for x in flat]
+    wanted = [False] * len(stack.closed_over) + [is_float(x) for x in flat]
     mb_mask = stack.depends(row_mask)
     if not all(mb_mask[0]):
         raise ValueError(
@@ -344,7 +345,7 @@ def _summed_like(primal: Any, cotangent: Any, stage_split: bool = False) -> Any:
 
 
 def _zero_cotangent(x: Any) -> Any:
-    if _is_float(x):
+    if is_float(x):
         return jnp.zeros_like(x)
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
@@ -357,7 +358,3 @@ def _loss_dtype(stack: Any) -> Any:
 def _manual_axes() -> frozenset[str]:
     mesh = jax.sharding.get_abstract_mesh()
     return frozenset(getattr(mesh, "manual_axes", ()) or ())
-
-
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)

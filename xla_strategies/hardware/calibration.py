@@ -73,11 +73,10 @@ class Calibration:
             raise ValueError(f"{where} [calibration]: every fraction must lie in (0, 1]")
         if not found.fitted_to:
             raise ValueError(f"{where} [calibration]: fitted_to must name the measured steps")
-        fraction_names = {f for f in known if f.endswith("_fraction")}
-        if not set(found.not_fitted) <= fraction_names:
+        if not set(found.not_fitted) <= set(_TERMS):
             raise ValueError(
                 f"{where} [calibration]: not_fitted names {sorted(found.not_fitted)}; "
-                f"fractions are {sorted(fraction_names)}"
+                f"fractions are {sorted(_TERMS)}"
             )
         if any(getattr(found, f) != 1.0 for f in found.not_fitted):
             raise ValueError(f"{where} [calibration]: a fraction not fitted must be 1")
