@@ -282,3 +282,24 @@ def test_compile_options_are_one_typed_object_and_a_misspelling_names_the_closes
     assert w.is_deleted()  # the typed option took effect: the argument was donated
     with pytest.raises(TypeError, match="give options= or keywords, not both"):
         mirrored.compile(lambda w: w, options=options, name="x")
+
+
+def test_an_array_read_again_with_another_sharding_is_read_anew(mirrored):
+    # the second call's array has the first's shape and dtype: only its sharding says that
+    # each replica sees all of it, not its 2 rows
+    rows = mirrored.compile(lambda x: jnp.asarray(x.shape[0], jnp.float32))
+    data, split = _batch(mirrored)
+    per_replica = rows(split)
+    whole = rows(mirrored.replicate(data))
+    assert set(np.asarray(per_replica).ravel().tolist()) == {2.0}
+    assert float(whole) == 16.0 and rows.cache_size == 2
+
+
+def test_a_state_read_again_keeps_its_program_and_a_deleted_leaf_is_named(mirrored):
+    step = mirrored.compile(lambda s: jax.tree.map(lambda w: w * 2, s), donate_argnums=0)
+    state = mirrored.replicate({"a": np.ones(3, np.float32), "b": np.ones((2, 2), np.float32)})
+    for _ in range(3):  # each call reads the last one's outputs
+        old, state = state, step(state)
+    assert step.cache_size == 1 and float(state["b"][0, 0]) == 8.0
+    with pytest.raises(ValueError, match=r"args\[0\]\['a'\] was donated to an earlier call"):
+        step(old)

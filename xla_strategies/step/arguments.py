@@ -48,6 +48,15 @@ class ArraySpec:
     #: the dimension a mirrored array is split on over the model axis (its sharding's)
     model_dim: int | None = None
 
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(
+            (self.shape, self.dtype, self.layout, self.key_impl, self.weak_type, self.model_dim)
+        )
+
+    def __hash__(self) -> int:  # once per spec: a step's signature hashes every leaf's
+        return self._hash
+
 
 @dataclass(frozen=True)
 class Static:
@@ -64,6 +73,11 @@ class Signature:
 
     treedef: Any
     leaves: tuple[ArraySpec | Static, ...]
+
+    def __hash__(self) -> int:  # once: the executable cache looks a signature up twice a call
+        if (cached := self.__dict__.get("_hash")) is None:
+            cached = self.__dict__["_hash"] = hash((self.treedef, self.leaves))
+        return cached
 
     @functools.cached_property
     def arrays(self) -> list[ArraySpec]:
@@ -112,6 +126,7 @@ def flatten_arguments(
     static_argnames: frozenset[str],
     where: Callable[[str], str],
     model_dim_of: Callable[[Any], int | None] = lambda array: None,
+    known: KnownSpecs | None = None,
 ) -> tuple[list[Any], Signature]:
     """The traced arrays of `(args, kwargs)` and the step's signature.
 
@@ -119,15 +134,25 @@ def flatten_arguments(
         layout_of: the strategy's layout of an array.
         model_dim_of: the dimension the strategy's model axis splits an array on.
         where: turns an argument path (`args[0]['w']`) into the name used in errors.
+        known: the specs of arrays read before (a step's own, kept between its calls).
     """
     args = tuple(_Declared(a) if i in static_argnums else a for i, a in enumerate(args))
     kwargs = {k: _Declared(v) if k in static_argnames else v for k, v in kwargs.items()}
-    args, kwargs = _equinox_numbers_static((args, kwargs))
-    args, kwargs = _state_numbers_strong((args, kwargs))
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    if any(_is_number(leaf) for leaf in leaves):  # else both rewrites would change nothing
+        args, kwargs = _equinox_numbers_static((args, kwargs))
+        args, kwargs = _state_numbers_strong((args, kwargs))
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     arrays: list[Any] = []
     specs: list[ArraySpec | Static] = []
     for index, leaf in enumerate(leaves):
+        spec = known.get(leaf) if known is not None else None
+        if spec is not None:  # an array like one read before: only what can differ checked
+            if leaf.is_deleted():
+                _refuse_deleted(where(_leaf_path(args, kwargs, index)))
+            specs.append(spec)
+            arrays.append(leaf)
+            continue
         if not is_traced(leaf):
             specs.append(_static(leaf, lambda i=index: where(_leaf_path(args, kwargs, i))))
             continue
@@ -140,11 +165,7 @@ def flatten_arguments(
                 "the plain per-replica function (`step.__wrapped__`) inside a compiled step"
             )
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise ValueError(
-                f"{where(_leaf_path(args, kwargs, index))} was donated to an earlier call of a "
-                "compiled step (donate_argnums or donate_argnames) and deleted; pass the "
-                "array that call returned, or donate nothing"
-            )
+            _refuse_deleted(where(_leaf_path(args, kwargs, index)))
         if is_foreign_array(leaf):  # read on the host, then placed like a numpy array
             leaf = np.asarray(leaf)
         if isinstance(leaf, np.ndarray):  # of numbers: an object array's error names it
@@ -169,9 +190,49 @@ def flatten_arguments(
         # a numpy int64 runs as int32 without x64, as the array the step hands back for it
         dtype = jax.dtypes.canonicalize_dtype(array.dtype) if impl is None else array.dtype
         dim = model_dim_of(leaf)
-        specs.append(ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number, dim))
+        spec = ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number, dim)
+        if (
+            known is not None and impl is None and isinstance(leaf, jax.Array)
+        ):  # tracers: refused above
+            known.remember(leaf, spec)
+        specs.append(spec)
         arrays.append(array)
     return arrays, Signature(treedef, tuple(specs))
+
+
+class KnownSpecs:
+    """The specs of the `jax.Array`s a step has read, by shape, dtype and sharding: all a
+    leaf's spec depends on, so a call whose state is the last call's outputs reads each
+    leaf with one lookup, and its signature holds the same spec objects (compared by
+    identity). Bounded: shapes that change every call cannot grow it forever."""
+
+    LIMIT = 1 << 16
+
+    def __init__(self) -> None:
+        self._specs: dict[tuple[Any, ...], ArraySpec] = {}
+        self._types: set[type] = set()  # concrete array classes (never a tracer's)
+
+    def get(self, leaf: Any) -> ArraySpec | None:
+        if type(leaf) not in self._types:  # numbers, numpy, foreign, abstract, tracers
+            return None
+        return self._specs.get((leaf.shape, leaf.dtype, leaf.sharding))
+
+    def remember(self, leaf: jax.Array, spec: ArraySpec) -> None:
+        if len(self._specs) >= self.LIMIT:
+            self._specs.clear()
+        self._types.add(type(leaf))
+        self._specs[(leaf.shape, leaf.dtype, leaf.sharding)] = spec
+
+
+def _is_number(leaf: Any) -> bool:
+    return isinstance(leaf, int | float | complex) and not isinstance(leaf, bool)
+
+
+def _refuse_deleted(name: str) -> None:
+    raise ValueError(
+        f"{name} was donated to an earlier call of a compiled step (donate_argnums or "
+        "donate_argnames) and deleted; pass the array that call returned, or donate nothing"
+    )
 
 
 def _layout(layout_of: Callable[[Any], Layout], leaf: Any, where: Callable[[], str]) -> Layout:

@@ -31,6 +31,7 @@ from xla_strategies.runtime.dispatch_pacing import CPU_PACER
 from xla_strategies.step import in_place_state, numerics
 from xla_strategies.step.argument_declarations import declared_arguments
 from xla_strategies.step.arguments import (
+    KnownSpecs,
     Outputs,
     Signature,
     argument_paths,
@@ -122,6 +123,7 @@ class CompiledStep:
         )
         self.compiler_options = option_values(options.compiler_options)
         self._cache: OrderedDict[Signature, Executable] = OrderedDict()
+        self._known_specs = KnownSpecs()  # what its arguments' arrays read as, by their kind
         self._compiled = 0  # programs built, the evicted included
         self._calls = 0  # for errors that name the call (numerics)
         self.__wrapped__ = fn
@@ -215,6 +217,7 @@ class CompiledStep:
             self.static_argnames,
             lambda path: f"{self.name} argument {path}",
             self.strategy.model_dim,
+            self._known_specs,
         )
 
     def _executable(self, signature: Signature) -> Executable:

@@ -64,6 +64,8 @@ class Executable:
 
 
 def _put(leaf: Any, sharding: NamedSharding, strategy: StepStrategy) -> Any:
-    if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+    if isinstance(leaf, jax.Array) and (
+        leaf.sharding == sharding or leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    ):  # equality first: it is the common case, and far cheaper
         return leaf
     return strategy.place(leaf, sharding)  # a copy where the program reads it, or abstract
