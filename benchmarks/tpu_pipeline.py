@@ -24,6 +24,7 @@ again with the reader as it is, without compiling.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import re
@@ -114,6 +115,9 @@ def main() -> None:
     parser.add_argument("--shard-parameters", action="store_true")
     parser.add_argument("--stage-keeps", choices=KEEPS)
     parser.add_argument(
+        "--batch-per-chip", type=int, help="sequences per chip (default: the model's)"
+    )
+    parser.add_argument(
         "--stages-only", action="store_true", help="only the staged rows (the cell's others kept)"
     )
     parser.add_argument(
@@ -126,10 +130,13 @@ def main() -> None:
         reread()
         return
     workload = WORKLOADS[args.model]()
+    cell = f"{args.model} {args.topology} S={args.stages}{' FSDP' if args.shard_parameters else ''}"
+    if args.batch_per_chip:
+        workload = dataclasses.replace(workload, batch_per_chip=args.batch_per_chip)
+        cell += f" {args.batch_per_chip}/chip"
     flat = xs.TPUStrategy(args.topology, compile_only=True)
     split = {"shard_parameters": True} if args.shard_parameters else {}
     kind = "FSDP" if split else "DP"
-    cell = f"{args.model} {args.topology} S={args.stages}{' FSDP' if split else ''}"
     found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     rows = [] if args.stages_only else [
         _row(f"jit {kind}", flat, lambda: peer(flat, workload, fsdp=bool(split)), cell),
