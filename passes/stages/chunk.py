@@ -25,6 +25,30 @@ def chunk_forward(program, weights, chunk, x, rows, shared):
     return lax.scan(one, x, jnp.arange(depth(weights)))
 
 
+def chunk_forward_into(program, weights, chunk, x, rows, shared, stash, slot):
+    """The chunk's output, each layer's input written where the backward reads it: layer
+    i's at `[slot, i]` of `stash` (stacked and then stored, they were a copy of the chunk's
+    inputs beside the stash: 4 GiB a chip for Llama-3.1-405B)."""
+
+    def one(carry, i):
+        x, stash = carry
+        stash = jax.tree.map(lambda b, v: _write(b, (slot, i), v), stash, x)
+        return (program.layer(layer_of(weights, chunk, i), x, rows, shared), stash), None
+
+    (y, stash), _ = lax.scan(one, (x, stash), jnp.arange(depth(weights)))
+    return y, stash
+
+
+def stashed(stash, slot):
+    """Layer i's input as `chunk_forward_into` wrote it, read in place."""
+    return lambda i: jax.tree.map(lambda b: _read(b, (slot, i)), stash)
+
+
+def stacked(inputs):
+    """Layer i's input from the layers' inputs stacked."""
+    return lambda i: get(inputs, i)
+
+
 @dataclass(frozen=True)
 class ChunkGradients:
     x: Any  # the chunk input's
@@ -32,9 +56,9 @@ class ChunkGradients:
     state: dict  # with the layers' weight and shared gradients added, when asked
 
 
-def chunk_backward(program, weights, chunk, inputs, dy, rows, shared, s, with_weights):
-    """`dy` taken back through the chunk's layers, each layer's input (`inputs`, stacked)
-    kept by the forward: from the last layer, the layer recomputed and its pullback
+def chunk_backward(program, weights, chunk, input_of, dy, rows, shared, s, with_weights):
+    """`dy` taken back through the chunk's layers, each layer's input (`input_of(i)`, read
+    where the forward kept it): from the last layer, the layer recomputed and its pullback
     applied. (Keeping each layer's pullback instead would keep its weights as one of its
     values: a copy of the chunk.) With `with_weights`, each layer's weight gradient is
     added into `s["d_weights"]` where its weights sit, and the shared values' into
@@ -43,7 +67,7 @@ def chunk_backward(program, weights, chunk, inputs, dy, rows, shared, s, with_we
 
     def back(carry, i):
         dy, d_rows, acc = carry
-        w, x_i = layer_of(weights, chunk, i), get(inputs, i)
+        w, x_i = layer_of(weights, chunk, i), input_of(i)
         if with_weights:
             _, pullback = vjp(program.layer, w, x_i, rows, shared)
             d_w, dx, d_r, d_shared = pullback(dy)
@@ -70,22 +94,26 @@ def depth(weights: Any) -> int:
 
 def layer_of(weights: Any, chunk: Any, i: Any) -> Any:
     """Layer `i` of chunk `chunk`, read where it sits in the stage's stack."""
-
-    def read(a):
-        return lax.dynamic_slice(a, (chunk, i) + (0,) * (a.ndim - 2), (1, 1, *a.shape[2:]))[0, 0]
-
-    return jax.tree.map(read, weights)
+    return jax.tree.map(lambda a: _read(a, (chunk, i)), weights)
 
 
 def add_layer(weights: Any, chunk: Any, i: Any, value: Any) -> Any:
     """`weights` with `value` added to layer `i` of chunk `chunk`, in place."""
+    return jax.tree.map(
+        lambda a, v: _write(a, (chunk, i), _read(a, (chunk, i)) + v), weights, value
+    )
 
-    def add(a, v):
-        at = (chunk, i) + (0,) * (a.ndim - 2)
-        layer = lax.dynamic_slice(a, at, (1, 1, *a.shape[2:]))
-        return lax.dynamic_update_slice(a, layer + v.astype(a.dtype)[None, None], at)
 
-    return jax.tree.map(add, weights, value)
+def _read(a: Any, at: tuple) -> Any:
+    """`a[at]` for the two leading indices `at`, sliced in place."""
+    start = at + (0,) * (a.ndim - 2)
+    return lax.dynamic_slice(a, start, (1, 1, *a.shape[2:]))[0, 0]
+
+
+def _write(a: Any, at: tuple, value: Any) -> Any:
+    """`a` with `value` at the two leading indices `at`, in place."""
+    start = at + (0,) * (a.ndim - 2)
+    return lax.dynamic_update_slice(a, value.astype(a.dtype)[None, None], start)
 
 
 def vjp(fn: Callable[..., Any], *args: Any, has_aux: bool = False) -> tuple[Any, Callable]:

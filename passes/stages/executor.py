@@ -35,7 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from xla_strategies.passes.stages.chunk import chunk_backward, chunk_forward, depth, vjp
+from xla_strategies.passes.stages.chunk import (
+    chunk_backward,
+    chunk_forward,
+    chunk_forward_into,
+    depth,
+    stacked,
+    stashed,
+    vjp,
+)
 from xla_strategies.passes.stages.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 from xla_strategies.passes.stages.slots import add_at, float_zeros, get, plus, put
 
@@ -171,12 +179,13 @@ def _kept_depth(program: StageProgram, weights: Any) -> tuple[int, ...]:
 
 
 def _layer_inputs(s, where, program, weights, rows, shared):
-    """Each layer's input of the microbatch `where` runs back through: the forward's, or
-    found by running the chunk forward again from the chunk input it kept."""
-    kept = get(s["stash"], where.stash_slot)
+    """Layer i's input of the microbatch `where` runs back through, as a function of i: the
+    forward's, read in place, or found by running the chunk forward again from the chunk
+    input it kept."""
     if program.keeps == "layer-inputs":
-        return kept
-    return chunk_forward(program, weights, where.chunk, kept, rows, shared)[1]
+        return stashed(s["stash"], where.stash_slot)
+    kept = get(s["stash"], where.stash_slot)
+    return stacked(chunk_forward(program, weights, where.chunk, kept, rows, shared)[1])
 
 
 @dataclass(frozen=True)
@@ -195,9 +204,15 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
     m, chunk = where.micro, where.chunk
     arrived = get(s["F"], jnp.maximum(where.in_slot, 0))
     x = jax.tree.map(lambda a, b: jnp.where(where.first, a, b), get(inputs, m), arrived)
-    y, layer_inputs = chunk_forward(program, weights, chunk, x, get(layer_rows, m), layer_shared)
-    kept = layer_inputs if program.keeps == "layer-inputs" else x
-    s = dict(s, stash=put(s["stash"], where.stash_slot, kept))
+    rows = get(layer_rows, m)
+    if program.keeps == "layer-inputs":
+        y, stash = chunk_forward_into(
+            program, weights, chunk, x, rows, layer_shared, s["stash"], where.stash_slot
+        )
+    else:
+        y, _ = chunk_forward(program, weights, chunk, x, rows, layer_shared)
+        stash = put(s["stash"], where.stash_slot, x)
+    s = dict(s, stash=stash)
     rows = get(head_rows, m)
 
     def head_and_seed(y):
@@ -255,7 +270,7 @@ def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
     layer_inputs = _layer_inputs(s, where, program, weights, rows, layer_shared)
     dy = get(s["grad"], where.stash_slot)
     grads = chunk_backward(program, weights, chunk, layer_inputs, dy, rows, layer_shared, s, True)
-    zero = jax.tree.map(lambda a: jnp.zeros_like(a[0]), layer_inputs)
+    zero = jax.tree.map(jnp.zeros_like, layer_inputs(0))
     return grads.state, zero, zero
 
 
