@@ -246,7 +246,7 @@ def test_stages_across_tpu_slices_pass_activations_over_dcn():
     compiled = grads.lower(params, spec(x, True), spec(y, True)).compile()
     report = compiled_report(compiled, strategy, {})
     permutes = [c for c in report.collectives if c.kind == "collective-permute"]
-    ticks = max(c.times for c in permutes)
+    ticks = sum(c.times for c in permutes) // 2  # a tick sends forward and backward once
     assert ticks == 10  # 1F1B, 2 stages, 4 microbatches: 2 * (4 + 2 - 1) ticks
     assert all(c.across_slices for c in permutes)
     assert any(c.kind == "all-reduce" and not c.across_slices for c in report.collectives)
@@ -416,7 +416,7 @@ def test_a_custom_derivative_in_the_pipelined_loss_keeps_its_rule(activation):
     _assert_mirrored_and_equal(got, want)
 
 
-def _estimated_compute(schedule, microbatches, virtual_stages=None):
+def _estimated_compute(schedule, microbatches, virtual_stages=None, rows_per_replica=64):
     """XLA's TPU compile of an 8-layer, 1024-wide stack's gradient on two v5e-16 slices,
     one stage each: the estimated step's compute, in seconds, the schedule's table, and
     the compiled HLO."""
@@ -436,7 +436,7 @@ def _estimated_compute(schedule, microbatches, virtual_stages=None):
         "b": jax.ShapeDtypeStruct((LAYERS, width), f32),
         "head": jax.ShapeDtypeStruct((width, 3), f32),
     }
-    rows = 64 * strategy.num_replicas_in_sync
+    rows = rows_per_replica * strategy.num_replicas_in_sync
     x, y = (
         jax.ShapeDtypeStruct((rows, n), f32, sharding=strategy.split_sharding()) for n in (width, 3)
     )
@@ -472,3 +472,21 @@ def test_the_estimated_bubble_is_the_schedules_theory(schedule, virtual_stages):
     depth = LAYERS // (2 * v)
     whole_chunk = re.compile(rf"= \w+\[1,{depth},1024,1024\]\S* dynamic-slice\(")
     assert not whole_chunk.search(hlo)
+
+
+@pytest.mark.slow
+def test_ticks_of_forwards_alone_are_priced_as_forwards():
+    """GPipe runs M+S-1 ticks of forwards, then as many of backwards; 1F1B, after S-1 ticks
+    of forwards, 2M+S-1 ticks in which some stage runs a backward. Each tick priced as the
+    slowest action of its run of ticks, 1F1B's estimate exceeds GPipe's by M ticks priced
+    as a backward rather than a forward. With every tick in one loop, every tick was
+    priced as a backward and the two estimates were equal. (Enough rows that the
+    matmuls, not the bytes every tick moves, bound the step.)"""
+    compute = {
+        (s, m): _estimated_compute(s, m, rows_per_replica=2048)[0]
+        for s in ("gpipe", "1f1b")
+        for m in (2, 4, 8)
+    }
+    gap = {m: compute["1f1b", m] - compute["gpipe", m] for m in (2, 4, 8)}
+    assert all(gap[m] > 0.03 * compute["gpipe", m] for m in gap), (compute, gap)
+    assert gap[2] < gap[4] < gap[8], gap  # more ticks where a backward replaces a forward
