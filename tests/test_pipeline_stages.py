@@ -118,6 +118,7 @@ def _stage_split(tree):
         (2, {"microbatches": 8}),  # 1F1B, the default
         (4, {"microbatches": 4, "schedule": "1f1b"}),
         (2, {"microbatches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2}),
+        (2, {"microbatches": 2, "schedule": "looped-bfs", "virtual_stages": 4}),
         (4, {"microbatches": 4, "schedule": "zero-bubble-h1"}),
         (2, {"microbatches": 4, "stage_keeps": "stage-inputs"}),
         (2, {"microbatches": 4, "schedule": "zero-bubble-h1", "stage_keeps": "stage-inputs"}),
@@ -127,6 +128,7 @@ def _stage_split(tree):
         "1f1b-S2-M8",
         "1f1b-S4-M4",
         "interleaved",
+        "looped-bfs",
         "zero-bubble",
         "1f1b-stage-inputs",
         "zero-bubble-stage-inputs",

@@ -123,6 +123,19 @@ def interleaved_one_f_one_b(
     ]
 
 
+def looped_bfs(stages: int, microbatches: int, virtual_stages: int = 2) -> list[list[Action]]:
+    """torchtitan's LoopedBFS, the order of MaxText's circular pipeline: V chunks per
+    device, round robin, each chunk's forward run on every microbatch before the next
+    chunk's, every forward before the backwards, as GPipe. GPipe's memory (every
+    microbatch's inputs of every chunk) with interleaving's bubble, (S-1)/(V*M + S-1), and
+    in lockstep ticks no forward waits beside a backward."""
+    _check(stages, microbatches, virtual_stages, "looped-bfs", virtual=True)
+    chunks = range(virtual_stages)
+    forwards = [Action(FORWARD, m, c) for c in chunks for m in range(microbatches)]
+    backwards = [Action(BACKWARD, m, c) for c in reversed(chunks) for m in range(microbatches)]
+    return [forwards + backwards for _ in range(stages)]
+
+
 def zero_bubble_h1(stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
     """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into its input gradient (B),
     which the previous stage waits for, and its weight gradient (W), which nobody waits
@@ -180,16 +193,15 @@ def _check(stages: int, microbatches: int, virtual_stages: int, name: str, virtu
         raise ValueError(f"virtual_stages must be a positive int, got {virtual_stages!r}")
     if not virtual and virtual_stages != 1:
         raise ValueError(
-            f"virtual_stages={virtual_stages} is for schedule='interleaved-1f1b'; "
+            f"virtual_stages={virtual_stages} is for schedule='interleaved-1f1b' or "
+            "'looped-bfs'; "
             f"schedule={name!r} runs one chunk of layers per stage"
         )
     if virtual and virtual_stages < 2:
-        raise ValueError(
-            f"schedule='interleaved-1f1b' needs virtual_stages >= 2, got {virtual_stages}"
-        )
+        raise ValueError(f"schedule={name!r} needs virtual_stages >= 2, got {virtual_stages}")
     if virtual and microbatches % stages:
         raise ValueError(
-            f"schedule='interleaved-1f1b' runs microbatches in groups of pipeline_stages: "
+            f"schedule={name!r} runs microbatches in groups of pipeline_stages: "
             f"microbatches={microbatches} is not a multiple of pipeline_stages={stages}"
         )
 
@@ -199,6 +211,7 @@ SCHEDULES.update(
         "gpipe": gpipe,
         "1f1b": one_f_one_b,
         "interleaved-1f1b": interleaved_one_f_one_b,
+        "looped-bfs": looped_bfs,
         "zero-bubble-h1": zero_bubble_h1,
     }
 )

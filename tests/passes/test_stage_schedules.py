@@ -8,10 +8,13 @@ from xla_strategies.passes.stages.schedules import SCHEDULES, schedule
 CASES = [(s, m) for s in (2, 4) for m in (4, 8)]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+INTERLEAVED = ("interleaved-1f1b", "looped-bfs")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", *INTERLEAVED])
 @pytest.mark.parametrize("stages, microbatches", CASES)
 def test_the_bubble_is_the_schedules_theory(name, stages, microbatches):
-    virtual = 2 if name == "interleaved-1f1b" else 1
+    virtual = 2 if name in INTERLEAVED else 1
     table = schedule(name, stages, microbatches, virtual)
     assert table.bubble == pytest.approx(table.theoretical_bubble, rel=0.05)
     # (S-1)/(M+S-1), divided by about V for the interleaved schedule
@@ -38,7 +41,7 @@ def test_zero_bubble_fills_part_of_one_f_one_b_bubble_in_its_memory():
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_action_runs_once_after_what_it_needs(name):
-    virtual = 2 if name == "interleaved-1f1b" else 1
+    virtual = 2 if name in INTERLEAVED else 1
     table = schedule(name, 4, 8, virtual)
     when = {}
     for device, steps in enumerate(table.steps):
@@ -62,6 +65,7 @@ def test_every_action_runs_once_after_what_it_needs(name):
         (("1f1b", 4, 8, 2), "virtual_stages=2 is for schedule='interleaved-1f1b'"),
         (("interleaved-1f1b", 4, 6, 2), "microbatches=6 is not a multiple of pipeline_stages=4"),
         (("interleaved-1f1b", 4, 8, 1), "needs virtual_stages >= 2"),
+        (("looped-bfs", 2, 3, 2), "schedule=.looped-bfs. runs microbatches in groups"),
         (("pipedream", 4, 8, 1), "schedule='pipedream' is not one of"),
         (("gpipe", 0, 8, 1), "pipeline_stages must be a positive int"),
         (("gpipe", 2, 0, 1), "microbatches must be a positive int"),

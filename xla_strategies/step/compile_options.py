@@ -56,8 +56,9 @@ class CompileOptions:
         microbatches: on a strategy with `pipeline_stages`, the microbatches each
             replica's batch is split into for the pipeline (default: the stages).
         schedule: the pipeline's schedule: "1f1b" (the default), "gpipe",
-            "interleaved-1f1b" or "zero-bubble-h1".
-        virtual_stages: chunks of layers per stage for "interleaved-1f1b" (default 2).
+            "interleaved-1f1b", "looped-bfs" or "zero-bubble-h1".
+        virtual_stages: chunks of layers per stage for "interleaved-1f1b" and
+            "looped-bfs" (default 2).
         stage_keeps: what each stage's forward keeps of a microbatch for its backward:
             "layer-inputs" (the default: each layer's input, as JAX's gradient of a scan
             of checkpointed layers keeps) or "stage-inputs" (the chunk's input alone, a

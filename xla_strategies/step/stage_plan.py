@@ -40,7 +40,7 @@ def stage_plan(
             )
         return None
     schedule = options.schedule or "1f1b"
-    interleaved = schedule == "interleaved-1f1b"
+    interleaved = schedule in ("interleaved-1f1b", "looped-bfs")
     microbatches = stages if options.microbatches is None else options.microbatches
     # microbatch losses combine as the replicas' do: a mean, or a sum under ReduceOp.SUM
     per_microbatch = 1.0 if options.gradient_reduction is ReduceOp.SUM else 1.0 / microbatches
