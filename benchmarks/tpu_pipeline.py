@@ -115,6 +115,9 @@ def main() -> None:
     parser.add_argument("--shard-parameters", action="store_true")
     parser.add_argument("--stage-keeps", choices=KEEPS)
     parser.add_argument(
+        "--virtual-stages", type=int, help="chunks per stage (interleaved-1f1b, looped-bfs)"
+    )
+    parser.add_argument(
         "--batch-per-chip", type=int, help="sequences per chip (default: the model's)"
     )
     parser.add_argument(
@@ -144,10 +147,13 @@ def main() -> None:
     ]  # fmt: skip
     staged = xs.TPUStrategy(args.topology, compile_only=True, pipeline_stages=args.stages)
     keeps = {"stage_keeps": args.stage_keeps} if args.stage_keeps else {}
+    chunks = {"virtual_stages": args.virtual_stages} if args.virtual_stages else {}
     for schedule in args.schedules:
         label = f"ours {args.stages} stages{' FSDP' if split else ''}, {schedule}, "
-        label += f"M={args.microbatches}" + (f", {args.stage_keeps}" if keeps else "")
+        label += f"M={args.microbatches}" + (f", V={args.virtual_stages}" if chunks else "")
+        label += f", {args.stage_keeps}" if keeps else ""
         options = {"schedule": schedule, "microbatches": args.microbatches, **split, **keeps}
+        options |= chunks
         rows.append(_row(label, staged, lambda o=options: _ours(staged, workload, **o), cell))
     print(f"{workload.name} on {args.topology}, {workload.batch_per_chip} per chip")
     print(f"{'program':36s} {'GiB/chip':>9s} {'step ms':>9s} {'DCN MB':>8s}")
