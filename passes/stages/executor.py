@@ -164,11 +164,7 @@ def run(
         return state
 
     for start, stop, kinds in _runs(table["kind"]):
-        # counted from 0: a loop's trips are read from the bound its condition compares with
-        run = functools.partial(lambda i, state, start, kinds: tick(start + i, state, kinds))
-        state = lax.fori_loop(
-            0, stop - start, functools.partial(run, start=start, kinds=kinds), state
-        )
+        state = lax.fori_loop(start, stop, functools.partial(tick, kinds=kinds), state)
     total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
     return StageResult(
         loss=total(state["loss"]),
