@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import pytest
 
 import xla_strategies as xs
+from xla_strategies.hardware.hlo import computations
 
 
-def _compiled(schedule, microbatches, width=64, rows=128, layers=4, **options):
-    """The gradient step of a stack of `layers` on 2 stages, compiled for 4 replicas of
-    `rows` rows each."""
+def _compiled(schedule, microbatches, width=64, rows=128, layers=4, outputs=1, **options):
+    """The gradient step of a stack of `layers` and an output layer of `outputs` on 2
+    stages, compiled for 4 replicas of `rows` rows each."""
     strategy = xs.MirroredStrategy(pipeline_stages=2)
 
     def loss(params, x, y):
@@ -26,11 +27,11 @@ def _compiled(schedule, microbatches, width=64, rows=128, layers=4, **options):
     f32 = jnp.float32
     params = {
         "w": jax.ShapeDtypeStruct((layers, width, width), f32),
-        "head": jax.ShapeDtypeStruct((width, 1), f32),
+        "head": jax.ShapeDtypeStruct((width, outputs), f32),
     }
     batch = [
         jax.ShapeDtypeStruct((4 * rows, n), f32, sharding=strategy.split_sharding())
-        for n in (width, 1)
+        for n in (width, outputs)
     ]
     return grads.lower(params, *batch).compile()
 
@@ -67,3 +68,24 @@ def test_each_layer_input_is_written_and_read_in_place_in_its_slot():
     stash = re.compile(r"= f32\[2,8,64,256\]\S* ")  # 1F1B on 2 stages: 2 slots
     assert stash.search(hlo)
     assert not chunk_inputs.search(hlo), chunk_inputs.findall(hlo)[:3]
+
+
+def test_the_output_layers_gradient_is_no_value_of_the_loop_of_ticks():
+    """The head's weight gradients are taken after the ticks, from the head inputs the last
+    stage kept: summed inside, they were a value each loop of ticks (and each tick's
+    conditional) held a copy of, an output layer's f32 gradient each (Llama-3.1-405B on
+    4xv5p-512: 5 of 8 GiB a chip)."""
+    comps, _ = computations(_compiled("1f1b", 4, outputs=37).as_text())
+    loops = [(types, rest) for ops in comps.values() for _, types, op, rest in ops if op == "while"]
+    ticks = [  # the loops whose bodies pass activations between stages
+        types
+        for types, rest in loops
+        if any("collective-permute" in op for _, _, op, _ in comps[_body(rest)])
+    ]
+    assert len(ticks) == 2  # the warm-up's forwards, and the rest
+    # the head's weight is read in them; its gradient was a second value of its shape
+    assert [t.count("f32[64,37]") for t in ticks] == [1, 1], ticks
+
+
+def _body(rest):
+    return re.search(r"body=%([\w.\-]+)", rest).group(1)

@@ -20,8 +20,8 @@ compute, and with parameters in blocks a third more layer gathers.
 The last stage runs the head (what follows the layers, up to the loss) of each
 microbatch in its forward and seeds the backward with the head's gradient; the first
 stage reads the microbatch's input and keeps its input gradient. Results that only one
-stage has (the loss, the head's gradients, the input gradients) are summed over the
-stage axis at the end.
+stage has (the loss, the input gradients) are summed over the stage axis at the end; the
+head's own gradients every stage takes after the ticks, from the last stage's outputs.
 """
 
 from __future__ import annotations
@@ -127,8 +127,7 @@ def run(
         "d_inputs": zeros(inputs),
         "d_layer_rows": zeros(layer_rows),
         "d_layer_shared": zeros(layer_shared),
-        "d_head_rows": zeros(head_rows),
-        "d_head_shared": zeros(head_shared),
+        "head_in": buffers(m_count),  # the last stage's outputs, the head's inputs
         "recv_f": zeros(x0),
         "recv_b": zeros(x0),
     }
@@ -166,6 +165,11 @@ def run(
     for start, stop, kinds in _runs(table["kind"]):
         state = lax.fori_loop(start, stop, functools.partial(tick, kinds=kinds), state)
     total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
+    # every stage takes the head's gradients from the last one's outputs (sent across the
+    # stages, not the gradients: a microbatch's activations, not an output layer's f32)
+    d_head_rows, d_head_shared = _head_gradients(
+        program, total(state["head_in"]), head_rows, head_shared, m_count
+    )
     return StageResult(
         loss=total(state["loss"]),
         aux=total(state["aux"]),
@@ -173,8 +177,8 @@ def run(
         inputs=total(state["d_inputs"]),
         layer_rows=total(state["d_layer_rows"]),
         layer_shared=total(state["d_layer_shared"]),
-        head_rows=total(state["d_head_rows"]),
-        head_shared=total(state["d_head_shared"]),
+        head_rows=d_head_rows,
+        head_shared=d_head_shared,
     )
 
 
@@ -221,10 +225,10 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
     s = dict(s, stash=stash)
     rows = get(head_rows, m)
 
-    def head_and_seed(y):
-        (loss, aux), pullback = vjp(program.head, y, rows, head_shared, has_aux=True)
-        dy, d_rows, d_shared = pullback(jnp.full_like(loss, program.seed))
-        return loss, aux, dy, d_rows, d_shared
+    def head_and_seed(y):  # the head's own gradients are taken after the ticks
+        (loss, aux), pullback = vjp(lambda y: program.head(y, rows, head_shared), y, has_aux=True)
+        (dy,) = pullback(jnp.full_like(loss, program.seed))
+        return loss, aux, dy
 
     def no_head(y):
         aux = program.aux
@@ -232,17 +236,32 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
             jnp.zeros((), jnp.float32),
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux),
             float_zeros(y),
-            float_zeros(rows),
-            float_zeros(head_shared),
         )
 
-    loss, aux, dy, d_rows, d_shared = lax.cond(where.last, head_and_seed, no_head, y)
+    loss, aux, dy = lax.cond(where.last, head_and_seed, no_head, y)
     s["loss"] = put(s["loss"], m, loss.astype(jnp.float32))
     s["aux"] = put(s["aux"], m, aux)
     s["seed"] = put(s["seed"], where.stash_slot, dy)
-    s["d_head_rows"] = add_at(s["d_head_rows"], m, d_rows)
-    s["d_head_shared"] = plus(s["d_head_shared"], d_shared)
+    s["head_in"] = put(s["head_in"], jnp.where(where.last, m, -1), y)
     return s, y, jax.tree.map(jnp.zeros_like, y)
+
+
+def _head_gradients(program, head_in, head_rows, head_shared, microbatches):
+    """The head's gradients of each microbatch's rows and of its shared values (summed),
+    from the head's input each microbatch's forward kept, taken after the ticks: in them,
+    a sum of the shared values' gradients (an output layer's, f32) was a loop value each
+    tick's conditional and each loop of ticks held a copy of (Llama-3.1-405B: 5 of 8 GiB
+    each, a chip)."""
+
+    def one(d_shared, m):
+        (loss, _), pullback = vjp(
+            program.head, get(head_in, m), get(head_rows, m), head_shared, has_aux=True
+        )
+        _, d_rows, d_m = pullback(jnp.full_like(loss, program.seed))
+        return plus(d_shared, d_m), d_rows
+
+    d_shared, d_rows = lax.scan(one, float_zeros(head_shared), jnp.arange(microbatches))
+    return d_rows, d_shared
 
 
 def _output_gradient(s, where):
