@@ -450,7 +450,8 @@ def _estimated_compute(schedule, microbatches, virtual_stages=None, rows_per_rep
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "schedule, virtual_stages", [("gpipe", None), ("1f1b", None), ("interleaved-1f1b", 2)]
+    "schedule, virtual_stages",
+    [("gpipe", None), ("1f1b", None), ("interleaved-1f1b", 2), ("looped-bfs", 2)],
 )
 def test_the_estimated_bubble_is_the_schedules_theory(schedule, virtual_stages):
     """Every tick costs what the busiest stage's action costs: work that shrinks with the
