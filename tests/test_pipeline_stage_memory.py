@@ -70,22 +70,23 @@ def test_each_layer_input_is_written_and_read_in_place_in_its_slot():
     assert not chunk_inputs.search(hlo), chunk_inputs.findall(hlo)[:3]
 
 
-def test_the_output_layers_gradient_is_no_value_of_the_loop_of_ticks():
+@pytest.mark.parametrize("schedule, head_weights", [("1f1b", [1, 1]), ("gpipe", [0, 0])])
+def test_the_output_layers_gradient_is_no_value_of_the_loop_of_ticks(schedule, head_weights):
     """The head's weight gradients are taken after the ticks, from the head inputs the last
     stage kept: summed inside, they were a value each loop of ticks (and each tick's
     conditional) held a copy of, an output layer's f32 gradient each (Llama-3.1-405B on
-    4xv5p-512: 5 of 8 GiB a chip)."""
-    comps, _ = computations(_compiled("1f1b", 4, outputs=37).as_text())
+    4xv5p-512: 5 of 8 GiB a chip). Where every forward runs before any backward (GPipe),
+    the head runs once between them, so its weight is no value of the ticks either: in
+    the forwards' ticks it made every stage wait for the last one's head, each tick."""
+    tick_loops = _tick_loops(_compiled(schedule, 4, outputs=37).as_text())
+    assert len(tick_loops) == 2  # the warm-up's forwards, and the rest
+    # 1F1B's ticks read the head's weight; its gradient was a second value of its shape
+    assert [types.count("f32[64,37]") for types in tick_loops] == head_weights, tick_loops
+
+
+def _tick_loops(hlo):
+    """The result types of the loops whose bodies pass activations between stages."""
+    comps, _ = computations(hlo)
     loops = [(types, rest) for ops in comps.values() for _, types, op, rest in ops if op == "while"]
-    ticks = [  # the loops whose bodies pass activations between stages
-        types
-        for types, rest in loops
-        if any("collective-permute" in op for _, _, op, _ in comps[_body(rest)])
-    ]
-    assert len(ticks) == 2  # the warm-up's forwards, and the rest
-    # the head's weight is read in them; its gradient was a second value of its shape
-    assert [t.count("f32[64,37]") for t in ticks] == [1, 1], ticks
-
-
-def _body(rest):
-    return re.search(r"body=%([\w.\-]+)", rest).group(1)
+    body = lambda rest: comps[re.search(r"body=%([\w.\-]+)", rest).group(1)]  # noqa: E731
+    return [t for t, rest in loops if any("collective-permute" in op for *_, op, _ in body(rest))]

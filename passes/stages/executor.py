@@ -18,7 +18,8 @@ times less, and the backward runs the chunk's forward again to find them: a fift
 compute, and with parameters in blocks a third more layer gathers.
 
 The last stage runs the head (what follows the layers, up to the loss) of each
-microbatch in its forward and seeds the backward with the head's gradient; the first
+microbatch in its forward and seeds the backward with the head's gradient (where every
+forward runs before any backward, every stage runs the heads once, between the two); the first
 stage reads the microbatch's input and keeps its input gradient. Results that only one
 stage has (the loss, the input gradients) are summed over the stage axis at the end; the
 head's own gradients every stage takes after the ticks, from the last stage's outputs.
@@ -135,6 +136,13 @@ def run(
     forward_perm = [(d, (d + 1) % stages) for d in range(stages if ring else stages - 1)]
     backward_perm = [(d, (d - 1) % stages) for d in range(1 if not ring else 0, stages)]
 
+    runs = _runs(table["kind"])
+    # where every forward runs before any backward (GPipe, looped BFS), the head runs once
+    # between the two, not in the forwards' ticks: there it made every stage wait, each
+    # tick, for what the last stage runs in M of them
+    head_between = len(runs) == 2 and _KINDS[FORWARD] not in runs[1][2]
+    head_in_ticks = None if head_between else (head_rows, head_shared)
+
     def tick(t: Any, state: dict, kinds: tuple[int, ...]) -> dict:
         row = {k: v[t, stage] for k, v in tables.items()}
         state = dict(state)
@@ -145,7 +153,7 @@ def run(
         actions = [
             lambda s: (s, zeros(x0), zeros(x0)),
             lambda s: _forward(
-                s, where, program, weights, inputs, layer_rows, layer_shared, head_rows, head_shared
+                s, where, program, weights, inputs, layer_rows, layer_shared, head_in_ticks
             ),
             lambda s: _backward(s, where, program, weights, layer_rows, layer_shared, split=False),
             lambda s: _weight_grad(s, where, program, weights, layer_rows, layer_shared),
@@ -162,9 +170,12 @@ def run(
         state["recv_b"] = jax.tree.map(lambda v: lax.ppermute(v, axis, backward_perm), send_b)
         return state
 
-    for start, stop, kinds in _runs(table["kind"]):
-        state = lax.fori_loop(start, stop, functools.partial(tick, kinds=kinds), state)
     total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
+    for i, (start, stop, kinds) in enumerate(runs):
+        if head_between and i == 1:
+            state = _heads(state, program, total(state["head_in"]), head_rows, head_shared)
+            state = _seeds_where_read(state, schedule, stage == stages - 1)
+        state = lax.fori_loop(start, stop, functools.partial(tick, kinds=kinds), state)
     # every stage takes the head's gradients from the last one's outputs (sent across the
     # stages, not the gradients: a microbatch's activations, not an output layer's f32)
     d_head_rows, d_head_shared = _head_gradients(
@@ -210,7 +221,9 @@ class _Where:
         return self.row[name]
 
 
-def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_rows, head_shared):
+def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head):
+    """The microbatch `where` through the stage's chunk; on the last stage, its output kept
+    for the head, and with `head` (its rows and shared values) the head run on it."""
     m, chunk = where.micro, where.chunk
     arrived = get(s["F"], jnp.maximum(where.in_slot, 0))
     x = jax.tree.map(lambda a, b: jnp.where(where.first, a, b), get(inputs, m), arrived)
@@ -223,11 +236,14 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
         y, _ = chunk_forward(program, weights, chunk, x, rows, layer_shared)
         stash = put(s["stash"], where.stash_slot, x)
     s = dict(s, stash=stash)
+    s["head_in"] = put(s["head_in"], jnp.where(where.last, m, -1), y)
+    if head is None:  # it runs between the forwards and the backwards
+        return s, y, jax.tree.map(jnp.zeros_like, y)
+    head_rows, head_shared = head
     rows = get(head_rows, m)
 
     def head_and_seed(y):  # the head's own gradients are taken after the ticks
-        (loss, aux), pullback = vjp(lambda y: program.head(y, rows, head_shared), y, has_aux=True)
-        (dy,) = pullback(jnp.full_like(loss, program.seed))
+        (loss, aux), dy = _head_and_seed(program, y, rows, head_shared)
         return loss, aux, dy
 
     def no_head(y):
@@ -242,8 +258,44 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head_
     s["loss"] = put(s["loss"], m, loss.astype(jnp.float32))
     s["aux"] = put(s["aux"], m, aux)
     s["seed"] = put(s["seed"], where.stash_slot, dy)
-    s["head_in"] = put(s["head_in"], jnp.where(where.last, m, -1), y)
     return s, y, jax.tree.map(jnp.zeros_like, y)
+
+
+def _head_and_seed(program, y, rows, shared):
+    """`((loss, aux), dy)`: the head's loss of the last stage's output `y`, and the
+    gradient that seeds the microbatch's backward."""
+    (loss, aux), pullback = vjp(lambda y: program.head(y, rows, shared), y, has_aux=True)
+    (dy,) = pullback(jnp.full_like(loss, program.seed))
+    return (loss, aux), dy
+
+
+def _heads(s, program, head_in, head_rows, head_shared):
+    """Every microbatch's head, run between the forwards and the backwards on the last
+    stage's outputs (`head_in`, on every stage): its loss and auxiliary outputs, and the
+    gradients that seed the backwards, by microbatch in `s["seed_of"]`."""
+
+    def one(_, m):
+        (loss, aux), dy = _head_and_seed(program, get(head_in, m), get(head_rows, m), head_shared)
+        return None, (loss.astype(jnp.float32), aux, dy)
+
+    _, (loss, aux, dy) = lax.scan(one, None, jnp.arange(s["loss"].shape[0]))
+    return dict(s, loss=loss, aux=aux, seed_of=dy)
+
+
+def _seeds_where_read(s, schedule, last_device):
+    """The seeds `_heads` made, put in the slots the last stage's backwards read them from
+    (each microbatch's stage input's); the loss and auxiliary outputs kept on the last
+    device alone, as the ticks keep them (they are summed across the stages)."""
+    slots = np.zeros(schedule.microbatches, np.int32)
+    for step in schedule.steps[-1]:
+        if step.action.kind == FORWARD and step.action.chunk == schedule.virtual_stages - 1:
+            slots[step.action.microbatch] = step.stash_slot
+    s = dict(s)
+    seeds, seed = s.pop("seed_of"), s["seed"]
+    for m, slot in enumerate(slots.tolist()):
+        seed = put(seed, slot, get(seeds, m))
+    keep = lambda v: jnp.where(last_device, v, jnp.zeros_like(v))  # noqa: E731
+    return dict(s, seed=seed, loss=keep(s["loss"]), aux=jax.tree.map(keep, s["aux"]))
 
 
 def _head_gradients(program, head_in, head_rows, head_shared, microbatches):
