@@ -44,10 +44,15 @@ from xla_strategies.passes.stages.chunk import (
     depth,
     stacked,
     stashed,
-    vjp,
+)
+from xla_strategies.passes.stages.heads import (
+    head_and_seed,
+    head_gradients,
+    heads,
+    seeds_where_read,
 )
 from xla_strategies.passes.stages.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
-from xla_strategies.passes.stages.slots import add_at, float_zeros, get, plus, put
+from xla_strategies.passes.stages.slots import add_at, float_zeros, get, put
 
 _KINDS = {FORWARD: 1, BACKWARD: 2, WEIGHT: 3}
 
@@ -173,12 +178,12 @@ def run(
     total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
     for i, (start, stop, kinds) in enumerate(runs):
         if head_between and i == 1:
-            state = _heads(state, program, total(state["head_in"]), head_rows, head_shared)
-            state = _seeds_where_read(state, schedule, stage == stages - 1)
+            state = heads(state, program, total(state["head_in"]), head_rows, head_shared)
+            state = seeds_where_read(state, schedule, stage == stages - 1)
         state = lax.fori_loop(start, stop, functools.partial(tick, kinds=kinds), state)
     # every stage takes the head's gradients from the last one's outputs (sent across the
     # stages, not the gradients: a microbatch's activations, not an output layer's f32)
-    d_head_rows, d_head_shared = _head_gradients(
+    d_head_rows, d_head_shared = head_gradients(
         program, total(state["head_in"]), head_rows, head_shared, m_count
     )
     return StageResult(
@@ -242,8 +247,8 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head)
     head_rows, head_shared = head
     rows = get(head_rows, m)
 
-    def head_and_seed(y):  # the head's own gradients are taken after the ticks
-        (loss, aux), dy = _head_and_seed(program, y, rows, head_shared)
+    def head_and_seed_of(y):  # the head's own gradients are taken after the ticks
+        (loss, aux), dy = head_and_seed(program, y, rows, head_shared)
         return loss, aux, dy
 
     def no_head(y):
@@ -254,66 +259,11 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head)
             float_zeros(y),
         )
 
-    loss, aux, dy = lax.cond(where.last, head_and_seed, no_head, y)
+    loss, aux, dy = lax.cond(where.last, head_and_seed_of, no_head, y)
     s["loss"] = put(s["loss"], m, loss.astype(jnp.float32))
     s["aux"] = put(s["aux"], m, aux)
     s["seed"] = put(s["seed"], where.stash_slot, dy)
     return s, y, jax.tree.map(jnp.zeros_like, y)
-
-
-def _head_and_seed(program, y, rows, shared):
-    """`((loss, aux), dy)`: the head's loss of the last stage's output `y`, and the
-    gradient that seeds the microbatch's backward."""
-    (loss, aux), pullback = vjp(lambda y: program.head(y, rows, shared), y, has_aux=True)
-    (dy,) = pullback(jnp.full_like(loss, program.seed))
-    return (loss, aux), dy
-
-
-def _heads(s, program, head_in, head_rows, head_shared):
-    """Every microbatch's head, run between the forwards and the backwards on the last
-    stage's outputs (`head_in`, on every stage): its loss and auxiliary outputs, and the
-    gradients that seed the backwards, by microbatch in `s["seed_of"]`."""
-
-    def one(_, m):
-        (loss, aux), dy = _head_and_seed(program, get(head_in, m), get(head_rows, m), head_shared)
-        return None, (loss.astype(jnp.float32), aux, dy)
-
-    _, (loss, aux, dy) = lax.scan(one, None, jnp.arange(s["loss"].shape[0]))
-    return dict(s, loss=loss, aux=aux, seed_of=dy)
-
-
-def _seeds_where_read(s, schedule, last_device):
-    """The seeds `_heads` made, put in the slots the last stage's backwards read them from
-    (each microbatch's stage input's); the loss and auxiliary outputs kept on the last
-    device alone, as the ticks keep them (they are summed across the stages)."""
-    slots = np.zeros(schedule.microbatches, np.int32)
-    for step in schedule.steps[-1]:
-        if step.action.kind == FORWARD and step.action.chunk == schedule.virtual_stages - 1:
-            slots[step.action.microbatch] = step.stash_slot
-    s = dict(s)
-    seeds, seed = s.pop("seed_of"), s["seed"]
-    for m, slot in enumerate(slots.tolist()):
-        seed = put(seed, slot, get(seeds, m))
-    keep = lambda v: jnp.where(last_device, v, jnp.zeros_like(v))  # noqa: E731
-    return dict(s, seed=seed, loss=keep(s["loss"]), aux=jax.tree.map(keep, s["aux"]))
-
-
-def _head_gradients(program, head_in, head_rows, head_shared, microbatches):
-    """The head's gradients of each microbatch's rows and of its shared values (summed),
-    from the head's input each microbatch's forward kept, taken after the ticks: in them,
-    a sum of the shared values' gradients (an output layer's, f32) was a loop value each
-    tick's conditional and each loop of ticks held a copy of (Llama-3.1-405B: 5 of 8 GiB
-    each, a chip)."""
-
-    def one(d_shared, m):
-        (loss, _), pullback = vjp(
-            program.head, get(head_in, m), get(head_rows, m), head_shared, has_aux=True
-        )
-        _, d_rows, d_m = pullback(jnp.full_like(loss, program.seed))
-        return plus(d_shared, d_m), d_rows
-
-    d_shared, d_rows = lax.scan(one, float_zeros(head_shared), jnp.arange(microbatches))
-    return d_rows, d_shared
 
 
 def _output_gradient(s, where):
