@@ -488,8 +488,8 @@ def test_ticks_of_forwards_alone_are_priced_as_forwards():
     compute = {
         (s, m): _estimated_compute(s, m, rows_per_replica=2048)[0]
         for s in ("gpipe", "1f1b")
-        for m in (2, 4, 8)
+        for m in (4, 8)
     }
-    gap = {m: compute["1f1b", m] - compute["gpipe", m] for m in (2, 4, 8)}
+    gap = {m: compute["1f1b", m] - compute["gpipe", m] for m in (4, 8)}
     assert all(gap[m] > 0.03 * compute["gpipe", m] for m in gap), (compute, gap)
-    assert gap[2] < gap[4] < gap[8], gap  # more ticks where a backward replaces a forward
+    assert gap[4] < gap[8], gap  # more ticks where a backward replaces a forward
