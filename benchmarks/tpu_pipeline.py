@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import gzip
 import json
 import re
@@ -140,7 +141,6 @@ def main() -> None:
     flat = xs.TPUStrategy(args.topology, compile_only=True)
     split = {"shard_parameters": True} if args.shard_parameters else {}
     kind = "FSDP" if split else "DP"
-    found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     rows = [] if args.stages_only else [
         _row(f"jit {kind}", flat, lambda: peer(flat, workload, fsdp=bool(split)), cell),
         _row(f"ours {kind}", flat, lambda: _ours(flat, workload, **split), cell),
@@ -166,10 +166,20 @@ def main() -> None:
             f"{row['across_slices_mb']:8.1f}"
         )
     print(rows[-1].get("calibration", ""))
-    labels = {row["program"] for row in rows}
-    kept = [row for row in found.get(cell, []) if row["program"] not in labels]
-    found[cell] = (kept if args.stages_only else []) + rows
-    RESULTS.write_text(json.dumps(found, indent=1) + "\n")
+    _record(cell, rows, keep_others=args.stages_only)
+
+
+def _record(cell: str, rows: list[dict[str, Any]], keep_others: bool) -> None:
+    """`rows` into the results file's `cell` (with `keep_others`, beside the cell's rows
+    of other programs), read and written under a lock: runs side by side each keep the
+    rows the others wrote while they compiled."""
+    with open(RESULTS.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        labels = {row["program"] for row in rows}
+        kept = [row for row in found.get(cell, []) if row["program"] not in labels]
+        found[cell] = (kept if keep_others else []) + rows
+        RESULTS.write_text(json.dumps(found, indent=1) + "\n")
 
 
 if __name__ == "__main__":
