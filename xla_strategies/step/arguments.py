@@ -21,7 +21,7 @@ import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,6 @@ import numpy as np
 from xla_strategies.core.layout import Layout
 from xla_strategies.core.state_types import is_state_type
 from xla_strategies.core.trees import arg_path, as_array, is_foreign_array
-
-if TYPE_CHECKING:
-    from xla_strategies.step.in_place_state import WrittenState
 
 
 @dataclass(frozen=True)
@@ -94,15 +91,15 @@ class Signature:
         leaves = []
         for leaf in self.leaves:
             if isinstance(leaf, Static):
-                leaves.append(leaf.value.value if isinstance(leaf.value, _Declared) else leaf.value)
+                leaves.append(leaf.value.value if isinstance(leaf.value, Declared) else leaf.value)
             else:
                 array = next(traced)
-                leaves.append(_wrap_key(array, leaf.key_impl))
+                leaves.append(wrap_key(array, leaf.key_impl))
         return jax.tree.unflatten(self.treedef, leaves)
 
 
 @dataclass(frozen=True)
-class _Declared:
+class Declared:
     """An argument declared static: a leaf as a whole, whatever pytree it is."""
 
     value: Any
@@ -136,11 +133,11 @@ def flatten_arguments(
         where: turns an argument path (`args[0]['w']`) into the name used in errors.
         known: the specs of arrays read before (a step's own, kept between its calls).
     """
-    args = tuple(_Declared(a) if i in static_argnums else a for i, a in enumerate(args))
-    kwargs = {k: _Declared(v) if k in static_argnames else v for k, v in kwargs.items()}
+    args = tuple(Declared(a) if i in static_argnums else a for i, a in enumerate(args))
+    kwargs = {k: Declared(v) if k in static_argnames else v for k, v in kwargs.items()}
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     if any(_is_number(leaf) for leaf in leaves):  # else both rewrites would change nothing
-        args, kwargs = _equinox_numbers_static((args, kwargs))
+        args, kwargs = equinox_numbers_static((args, kwargs))
         args, kwargs = _state_numbers_strong((args, kwargs))
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     arrays: list[Any] = []
@@ -186,7 +183,7 @@ def flatten_arguments(
         number = not isinstance(leaf, jax.Array | np.ndarray | np.generic)
         # A Python number is weakly typed, and one out of range fails, as under jax.jit.
         array = jnp.asarray(leaf) if number else leaf
-        array, impl = _unwrap_key(array)
+        array, impl = unwrap_key(array)
         # a numpy int64 runs as int32 without x64, as the array the step hands back for it
         dtype = jax.dtypes.canonicalize_dtype(array.dtype) if impl is None else array.dtype
         dim = model_dim_of(leaf)
@@ -273,7 +270,7 @@ def _state_numbers_strong(tree: Any) -> Any:
     )
 
 
-def _equinox_numbers_static(tree: Any) -> Any:
+def equinox_numbers_static(tree: Any) -> Any:
     """Python numbers inside equinox modules are static, as `eqx.filter_jit` has them (a
     dropout probability, a sequence length used in a shape); elsewhere they are traced, so
     a learning rate that changes does not compile again."""
@@ -284,7 +281,7 @@ def _equinox_numbers_static(tree: Any) -> Any:
     def declare(module: Any) -> Any:
         return jax.tree.map(
             lambda x: (
-                _Declared(x)
+                Declared(x)
                 if isinstance(x, int | float | complex) and not isinstance(x, bool)
                 else x
             ),
@@ -306,73 +303,14 @@ def argument_paths(signature: Signature) -> list[str]:
     ]
 
 
-@dataclass
-class Outputs:
-    """What a step returned, apart from its traced arrays: the structure, the static leaves,
-    and which traced leaves were typed keys. Filled in while the step is traced."""
-
-    treedef: Any = None
-    leaves: tuple[Any, ...] = ()  # a static value, or an ArraySpec-less marker (a key impl)
-    names: tuple[str, ...] = ()  # the path of each traced output
-    # the argument leaves the step changed in place (NNX variables), returned after the
-    # result's traced outputs, with their key types
-    written: tuple[int, ...] = ()
-    written_keys: tuple[str | None, ...] = ()
-
-    def split(self, result: Any, written: WrittenState | None = None) -> list[Any]:
-        """Record `result`'s structure and static leaves; return its traced arrays, then
-        the new values of what the step changed in place (`in_place_state`)."""
-        flat, self.treedef = jax.tree_util.tree_flatten_with_path(_equinox_numbers_static(result))
-        traced, leaves, names = [], [], []
-        for path, leaf in flat:
-            if isinstance(leaf, _Declared):  # an equinox module's number comes back as is
-                leaves.append(leaf.value)
-            elif is_traced(leaf):
-                array, impl = _unwrap_key(jnp.asarray(leaf))
-                traced.append(array)
-                leaves.append(_TracedOutput(impl))
-                names.append("output" + jax.tree_util.keystr(path))
-            else:
-                leaves.append(leaf)
-        unwrapped = [_unwrap_key(jnp.asarray(v)) for v in written.values] if written else []
-        self.written = written.indices if written else ()
-        self.written_keys = tuple(impl for _, impl in unwrapped)
-        names += [f"{name} (in place)" for name in (written.names if written else ())]
-        self.leaves, self.names = tuple(leaves), tuple(names)
-        return traced + [array for array, _ in unwrapped]
-
-    def traced_indices(self) -> list[int]:
-        """Leaf positions of the traced outputs, in order."""
-        return [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, _TracedOutput)]
-
-    def in_place(self, arrays: Sequence[Any]) -> list[Any]:
-        """The new values of what the step changed in place (keys wrapped)."""
-        tail = arrays[len(arrays) - len(self.written) :] if self.written else []
-        return [_wrap_key(a, impl) for a, impl in zip(tail, self.written_keys, strict=True)]
-
-    def join(self, arrays: Sequence[Any]) -> Any:
-        """The step's result from its traced outputs: keys wrapped, static leaves put back."""
-        traced = iter(arrays)
-        leaves = [
-            _wrap_key(next(traced), leaf.key_impl) if isinstance(leaf, _TracedOutput) else leaf
-            for leaf in self.leaves
-        ]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-@dataclass(frozen=True)
-class _TracedOutput:
-    key_impl: str | None
-
-
 def _static(leaf: Any, where: Callable[[], str]) -> Static:
-    value = leaf.value if isinstance(leaf, _Declared) else leaf
+    value = leaf.value if isinstance(leaf, Declared) else leaf
     try:
         hash(value)
     except TypeError as exc:
         if (key := _tree_key(value)) is not None:  # as eqx.filter_jit keys a static part
             return Static(key, leaf)
-        kind = "declared static" if isinstance(leaf, _Declared) else "not an array, so static"
+        kind = "declared static" if isinstance(leaf, Declared) else "not an array, so static"
         raise TypeError(
             f"{where()} is {kind} and must be hashable (it is part of the compile cache key), "
             f"but a {type(value).__name__} is not: {exc}. Pass it as an array, make it "
@@ -402,7 +340,7 @@ def _typed(value: Any) -> Any:
     return (type(value), value)
 
 
-def _unwrap_key(array: Any) -> tuple[Any, str | None]:
+def unwrap_key(array: Any) -> tuple[Any, str | None]:
     if _is_key(array.dtype):
         return jax.random.key_data(array), str(jax.random.key_impl(array))
     return array, None
@@ -418,7 +356,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype)
 
 
-def _wrap_key(array: Any, impl: str | None) -> Any:
+def wrap_key(array: Any, impl: str | None) -> Any:
     return array if impl is None else jax.random.wrap_key_data(array, impl=impl)
 
 

@@ -32,7 +32,6 @@ from xla_strategies.step import in_place_state, numerics
 from xla_strategies.step.argument_declarations import declared_arguments
 from xla_strategies.step.arguments import (
     KnownSpecs,
-    Outputs,
     Signature,
     argument_paths,
     check_split_rows,
@@ -48,6 +47,7 @@ from xla_strategies.step.dumping import (
     abstract,
 )
 from xla_strategies.step.executable import Executable
+from xla_strategies.step.outputs import Outputs
 from xla_strategies.step.pipeline_choice import (
     Verdict,
     choose,

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from xla_strategies.core.trees import copy_to
 from xla_strategies.passes.ir.graph import Graph
-from xla_strategies.step.arguments import Outputs
+from xla_strategies.step.outputs import Outputs
 
 if TYPE_CHECKING:
     from xla_strategies.step.step_strategy import StepStrategy

@@ -22,7 +22,8 @@ from xla_strategies.core.layout import Layout
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.core.state_types import is_state_type
 from xla_strategies.passes.ir.graph import Graph, Value
-from xla_strategies.step.arguments import Outputs, Signature
+from xla_strategies.step.arguments import Signature
+from xla_strategies.step.outputs import Outputs
 
 
 def declared_outputs(prefix: Any, outputs: Outputs) -> dict[int, str | None]:

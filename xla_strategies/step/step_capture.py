@@ -20,8 +20,9 @@ from xla_strategies.passes.bridge.remat_policy import given_remat_policy, warn_i
 from xla_strategies.passes.bridge.step_mesh import replica_view
 from xla_strategies.passes.ir.graph import Graph
 from xla_strategies.step import in_place_state, replica_rng_streams
-from xla_strategies.step.arguments import Outputs, Signature, argument_paths
+from xla_strategies.step.arguments import Signature, argument_paths
 from xla_strategies.step.dropped_mutations import check_unchanged, snapshot
+from xla_strategies.step.outputs import Outputs
 from xla_strategies.step.stage_plan import check_pipelined, on_microbatches
 from xla_strategies.step.step_interface import (
     capture_mesh,

@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xla_strategies.core.layout import Layout
 from xla_strategies.passes.bridge.layouts import mark_model_dims, replica_spec
 from xla_strategies.passes.ir.graph import Graph
-from xla_strategies.step.arguments import Outputs, Signature
+from xla_strategies.step.arguments import Signature
+from xla_strategies.step.outputs import Outputs
 from xla_strategies.step.state import DeclaredState, declared_outputs, state_pairs
 
 if TYPE_CHECKING:
