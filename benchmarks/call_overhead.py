@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from benchmarks.gpu_calibration import median_ms
 
 RESULTS = Path(__file__).parent / "results" / "call_overhead.json"
 
@@ -44,15 +45,6 @@ def _writes(state: Any, batch: Any) -> tuple[Any, Any]:
 
 
 STEPS = {"reads": _reads, "writes": _writes}
-
-
-def _median_ms(call: Any, repetitions: int) -> float:
-    times = []
-    for _ in range(repetitions):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def measure(kind: str, leaves: int, repetitions: int) -> dict[str, Any]:
@@ -78,7 +70,8 @@ def measure(kind: str, leaves: int, repetitions: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repetitions):  # alternating, so both see the same machine
         for name, call in calls.items():
-            times[name].append(_median_ms(call, 5))
+            timed = median_ms(lambda c=call: jax.block_until_ready(c()), 5, warmup=0)
+            times[name].append(timed["median_ms"])
     row = {name: statistics.median(t) for name, t in times.items()}
     return {"step": kind, "leaves": leaves, **row, "ours / jax.jit": row["ours"] / row["jax.jit"]}
 

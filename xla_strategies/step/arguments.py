@@ -71,10 +71,12 @@ class Signature:
     treedef: Any
     leaves: tuple[ArraySpec | Static, ...]
 
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.treedef, self.leaves))
+
     def __hash__(self) -> int:  # once: the executable cache looks a signature up twice a call
-        if (cached := self.__dict__.get("_hash")) is None:
-            cached = self.__dict__["_hash"] = hash((self.treedef, self.leaves))
-        return cached
+        return self._hash
 
     @functools.cached_property
     def arrays(self) -> list[ArraySpec]:
@@ -188,9 +190,8 @@ def flatten_arguments(
         dtype = jax.dtypes.canonicalize_dtype(array.dtype) if impl is None else array.dtype
         dim = model_dim_of(leaf)
         spec = ArraySpec(array.shape, _dtype_name(dtype), layout, impl, number, dim)
-        if (
-            known is not None and impl is None and isinstance(leaf, jax.Array)
-        ):  # tracers: refused above
+        concrete = isinstance(leaf, jax.Array) and impl is None  # tracers: refused above
+        if known is not None and concrete:
             known.remember(leaf, spec)
         specs.append(spec)
         arrays.append(array)
