@@ -206,9 +206,20 @@ def _flax_docs_step(strategy, **options):
     return state[0], seen
 
 
-def test_a_flax_step_that_closes_over_its_batch_and_returns_metrics():
+# GPipe and looped BFS run the heads (loss and logits) between the forwards and backwards
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"schedule": "gpipe"},
+        pytest.param({"schedule": "looped-bfs", "virtual_stages": 2}, marks=pytest.mark.slow),
+    ],
+    ids=["1f1b", "gpipe", "looped-bfs"],
+)
+def test_a_flax_step_that_closes_over_its_batch_and_returns_metrics(options):
     want, want_seen = _flax_docs_step(xs.OneDeviceStrategy())
-    got, got_seen = _flax_docs_step(xs.MirroredStrategy(pipeline_stages=2), microbatches=2)
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    got, got_seen = _flax_docs_step(strategy, microbatches=2, **options)
     _assert_mirrored_and_equal(got, want)
     for (loss, accuracy, logits), (w_loss, w_accuracy, w_logits) in zip(
         got_seen, want_seen, strict=True
