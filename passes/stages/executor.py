@@ -10,12 +10,16 @@ gradient added in place into the stage's: a chunk's gradient taken out of the st
 added back whole was a copy of the chunk each tick (a dynamic slice XLA does not fuse into
 the layer loop; for two 1024-wide f32 layers on v5e, 20 us a tick, now 10). At the end of the
 tick each stage sends its forward's output to the next stage and its backward's input
-gradient to the previous one with two collective-permutes, which XLA can overlap with the
-next tick's compute. Values wait in slot buffers whose sizes the schedule computed, so
-1F1B's program holds S microbatches' layer inputs where GPipe's holds M. Keeping only the
-chunk's input (`keeps="stage-inputs"`, the step's `stage_keeps`) holds a chunk's depth
-times less, and the backward runs the chunk's forward again to find them: a fifth more
-compute, and with parameters in blocks a third more layer gathers.
+gradient to the previous one with collective-permutes (a run of ticks without backwards
+sends nothing back, and one without forwards nothing on). XLA's TPU compiler moves them to
+the top of the next tick and waits for them there, before the tick's conditional: a
+value read two ticks later (sent during the next tick's compute) was tried, and the
+compiler still waited before the conditional. Values wait in slot buffers whose sizes
+the schedule computed, so 1F1B's program holds S microbatches' layer inputs where GPipe's
+holds M. Keeping only the chunk's input (`keeps="stage-inputs"`, the step's
+`stage_keeps`) holds a chunk's depth times less, and the backward runs the chunk's forward
+again to find them: a fifth more compute, and with parameters in blocks a third more layer
+gathers.
 
 The last stage runs the head (what follows the layers, up to the loss) of each
 microbatch in its forward and seeds the backward with the head's gradient (where every
@@ -171,8 +175,11 @@ def run(
         # branch (what the step estimate charges a tick) is one some stage runs in it
         branch = jnp.asarray(_branch_of(kinds))[row["kind"]]
         state, send_f, send_b = lax.switch(branch, [actions[k] for k in (0, *kinds)], state)
-        state["recv_f"] = jax.tree.map(lambda v: lax.ppermute(v, axis, forward_perm), send_f)
-        state["recv_b"] = jax.tree.map(lambda v: lax.ppermute(v, axis, backward_perm), send_b)
+        # a run sends only the ways its actions send: a run of forwards sent zeros back
+        # too, as long a permute as the activations', over the same link (for
+        # Llama-3.1-405B's looped BFS, 8.5 of its 41.6 GB over DCN a step)
+        state["recv_f"] = _sent(send_f, _KINDS[FORWARD] in kinds, axis, forward_perm)
+        state["recv_b"] = _sent(send_b, _KINDS[BACKWARD] in kinds, axis, backward_perm)
         return state
 
     total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
@@ -196,6 +203,13 @@ def run(
         head_rows=d_head_rows,
         head_shared=d_head_shared,
     )
+
+
+def _sent(values: Any, sends: bool, axis: str, perm: list[tuple[int, int]]) -> Any:
+    """`values` permuted along `perm`, or zeros where the run sends nothing that way."""
+    if not sends:
+        return jax.tree.map(jnp.zeros_like, values)
+    return jax.tree.map(lambda v: lax.ppermute(v, axis, perm), values)
 
 
 def _kept_depth(program: StageProgram, weights: Any) -> tuple[int, ...]:
