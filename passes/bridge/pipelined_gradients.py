@@ -49,6 +49,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
     vma,
 )
 from xla_strategies.passes.stages import executor
+from xla_strategies.passes.stages.round_robin import round_robin, stack_order
 from xla_strategies.passes.stages.schedules import Schedule, schedule
 from xla_strategies.passes.stages.slots import is_float
 
@@ -166,7 +167,7 @@ def pipelined_vjp(
         )
         losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
-        cotangents, stacked_at = _cotangents(result, mb_mask, plan.virtual_stages)
+        cotangents, stacked_at = _cotangents(result, mb_mask)
     # the step sees its microbatch's loss and auxiliary outputs, as it was traced
     loss, aux = as_microbatches(losses), [as_microbatches(a) for a in aux]
 
@@ -247,13 +248,12 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         for x, d in zip(xs, dims, strict=True)
     ]
     pick = lambda values, mask, want: [x for x, r in zip(values, mask, strict=True) if r == want]  # noqa: E731
-    # stage d's chunk c holds global stage c*S + d. With one chunk a stage's layers are one
-    # block of the stack, as the stack is held between steps ([S*chunk] split over the
-    # stages): no weight moves. Interleaved chunks go round the stages: a reshuffle.
-    weights = [x.reshape(v, s, chunk, *x.shape[1:]) for x in xs]
-    weights_spec = P(None, plan.axis)
-    if v == 1:
-        weights, weights_spec = [x.reshape(s, chunk, *x.shape[1:]) for x in xs], P(plan.axis)
+    # each stage gets its block of the stack as the stack is held between steps ([S*V]
+    # chunks split over the stages): no weight moves. Interleaved chunks go round the
+    # stages, stage d's chunk c the global chunk c*S + d: `round_robin` sends each stage
+    # the chunks it runs
+    weights = [x.reshape(s * v, chunk, *x.shape[1:]) for x in xs]
+    weights_spec = P(plan.axis)
 
     read_as = stack.xs_read_as or (None,) * len(xs)
 
@@ -271,12 +271,16 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         return out[0], out[1:]
 
     def body(w, inputs, lrows, lshared, hrows, hshared):
-        w = w if v == 1 else [x[:, 0] for x in w]  # each [V, chunk, ...]
+        if v > 1:  # each [V, chunk, ...], as the stage runs its chunks
+            w = [round_robin(x, s, plan.axis) for x in w]
         program = executor.StageProgram(layer, head, plan.seed, list(stack.outputs[1:]), plan.keeps)
         r = executor.run(
             plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
         )
-        return {**vars(r), "weights": r.weights if v == 1 else [x[:, None] for x in r.weights]}
+        if v == 1:
+            return vars(r)
+        in_stack_order = [None if g is None else stack_order(g, s, plan.axis) for g in r.weights]
+        return {**vars(r), "weights": in_stack_order}
 
     args = (
         weights,
@@ -316,15 +320,13 @@ def _merge(mask: list[bool], rows: list, shared: list) -> list:
     return [next(r) if is_row else next(s) for is_row in mask]
 
 
-def _cotangents(
-    result: executor.StageResult, mb_mask: tuple, virtual_stages: int
-) -> tuple[list, range]:
+def _cotangents(result: executor.StageResult, mb_mask: tuple) -> tuple[list, range]:
     """The executor's gradients, one per output of `before` (per microbatch where that
     output is), and where the layer stack's (held split over the stages) are among them."""
     d_consts = _merge(mb_mask[1], list(result.layer_rows), list(result.layer_shared))
     d_kept = _merge(mb_mask[3], list(result.head_rows), list(result.head_shared))
-    stacked = 2 if virtual_stages == 1 else 3  # [S, chunk, ...] or [V, S, chunk, ...]
-    d_xs = [None if a is None else a.reshape(-1, *a.shape[stacked:]) for a in result.weights]
+    # each [S*V, chunk, ...], in the stack's order
+    d_xs = [None if a is None else a.reshape(-1, *a.shape[2:]) for a in result.weights]
     start = len(result.inputs) + len(d_consts)
     return [*result.inputs, *d_consts, *d_xs, *d_kept], range(start, start + len(d_xs))
 
