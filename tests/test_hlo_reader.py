@@ -24,6 +24,7 @@ from xla_strategies.hardware.hlo import (
     group_members,
     group_size,
     hlo_bytes,
+    trip_count,
 )
 from xla_strategies.hardware.hlo_collectives import collectives
 from xla_strategies.hardware.hlo_flops import hlo_flops
@@ -376,3 +377,28 @@ def test_a_tick_is_priced_by_its_costliest_branch_with_its_collectives():
     assert estimate["communication_s"] == pytest.approx(trips * one)  # a bound counts 2x
     assert estimate["step_s"] == estimate["compute_s"] + estimate["exposed_s"]
     assert estimate["exposed_s"] <= estimate["communication_s"]
+
+
+@pytest.mark.parametrize("told", ["init and step", "nothing"])
+@pytest.mark.parametrize("start, step", [(0, 1), (3, 1), (3, 2)])
+def test_a_loop_is_read_from_where_its_counter_starts_to_its_bound(start, step, told):
+    """Where XLA left no trip count on a `while`, the reader counts from the counter's
+    first value to the condition's bound (XLA:CPU's compare wrapped in a fusion) by its
+    step: as XLA's `known_init_step` says, or else as the loop's operand and its body's
+    root do; not from 0 whatever the counter starts at."""
+
+    def f(x):
+        def body(c):
+            i, y = c
+            return i + step, jnp.tanh(y @ x)
+
+        return jax.lax.while_loop(lambda c: c[0] < 10, body, (start, x))[1]
+
+    text = jax.jit(f).lower(jnp.ones((8, 8))).compile().as_text()
+    unannotated = re.sub(r'"known_trip_count":\{"n":"\d+"\}', '"unknown":{}', text)
+    if told == "nothing":
+        unannotated = re.sub(r'"known_init_step":\{[^}]*\}', '"unknown":{}', unannotated)
+        assert "known_init_step" not in unannotated
+    comps, _ = computations(unannotated)
+    (loop,) = [rest for ops in comps.values() for _, _, op, rest in ops if op == "while"]
+    assert trip_count(loop, comps) == len(range(start, 10, step))
