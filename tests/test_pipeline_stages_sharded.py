@@ -74,7 +74,8 @@ def test_a_flax_model_scanned_with_nn_scan_trains_with_sharded_stages():
 
 def test_a_stage_gathers_one_layer_at_a_time_and_scatters_its_gradient():
     """The compiled program's gathers of the stack are each one layer (a stage's layers
-    are never whole on a device), and its gradients are reduce-scattered into blocks."""
+    are never whole on a device), and its gradients, and the head's, are reduce-scattered
+    into blocks."""
     layers, width, stages = 8, 64, 2
     strategy = xs.MirroredStrategy(pipeline_stages=stages)
     replicas = strategy.num_replicas_in_sync
@@ -100,6 +101,7 @@ def test_a_stage_gathers_one_layer_at_a_time_and_scatters_its_gradient():
     assert sizes and max(sizes) <= width * width  # one layer, never a stage's 4
     scattered = re.findall(r"= f32\[([0-9,]*)\][^ ]* reduce-scatter\(", hlo)
     assert f"{width // replicas},{width}" in scattered  # a layer's gradient block
+    assert f"{width // replicas},1" in scattered  # the head's, never summed whole
 
 
 @pytest.mark.slow

@@ -40,7 +40,13 @@ from xla_strategies.passes.bridge.microbatches import (
     stacked_microbatches,
     tracing_microbatches,
 )
-from xla_strategies.passes.bridge.stage_blocks import block_dims, gathered, replica_block, whole
+from xla_strategies.passes.bridge.stage_blocks import (
+    block_dims,
+    gathered,
+    replica_block,
+    scattered,
+    whole,
+)
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
     STAGE_SPLIT_SCOPE,
@@ -167,7 +173,7 @@ def pipelined_vjp(
         )
         losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
-        cotangents, stacked_at = _cotangents(result, mb_mask)
+        cotangents, stacked_at, head_at = _cotangents(result, mb_mask)
     # the step sees its microbatch's loss and auxiliary outputs, as it was traced
     loss, aux = as_microbatches(losses), [as_microbatches(a) for a in aux]
 
@@ -177,7 +183,9 @@ def pipelined_vjp(
         del ct
         with around_the_microbatches():
             held = block_dims(plan.block_axes, [outputs[i] for i in stacked_at])
-            in_blocks = {i: d for i, d in zip(stacked_at, held, strict=True) if d is not None}
+            held += block_dims(plan.block_axes, [outputs[i] for i in head_at], stacked=False)
+            at = [*stacked_at, *head_at]  # the head's summed into its blocks (`scattered`)
+            in_blocks = {i: d for i, d in zip(at, held, strict=True) if d is not None}
             summed = [
                 whole(c, in_blocks[i], plan.block_axes, replicas).astype(p.dtype)
                 if i in in_blocks
@@ -270,10 +278,23 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         out = stack.after(y, _merge(head_rows, rows, shared))
         return out[0], out[1:]
 
+    # the head's weights, where held in blocks, get their gradient summed into the blocks
+    head_dims = block_dims(plan.block_axes, pick(kept, head_rows, False), stacked=False)
+
+    def head_blocks(grads):
+        return [scattered(g, d, plan.block_axes) for g, d in zip(grads, head_dims, strict=True)]
+
     def body(w, inputs, lrows, lshared, hrows, hshared):
         if v > 1:  # each [V, chunk, ...], as the stage runs its chunks
             w = [round_robin(x, s, plan.axis) for x in w]
-        program = executor.StageProgram(layer, head, plan.seed, list(stack.outputs[1:]), plan.keeps)
+        program = executor.StageProgram(
+            layer,
+            head,
+            plan.seed,
+            list(stack.outputs[1:]),
+            plan.keeps,
+            head_blocks if any(d is not None for d in head_dims) else None,
+        )
         r = executor.run(
             plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
         )
@@ -320,15 +341,18 @@ def _merge(mask: list[bool], rows: list, shared: list) -> list:
     return [next(r) if is_row else next(s) for is_row in mask]
 
 
-def _cotangents(result: executor.StageResult, mb_mask: tuple) -> tuple[list, range]:
+def _cotangents(result: executor.StageResult, mb_mask: tuple) -> tuple[list, range, list]:
     """The executor's gradients, one per output of `before` (per microbatch where that
-    output is), and where the layer stack's (held split over the stages) are among them."""
+    output is); where the layer stack's (held split over the stages) are among them, and
+    where the head's shared values' are."""
     d_consts = _merge(mb_mask[1], list(result.layer_rows), list(result.layer_shared))
     d_kept = _merge(mb_mask[3], list(result.head_rows), list(result.head_shared))
     # each [S*V, chunk, ...], in the stack's order
     d_xs = [None if a is None else a.reshape(-1, *a.shape[2:]) for a in result.weights]
     start = len(result.inputs) + len(d_consts)
-    return [*result.inputs, *d_consts, *d_xs, *d_kept], range(start, start + len(d_xs))
+    kept_at = start + len(d_xs)
+    head_at = [kept_at + j for j, is_row in enumerate(mb_mask[3]) if not is_row]
+    return [*result.inputs, *d_consts, *d_xs, *d_kept], range(start, start + len(d_xs)), head_at
 
 
 def _summed_like(primal: Any, cotangent: Any, stage_split: bool = False) -> Any:

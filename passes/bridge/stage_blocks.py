@@ -25,19 +25,30 @@ from xla_strategies.passes.bridge.trace_hooks import (
 from xla_strategies.passes.rewrites.blocks import shard_dimension, without
 
 
-def block_dims(axes: tuple[str, ...], stacks: list[Any]) -> list[int | None]:
+def block_dims(axes: tuple[str, ...], stacks: list[Any], stacked: bool = True) -> list[int | None]:
     """Per stacked weight, the dimension its blocks over the replica `axes` split: the
     first besides the layer dimension that divides by their replicas, shard-parameters'
     rule for a stack, so its optimizer moments line up; None: held whole (no dimension
-    divides, one replica, or a stack with no gradient: integers, keys)."""
+    divides, one replica, or a stack with no gradient: integers, keys). With
+    `stacked=False`, for weights that are not stacks (the head's): the first that divides."""
     mesh = jax.sharding.get_abstract_mesh()
     count = int(np.prod([mesh.shape[a] for a in axes]))
     return [
-        shard_dimension(without(jnp.shape(x), 0), count)
+        shard_dimension(without(jnp.shape(x), 0 if stacked else None), count)
         if count > 1 and jnp.issubdtype(jnp.result_type(x), jnp.floating)
         else None
         for x in stacks
     ]
+
+
+def scattered(gradient: Any, dim: int | None, axes: tuple[str, ...]) -> Any:
+    """A replica's whole gradient of a weight held in blocks on `dim`, summed over the
+    replicas of `axes` into this replica's block: a reduce-scatter, so the sum is never
+    whole on a device (`whole` then marks it for shard-parameters)."""
+    if dim is None or gradient is None:
+        return gradient
+    with jax.named_scope(AUTODIFF_SCOPE):
+        return jax.lax.psum_scatter(gradient, axes, scatter_dimension=dim, tiled=True)
 
 
 def _block_scope(axes: tuple[str, ...]) -> Any:

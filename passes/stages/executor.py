@@ -80,6 +80,9 @@ class StageProgram:
     #: what a forward keeps for its backward: each layer's input ("layer-inputs"), or the
     #: chunk's input alone ("stage-inputs"; the backward runs the chunk forward again)
     keeps: str = "layer-inputs"
+    #: where the head's weights are held in blocks over the replicas: its shared values'
+    #: gradients (a list, None where a value has none) summed into those blocks
+    head_blocks: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)

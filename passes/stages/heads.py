@@ -56,14 +56,19 @@ def head_gradients(program, head_in, head_rows, head_shared, microbatches):
     from the head's input each microbatch's forward kept, taken after the ticks: in them,
     a sum of the shared values' gradients (an output layer's, f32) was a loop value each
     tick's conditional and each loop of ticks held a copy of (Llama-3.1-405B: 5 of 8 GiB
-    each, a chip)."""
+    each, a chip). Where the program says how (`StageProgram.head_blocks`), each
+    microbatch's is summed into the blocks its weights are held in: a whole sum beside
+    each microbatch's whole gradient was another 8 GiB."""
+    to_blocks = program.head_blocks or (lambda d: d)
 
     def one(d_shared, m):
         (loss, _), pullback = vjp(
             program.head, get(head_in, m), get(head_rows, m), head_shared, has_aux=True
         )
         _, d_rows, d_m = pullback(jnp.full_like(loss, program.seed))
-        return plus(d_shared, d_m), d_rows
+        return plus(d_shared, to_blocks(d_m)), d_rows
 
-    d_shared, d_rows = lax.scan(one, float_zeros(head_shared), jnp.arange(microbatches))
+    blocks = jax.eval_shape(to_blocks, float_zeros(head_shared))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), blocks)
+    d_shared, d_rows = lax.scan(one, zeros, jnp.arange(microbatches))
     return d_rows, d_shared
