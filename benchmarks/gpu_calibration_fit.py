@@ -35,8 +35,9 @@ from typing import Any
 
 from benchmarks.gpu_calibration import RESULTS
 from benchmarks.tpu_calibration_rows import roofline_terms
-from xla_strategies.hardware.hlo import computations, executions
+from xla_strategies.hardware.hlo import computations
 from xla_strategies.hardware.hlo_flops import instruction_flops, matmul_seconds
+from xla_strategies.hardware.hlo_loops import executions
 from xla_strategies.hardware.topology import Topology
 
 HLO_ROOT = RESULTS.parent / "hlo"

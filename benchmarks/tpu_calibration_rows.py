@@ -52,9 +52,14 @@ from pathlib import Path
 from typing import Any
 
 from xla_strategies.hardware.compiled_report import collective_seconds, hlo_report
-from xla_strategies.hardware.hlo import OPERAND, computations, executions, operand_text
+from xla_strategies.hardware.hlo import (
+    OPERAND,
+    computations,
+    operand_text,
+)
 from xla_strategies.hardware.hlo_collectives import total_cycles
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
+from xla_strategies.hardware.hlo_loops import executions
 from xla_strategies.hardware.hlo_roofline import _DMA_DESTINATION, hbm_bytes
 from xla_strategies.hardware.topology import Topology
 

@@ -24,10 +24,10 @@ from xla_strategies.hardware.hlo import (
     group_members,
     group_size,
     hlo_bytes,
-    trip_count,
 )
 from xla_strategies.hardware.hlo_collectives import collectives
 from xla_strategies.hardware.hlo_flops import hlo_flops
+from xla_strategies.hardware.hlo_loops import trip_count
 from xla_strategies.hardware.hlo_roofline import roofline_seconds
 from xla_strategies.hardware.topology import Topology
 

@@ -12,9 +12,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import xla_strategies as xs
-from xla_strategies.hardware.hlo import COLLECTIVES, computations, executions, hlo_bytes
+from xla_strategies.hardware.hlo import (
+    COLLECTIVES,
+    computations,
+    hlo_bytes,
+)
 from xla_strategies.hardware.hlo_collectives import collectives
 from xla_strategies.hardware.hlo_flops import hlo_flops
+from xla_strategies.hardware.hlo_loops import executions
 from xla_strategies.hardware.hlo_roofline import hbm_bytes
 
 _ASYNC = """HloModule m, num_partitions=8

@@ -19,7 +19,6 @@ from xla_strategies.hardware.hlo import (
     collective_kind,
     computations,
     dcn_collective,
-    executions,
     group_members,
     group_size,
     hlo_bytes,
@@ -28,6 +27,7 @@ from xla_strategies.hardware.hlo import (
     replica_groups,
     started_result,
 )
+from xla_strategies.hardware.hlo_loops import executions
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _EMITTER = re.compile(r'"emitter":"(\w+)"')

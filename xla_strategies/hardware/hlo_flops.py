@@ -23,10 +23,9 @@ from xla_strategies.hardware.hlo import (
     OPERAND,
     Op,
     computations,
-    executions,
     operand_text,
-    step_total,
 )
+from xla_strategies.hardware.hlo_loops import executions, step_total
 
 if TYPE_CHECKING:
     from xla_strategies.hardware.topology import Topology

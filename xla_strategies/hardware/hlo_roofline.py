@@ -37,9 +37,9 @@ from xla_strategies.hardware.hlo import (
     hlo_bytes,
     operand_text,
     started_result,
-    step_total,
 )
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
+from xla_strategies.hardware.hlo_loops import step_total
 
 if TYPE_CHECKING:
     from xla_strategies.hardware.topology import Topology

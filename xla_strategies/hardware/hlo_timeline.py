@@ -28,11 +28,10 @@ from xla_strategies.hardware.hlo import (
     FUSIONS,
     OPERAND,
     Op,
-    branches,
     computations,
-    trip_count,
 )
 from xla_strategies.hardware.hlo_collectives import Collective, collectives
+from xla_strategies.hardware.hlo_loops import branches, trip_count
 from xla_strategies.hardware.hlo_roofline import instruction_seconds
 
 if TYPE_CHECKING:
