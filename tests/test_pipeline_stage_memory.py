@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from test_pipeline_stages import tick_loops
 
 import xla_strategies as xs
 from xla_strategies.hardware.hlo import computations
@@ -89,7 +90,4 @@ def test_the_output_layers_gradient_is_no_value_of_the_loop_of_ticks(schedule, h
 
 def _tick_loops(hlo):
     """The result types of the loops whose bodies pass activations between stages."""
-    comps, _ = computations(hlo)
-    loops = [(types, rest) for ops in comps.values() for _, types, op, rest in ops if op == "while"]
-    body = lambda rest: comps[re.search(r"body=%([\w.\-]+)", rest).group(1)]  # noqa: E731
-    return [t for t, rest in loops if any("collective-permute" in op for *_, op, _ in body(rest))]
+    return [types for types, _ in tick_loops(computations(hlo)[0])]

@@ -491,24 +491,31 @@ def test_the_estimated_bubble_is_the_schedules_theory(schedule, virtual_stages):
     )
 
 
+def tick_loops(comps):
+    """(result types, body) of each loop whose body passes activations between stages:
+    a collective-permute, or across TPU slices the `send` it compiles to."""
+    loops = [
+        (types, re.search(r"body=%([\w.\-]+)", rest).group(1))
+        for ops in comps.values()
+        for _, types, op, rest in ops
+        if op == "while"
+    ]
+    sends = lambda op: "collective-permute" in op or op == "send"  # noqa: E731
+    return [(types, body) for types, body in loops if any(sends(op) for *_, op, _ in comps[body])]
+
+
 def _in_ticks(hlo):
     """The instructions of the loops whose bodies pass activations between stages, and of
     every computation those call."""
-    from xla_strategies.hardware.hlo import computations
+    from xla_strategies.hardware.hlo import CALLEE, computations
+    from xla_strategies.hardware.hlo_loops import branches
 
     comps, _ = computations(hlo)
-    bodies = [
-        re.search(r"body=%([\w.\-]+)", rest).group(1)
-        for ops in comps.values()
-        for _, _, op, rest in ops
-        if op == "while"
-    ]
-    sends = ("collective-permute", "collective-permute-start", "send")  # send: over DCN
-    todo = [b for b in bodies if any(op in sends for *_, op, _ in comps[b])]
+    todo = [body for _, body in tick_loops(comps)]
     seen = set(todo)
     while todo:
-        for *_, rest in comps[todo.pop()]:
-            for name in re.findall(r"%([\w.\-]+)", rest):
+        for _, _, op, rest in comps[todo.pop()]:
+            for name in [*CALLEE.findall(rest), *branches(op, rest)]:
                 if name in comps and name not in seen:
                     seen.add(name)
                     todo.append(name)

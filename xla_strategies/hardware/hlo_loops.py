@@ -9,7 +9,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-from xla_strategies.hardware.hlo import CALLEE, FUSIONS, OPERAND, Op
+from xla_strategies.hardware.hlo import CALLEE, FUSIONS, OPERAND, Op, operand_text
 
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INIT_STEP = re.compile(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"\}')
@@ -132,7 +132,7 @@ def _unwrapped(op: Op, comps: dict[str, list[Op]]) -> tuple[str, list[str], str]
     instruction (XLA:CPU's `wrapped_compare`, `wrapped_add`), that instruction's, its
     parameters taken for the fusion's operands."""
     _, _, opcode, rest = op
-    operands = OPERAND.findall(rest.split("),")[0])
+    operands = OPERAND.findall(operand_text(rest))
     callee = re.search(r"calls=%([\w.\-]+)", rest) if opcode in FUSIONS else None
     inner = comps.get(callee.group(1), []) if callee else []
     params = {n: int(r.split(")")[0]) for n, _, o, r in inner if o == "parameter"}
@@ -140,7 +140,7 @@ def _unwrapped(op: Op, comps: dict[str, list[Op]]) -> tuple[str, list[str], str]
     if len(wrapped) != 1:
         return opcode, operands, rest
     _, _, inner_opcode, inner_rest = wrapped[0]
-    sides = [params.get(o) for o in OPERAND.findall(inner_rest.split("),")[0])]
+    sides = [params.get(o) for o in OPERAND.findall(operand_text(inner_rest))]
     if None in sides or max(sides, default=0) >= len(operands):
         return opcode, operands, rest
     return inner_opcode, [operands[i] for i in sides], inner_rest
