@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import xla_strategies as xs
+from xla_strategies.passes.ir.text import print_graph
 from xla_strategies.passes.stages.schedules import schedule as schedule_table
 
 LAYERS, WIDTH, ROWS = 8, 16, 32
@@ -538,3 +539,53 @@ def test_ticks_of_forwards_alone_are_priced_as_forwards():
     gap = {m: compute["1f1b", m] - compute["gpipe", m] for m in (4, 8)}
     assert all(gap[m] > 0.03 * compute["gpipe", m] for m in gap), (compute, gap)
     assert gap[4] < gap[8], gap  # more ticks where a backward replaces a forward
+
+
+def test_steps_captured_at_once_in_two_threads_each_keep_their_own_schedule():
+    """The planner captures several configurations at once, each in a thread of its own.
+    Two steps with different schedules, traced together (each waits inside its loss until
+    the other is there too), give the graphs each gives traced alone: neither thread's
+    gradient is pipelined by the other's plan, or counted as the other's."""
+    import threading
+
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    params = _plain_params()
+    both_inside = threading.Barrier(2)
+
+    def step_of(options, wait):
+        def loss(params, x, y):
+            if wait:
+                both_inside.wait(timeout=60)
+            return _plain_loss(params, x, y)
+
+        @strategy.compile(**options)
+        def step(params, x, y):
+            return jax.grad(loss)(params, x, y)
+
+        return step
+
+    options = (
+        {"microbatches": 4, "schedule": "gpipe"},
+        {"microbatches": 4, "schedule": "looped-bfs", "virtual_stages": 2},
+    )
+    with strategy.scope():
+        args = (strategy.replicate(params), *next(iter(
+            strategy.experimental_distribute_dataset(_plain_batches())
+        )))  # fmt: skip
+    alone = [print_graph(step_of(o, wait=False).graph(*args)) for o in options]
+    assert alone[0] != alone[1]
+    together: list = [None, None]
+
+    def capture(i):
+        try:
+            together[i] = print_graph(step_of(options[i], wait=True).graph(*args))
+        except Exception as exc:  # noqa: BLE001 (said by the assertion below)
+            together[i] = exc
+            both_inside.abort()
+
+    threads = [threading.Thread(target=capture, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert together == alone

@@ -101,31 +101,42 @@ class Pipelined:
 @contextlib.contextmanager
 def pipelining_gradients(plan: StagePlan | None) -> Iterator[Pipelined]:
     """While a step is traced on microbatches (`microbatches.microbatched`), gradients
-    taken with `jax.grad`/`jax.value_and_grad` are pipelined by `plan`; yields what was
-    (`Pipelined`). Does nothing for `plan=None`."""
+    taken with `jax.grad`/`jax.value_and_grad` in this thread are pipelined by `plan`;
+    yields what was (`Pipelined`). Does nothing for `plan=None`. Other threads' traces
+    (the planner's, which capture several configurations at once) keep their own plans."""
     record = Pipelined()
     if plan is None:
         yield record
         return
     from jax._src import api
 
-    inside = threading.local()  # a gradient the pipelined loss itself takes is JAX's
+    outer = getattr(_pipelining, "state", None)
+    _pipelining.state = [plan, record, False]  # False: not inside a pipelined gradient
+    try:
+        with patched(api, "vjp", _pipelining_the_threads_gradients):
+            yield record
+    finally:
+        _pipelining.state = outer
 
-    def pipelining(original: Callable[..., Any]) -> Callable[..., Any]:
-        def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False, **kw: Any) -> Any:
-            if getattr(inside, "active", False) or not tracing_microbatches():
-                return original(fun, *primals, has_aux=has_aux, **kw)
-            record.gradients += 1
-            inside.active = True
-            try:
-                return pipelined_vjp(plan, fun, primals, has_aux, record.stacked)
-            finally:
-                inside.active = False
 
-        return vjp
+_pipelining = threading.local()  # this thread's [plan, record, inside], while it pipelines
 
-    with patched(api, "vjp", pipelining):
-        yield record
+
+def _pipelining_the_threads_gradients(original: Callable[..., Any]) -> Callable[..., Any]:
+    def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False, **kw: Any) -> Any:
+        state = getattr(_pipelining, "state", None)
+        # a gradient the pipelined loss itself takes is JAX's
+        if state is None or state[2] or not tracing_microbatches():
+            return original(fun, *primals, has_aux=has_aux, **kw)
+        plan, record, _ = state
+        record.gradients += 1
+        state[2] = True
+        try:
+            return pipelined_vjp(plan, fun, primals, has_aux, record.stacked)
+        finally:
+            state[2] = False
+
+    return vjp
 
 
 def pipelined_vjp(

@@ -164,47 +164,60 @@ def varying_over(x: Any, axes: frozenset[str] | set[str]) -> Any:
 
 @contextlib.contextmanager
 def pallas_kernels_per_replica(axes: tuple[str, ...]) -> Any:
-    """While a step is traced, every Pallas kernel is typed as a function of one replica's
-    values. Pallas refuses an output shape without varying axes under `check_vma=True`
+    """While a step is traced (in this thread: each trace types with its own replica
+    axes), every Pallas kernel is typed as a function of one replica's values. Pallas
+    refuses an output shape without varying axes under `check_vma=True`
     (`manual_axis_type` must not be None), and JAX's own kernels give none: splash
     attention, as MaxText runs it, crashed the capture. Casting the operands too keeps the
     types whole: a replica-invariant operand's gradient is reduced across the replicas
     (the cast's transpose), as for any op."""
-    from jax._src import core as jax_core
-
     try:
         from jax._src.pallas import core as pallas_core
         from jax._src.pallas import pallas_call
     except ImportError:  # this jaxlib has no Pallas
         yield
         return
-    replicas = frozenset(axes)
-    varying = jax_core.ManualAxisType(varying=replicas)
+    outer = getattr(_kernel_replicas, "axes", None)
+    _kernel_replicas.axes = frozenset(axes)
+    try:
+        with (
+            patched(pallas_core, "_convert_out_shape_to_aval", _typing_kernel_outputs),
+            patched(pallas_call.pallas_call_p, "bind", _casting_kernel_operands),
+        ):
+            yield
+    finally:
+        _kernel_replicas.axes = outer
 
-    def typing_outputs(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def convert_varying(out_shape: Any) -> Any:
-            if isinstance(out_shape, jax.ShapeDtypeStruct) and out_shape.manual_axis_type is None:
-                out_shape = jax.ShapeDtypeStruct(
-                    out_shape.shape,
-                    out_shape.dtype,
-                    sharding=out_shape.sharding,
-                    manual_axis_type=varying,
-                )
-            return convert(out_shape)
 
-        return convert_varying
+_kernel_replicas = threading.local()  # the replica axes this thread's trace types over
 
-    def casting_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
-        def cast_then_bind(*operands: Any, **params: Any) -> Any:
-            return bind(*(varying_over(x, replicas) for x in operands), **params)
 
-        return cast_then_bind
+def _typing_kernel_outputs(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    from jax._src import core as jax_core
 
-    with (
-        patched(pallas_core, "_convert_out_shape_to_aval", typing_outputs),
-        patched(pallas_call.pallas_call_p, "bind", casting_operands),
-    ):
-        yield
+    def convert_varying(out_shape: Any) -> Any:
+        replicas = getattr(_kernel_replicas, "axes", None)
+        untyped = isinstance(out_shape, jax.ShapeDtypeStruct) and out_shape.manual_axis_type is None
+        if replicas is not None and untyped:
+            out_shape = jax.ShapeDtypeStruct(
+                out_shape.shape,
+                out_shape.dtype,
+                sharding=out_shape.sharding,
+                manual_axis_type=jax_core.ManualAxisType(varying=replicas),
+            )
+        return convert(out_shape)
+
+    return convert_varying
+
+
+def _casting_kernel_operands(bind: Callable[..., Any]) -> Callable[..., Any]:
+    def cast_then_bind(*operands: Any, **params: Any) -> Any:
+        replicas = getattr(_kernel_replicas, "axes", None)
+        if replicas is not None:
+            operands = tuple(varying_over(x, replicas) for x in operands)
+        return bind(*operands, **params)
+
+    return cast_then_bind
 
 
 @contextlib.contextmanager
