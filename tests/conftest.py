@@ -134,6 +134,7 @@ SLOW_TESTS = (
     # stages (the flax and plain scanned models stay), a reader beside a writer 3 times
     # (its other checkpoint-process cases stay)
     "tests/test_planner.py::test_remat_policies_are_tried_where_the_steps_blocks_have_none",
+    "tests/test_planner.py::test_schedules_are_tried_on_the_best_configuration_with_stages",
     "tests/test_pipeline_stages.py::test_a_remat_scanned_language_model_trains_as_one_device_does",
     "tests/runtime/test_checkpoint_processes.py::test_a_reader_beside_a_writer_never_deletes_and_always_reads_whole_steps[3]",
 )

@@ -142,7 +142,9 @@ def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
     state = (w, jax.eval_shape(tx.init, w))
     x = jax.ShapeDtypeStruct((16, 6656), jnp.float32, sharding=strategy.split_sharding())
     step = strategy.compile(_adam_step(tx), donate_argnums=(0, 1))
-    found = strategy.plan(step, *state, x, model_axes=(1,), batch_doublings=0, stages=(1, 2))
+    found = strategy.plan(
+        step, *state, x, model_axes=(1,), batch_doublings=0, stages=(1, 2), schedules=()
+    )
     fits = {(row.sharding, row.stages): row.fits for row in found.rows}
     assert fits[("replicated", 1)] is False
     assert fits[("replicated", 2)] is True
@@ -151,6 +153,7 @@ def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
     assert by["parameter sharding", 2].memory_bytes < by["replicated", 2].memory_bytes / 2
     staged = by["replicated", 2]
     assert staged.microbatches == 4  # 16 rows over 4 replicas: 4 a replica, at most 8
+    assert staged.schedule == "1f1b"
     assert "stages" in found.table().splitlines()[1]
 
 
@@ -184,6 +187,52 @@ def test_remat_policies_are_tried_where_the_steps_blocks_have_none(tmp_path, mon
         assert f"remat_policy={best.remat_policy!r}" in found.recommendation()
 
 
+def test_schedules_are_tried_on_the_best_configuration_with_stages(tmp_path, monkeypatch):
+    """16 checkpointed layers on two v5e-4 slices: without stages the remat policies are
+    tried, and on the best configuration with two stages the other schedules, the
+    interleaved ones at each count of virtual stages that divides a stage's 8 layers;
+    each compiles a program of its own, and the recommendation names what won."""
+    from tests.test_remat_policy import _step
+
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    strategy = xs.TPUStrategy("2xv5e-4", compile_only=True)
+    tx = optax.sgd(0.1)
+    stack = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=strategy.split_sharding())
+    found = strategy.plan(
+        _step(tx), stack, jax.eval_shape(tx.init, stack), x, model_axes=(1,), batch_doublings=0,
+        stages=(1, 2), log=lambda line: None,
+    )  # fmt: skip
+    assert {row.stages for row in found.rows if row.remat_policy} == {1}
+    staged = [row for row in found.rows if row.stages == 2]
+    first = max((r for r in staged if r.schedule == "1f1b"), key=lambda r: r.items_per_s_per_chip)
+    tried = [(r.schedule, r.virtual_stages) for r in staged if r.schedule != "1f1b"]
+    assert tried == [
+        ("zero-bubble-h1", 0),
+        *(("interleaved-1f1b", v) for v in (2, 4, 8)),
+        *(("looped-bfs", v) for v in (2, 4, 8)),
+    ]
+    others = [r for r in staged if r.schedule != "1f1b"]
+    assert all(r.fits and r.sharding == first.sharding for r in others), found.table()
+    # each a program of its own: the chunks' count changes the step
+    assert len({r.step_s for r in others if r.schedule == "looped-bfs"}) == 3
+    best = found.best()
+    assert best.items_per_s_per_chip == max(r.items_per_s_per_chip or 0 for r in found.rows)
+    if best.stages > 1:
+        assert f"schedule={best.schedule!r}" in found.recommendation()
+
+
+def test_virtual_stages_tried_divide_a_stages_layers_and_span_them():
+    """At most four counts, from the fewest chunks to one layer a chunk (Llama-3.1-405B's
+    126 layers over 2 stages: 63 a stage), none where a stage holds one layer."""
+    from xla_strategies.distribute.planner import virtual_stage_counts
+
+    assert virtual_stage_counts(63) == [3, 7, 21, 63]
+    assert virtual_stage_counts(8) == [2, 4, 8]
+    assert virtual_stage_counts(12) == [2, 3, 6, 12]
+    assert virtual_stage_counts(7) == [7] and virtual_stage_counts(1) == []
+
+
 def test_what_xla_counts_beyond_the_live_buffers_is_split_by_cause():
     """Of 10 GiB XLA counts, 5 are live buffers and 2 the heap's gaps at the peak: the
     other 3 are said to be beyond XLA's buffer assignment, not lumped with the gaps."""
@@ -205,7 +254,13 @@ def test_a_row_is_named_by_everything_that_configures_it():
     row = Row("parameter sharding", 1, 2, True, 2**30, 1.0, 2.0, remat_policy="dots_saveable")
     assert row.describe() == "parameter sharding, remat dots_saveable, 1 per replica, 2 per chip"
     staged = Row("replicated", 2, 4, True, 2**30, 1.0, 4.0, stages=2, microbatches=4)
-    assert staged.describe() == "replicated, 2 stages, 2 per replica, 4 per chip"
+    assert staged.describe() == "replicated, 2 stages 1f1b, 2 per replica, 4 per chip"
+    looped = Row("replicated", 1, 4, True, 2**30, 1.0, 4.0, stages=2, microbatches=4,
+                 schedule="looped-bfs", virtual_stages=4)  # fmt: skip
+    assert looped.describe() == "replicated, 2 stages looped-bfs V=4, 1 per replica, 4 per chip"
+    assert (
+        "schedule='looped-bfs', virtual_stages=4" in Plan((looped,), "", "", True).recommendation()
+    )
     plan = Plan((row,), "", "", True)
     assert "remat dots_saveable" in plan.memory().splitlines()[0]
     assert "remat dots_saveable" in plan.recommendation().splitlines()[0]

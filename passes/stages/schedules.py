@@ -27,6 +27,8 @@ FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 #: the schedules `compile(schedule=...)` takes, each a function of (stages, microbatches,
 #: virtual_stages) giving every device's list of actions
 SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {}
+#: the schedules whose stages each hold `virtual_stages` chunks of layers
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs")
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,11 @@ REMAT_SHORT = {
 }
 
 
+#: how the note of a row that never reached XLA's compiler begins
+NOT_COMPILED = "not compiled"
 #: part of a cached row's key: raised when a row gains a field an older row lacks, so a
 #: plan never shows a row cached before the field as if the field were zero
-ROW_VERSION = 2
+ROW_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class Row:
     note: str = ""
     stages: int = 1
     microbatches: int = 0  # with stages: the pipeline's microbatches
+    schedule: str = ""  # with stages: the pipeline's schedule ("": the default, 1F1B)
+    virtual_stages: int = 0  # with an interleaved schedule: chunks of layers per stage
     remat_policy: str = ""  # the policy its remat blocks were given; "": as written
     #: what holds the memory at XLA's peak (`hardware.memory_at_peak`), fitting or not:
     #: bytes per group, and the largest buffers as (bytes, shape, what made it)
@@ -59,8 +63,22 @@ class Row:
 
     def describe(self) -> str:
         return configuration(
-            self.sharding, self.stages, self.remat_policy, self.devices_per_replica,
+            self.sharding, self.pipelining(), self.remat_policy, self.devices_per_replica,
             self.batch_per_chip,
+        )  # fmt: skip
+
+    def pipelining(self) -> str:
+        """Its stages and their schedule in words ("" without stages)."""
+        if self.stages == 1:
+            return ""
+        chunks = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.stages} stages {self.schedule or '1f1b'}{chunks}"
+
+    def options(self) -> dict[str, Any]:
+        """The compile options that configure it (`row_options`)."""
+        return row_options(
+            self.sharding, self.stages, self.microbatches, self.remat_policy, self.schedule,
+            self.virtual_stages,
         )  # fmt: skip
 
     def held(self) -> str:
@@ -87,7 +105,8 @@ class Row:
         fits = "yes" if self.fits else "NO"
         remat = REMAT_SHORT.get(self.remat_policy, self.remat_policy)
         return (
-            f"{self.sharding:<24} {self.stages:>6} {self.devices_per_replica:>5} {remat:>8} "
+            f"{self.sharding:<24} {self.pipelining() or '1 stage':<30} "
+            f"{self.devices_per_replica:>5} {remat:>8} "
             f"{self.batch_per_chip:>7} {gib} {fits:>4} {step} {rate:>14}  {self.note}"
         )
 
@@ -106,7 +125,7 @@ class Plan:
 
     def table(self) -> str:
         header = (
-            f"{'configuration':<24} {'stages':>6} {'model':>5} {'remat':>8} {'batch':>7} "
+            f"{'configuration':<24} {'stages':<30} {'model':>5} {'remat':>8} {'batch':>7} "
             f"{'GiB':>7} {'fits':>4} {'step ms':>9} {'items/s/chip':>14}"
         )
         lines = [f"plan for {self.strategy} (estimate: {self.calibration})", header]
@@ -133,8 +152,7 @@ class Plan:
         best = self.best()
         if best is None:
             return "# no configuration fits: a larger topology, or a smaller batch per chip"
-        chosen = row_options(best.sharding, best.stages, best.microbatches, best.remat_policy)
-        options = ", ".join(f"{k}={v!r}" for k, v in chosen.items())
+        options = ", ".join(f"{k}={v!r}" for k, v in best.options().items())
         return (
             f"# {best.describe()}: the most items/s per chip that fits\n"
             f"strategy = strategy.with_logical_devices_per_replica({best.devices_per_replica})"
@@ -144,20 +162,30 @@ class Plan:
 
 
 def configuration(
-    sharding: str, stages: int, remat_policy: str, devices_per_replica: int, per_chip: int
+    sharding: str, pipelining: str, remat_policy: str, devices_per_replica: int, per_chip: int
 ) -> str:
-    """A configuration in words: sharding, stages, remat policy, devices, batch."""
-    staged = f", {stages} stages" if stages > 1 else ""
+    """A configuration in words: sharding, stages and schedule (`Row.pipelining`), remat
+    policy, devices, batch."""
+    staged = f", {pipelining}" if pipelining else ""
     remat = f", remat {remat_policy}" if remat_policy else ""
     return f"{sharding}{staged}{remat}, {devices_per_replica} per replica, {per_chip} per chip"
 
 
 def row_options(
-    sharding: str, stages: int, microbatches: int, remat_policy: str = ""
+    sharding: str,
+    stages: int,
+    microbatches: int,
+    remat_policy: str = "",
+    schedule: str = "",
+    virtual_stages: int = 0,
 ) -> dict[str, Any]:
-    """The compile options of a row: its sharding's, with stages its microbatches, and the
-    remat policy it tried."""
-    found = {**SHARDINGS[sharding], **({"microbatches": microbatches} if stages > 1 else {})}
+    """The compile options of a row: its sharding's, with stages its microbatches and
+    schedule, and the remat policy it tried."""
+    found = dict(SHARDINGS[sharding])
+    if stages > 1:
+        found["microbatches"] = microbatches
+        found.update({"schedule": schedule} if schedule else {})
+        found.update({"virtual_stages": virtual_stages} if virtual_stages > 1 else {})
     return {**found, **({"remat_policy": remat_policy} if remat_policy else {})}
 
 

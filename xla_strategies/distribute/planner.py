@@ -13,9 +13,13 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
   a replica's rows, at most 4 per stage;
 - the per-chip batch: the one given, then doubled while it fits (every batch argument,
   the ones split over the replicas, grows together);
-- on the best configuration found, where the step has remat blocks (`jax.checkpoint`,
-  `nn.remat`) without a policy of their own: the policies of `REMAT_POLICIES`, which keep
-  more for the backward pass and compute less again (`compile(remat_policy=...)`).
+- on the best configuration found without stages, where the step has remat blocks
+  (`jax.checkpoint`, `nn.remat`) without a policy of their own: the policies of
+  `REMAT_POLICIES`, which keep more for the backward pass and compute less again
+  (`compile(remat_policy=...)`; a pipelined step takes none yet);
+- on the best configuration found with stages (the one of least memory where none fits),
+  at its batch: the schedules beside 1F1B, zero-bubble H1 and interleaved 1F1B and looped
+  BFS with the virtual stages that divide a stage's layers (`virtual_stage_counts`).
 
 Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
 (labelled with what the estimate was fitted to) and items per second per chip (the batch
@@ -33,52 +37,41 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jax
-
-from xla_strategies.core.errors import OutOfMemoryError
-from xla_strategies.core.layout import Layout
-from xla_strategies.distribute.plan_rows import (
-    ROW_VERSION,
-    SHARDINGS,
-    Plan,
-    Row,
-    best_so_far,
-    configuration,
-    row_options,
+from xla_strategies.distribute.plan_compile import (
+    Job,
+    batch_per_chip,
+    compiled_row,
+    configured,
+    laid_out,
+    options_of,
+    pruned,
+    row_of,
 )
-from xla_strategies.hardware.compiled_report import calibration_label, compiled_report
+from xla_strategies.distribute.plan_rows import NOT_COMPILED, SHARDINGS, Plan, Row, best_so_far
+from xla_strategies.hardware.compiled_report import calibration_label
 from xla_strategies.hardware.hlo_timeline import hlo_timeline, save_timeline
-from xla_strategies.hardware.memory_at_peak import (
-    dump_options,
-    library_directories,
-    memory_at_peak,
-)
 from xla_strategies.passes.bridge.remat_policy import given_remat_policy
-from xla_strategies.passes.ir.text import print_graph
-from xla_strategies.step import verdict_cache
-from xla_strategies.step.compile_options import CompileOptions
-from xla_strategies.step.verdict_cache import fingerprint
+from xla_strategies.passes.stages.schedules import INTERLEAVED_SCHEDULES
 
 if TYPE_CHECKING:
     from xla_strategies.step.step_strategy import StepStrategy as Strategy
 
 MODEL_AXES = (1, 2, 4, 8)
-#: how many of the largest buffers at the peak a row keeps
-HELD_SHOWN = 8
 #: what a step's remat blocks without a policy are tried with, beside as written (keeping
 #: only their inputs), on the best configuration found: more kept, less computed again
 REMAT_POLICIES = ("dots_with_no_batch_dims_saveable", "dots_saveable", "everything_saveable")
+#: what the best configuration with stages is tried with beside 1F1B, the default
+SCHEDULES_TRIED = ("zero-bubble-h1", "interleaved-1f1b", "looped-bfs")
+#: how many counts of virtual stages an interleaved schedule is tried with at most
+VIRTUAL_STAGES_TRIED = 4
 STAGES = (1, 2, 4)
 #: how many times the per-chip batch is doubled at most
 BATCH_DOUBLINGS = 3
@@ -99,14 +92,16 @@ def plan(
     remat_policies: tuple[str, ...] = REMAT_POLICIES,
     timeline_to: Path | None = None,
     workers: int = WORKERS,
+    schedules: tuple[str, ...] = SCHEDULES_TRIED,
 ) -> Plan:
     """Compile `step` (a function, or a compiled step whose own options are kept) on `args`
     (abstract `jax.ShapeDtypeStruct`s: state mirrored, batches with
     `strategy.split_sharding()`) in every candidate configuration; see the module.
     `timeline_to`: where the recommended configuration's timeline goes (`write_timeline`);
-    `workers`: how many configurations compile at once."""
+    `workers`: how many configurations compile at once; `schedules`: the ones tried beside
+    1F1B on the best configuration with stages."""
     found = _search(strategy, step, args, budget, log, model_axes, batch_doublings, stages,
-                    remat_policies, workers)  # fmt: skip
+                    remat_policies, workers, schedules)  # fmt: skip
     if timeline_to is not None and write_timeline(strategy, step, args, found, timeline_to):
         log(f"plan: the recommended step as XLA schedules it: {timeline_to} and its .png")
     return found
@@ -123,6 +118,7 @@ def _search(
     stages: tuple[int, ...],
     remat_policies: tuple[str, ...],
     workers: int,
+    schedules: tuple[str, ...],
 ) -> Plan:
     started = time.monotonic()
     compiled: list[Row] = []  # every row so far, in the order compiled: the best so far
@@ -130,33 +126,32 @@ def _search(
     candidates = list(_candidates(strategy, model_axes, stages))
     calibration = calibration_label(strategy.topology)
 
-    def search(job: tuple[Strategy, str, int, str, str]) -> tuple[list[Row], bool]:
+    def search(job: Job) -> tuple[list[Row], bool]:
         """Rows of one configuration, the batch doubled while it fits; False: out of time."""
-        variant, sharding, model, what, policy = job
-        pruned = _pruned(variant, sharding, args, strategy)
-        if pruned is not None:  # its state alone outgrows the chip: nothing to compile
+        refused = pruned(job.variant, job.sharding, args, strategy)
+        if refused is not None:  # its state alone outgrows the chip: nothing to compile
             with lock:
-                log(f"plan: not compiling {what}: {pruned.describe()}: {pruned.note}")
-                compiled.append(pruned)
-            return [pruned], True
+                log(f"plan: not compiling {job.what}: {refused.describe()}: {refused.note}")
+                compiled.append(refused)
+            return [refused], True
         rows: list[Row] = []
-        for doubling in range(batch_doublings + 1):
+        factors = [job.factor] if job.factor else [2**d for d in range(batch_doublings + 1)]
+        for factor in factors:
             if budget is not None and time.monotonic() - started > budget:
                 return rows, False
-            scaled = _on(variant, args, 2**doubling, strategy)
-            per_chip = _batch_per_chip(variant, scaled)
-            words = configuration(sharding, variant.pipeline_stages, policy, model, per_chip)
+            scaled = laid_out(job.variant, args, factor, strategy)
+            row = row_of(job, batch_per_chip(job.variant, scaled))
             with lock:
-                log(f"plan: compiling {what}: {words}{best_so_far(compiled)}")
-            row = _compiled_row(variant, step, scaled, sharding, model, per_chip, policy)
+                log(f"plan: compiling {job.what}: {row.describe()}{best_so_far(compiled)}")
+            row = compiled_row(job, step, scaled)
             rows.append(row)
             with lock:
                 compiled.append(row)
-            if not row.fits or not per_chip:
+            if not row.fits or not row.batch_per_chip:
                 break  # a larger batch fits no better
         return rows, True
 
-    def searched(jobs: list[tuple[Strategy, str, int, str, str]]) -> tuple[list[Row], bool]:
+    def searched(jobs: list[Job]) -> tuple[list[Row], bool]:
         """The jobs' rows in the jobs' order, `workers` configurations compiling at once
         (XLA's compiler releases the GIL)."""
         with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -164,31 +159,111 @@ def _search(
         return [row for rows, _ in done for row in rows], all(ok for _, ok in done)
 
     count = len(candidates)
-    jobs = [(v, s, m, f"{i}/{count}", "") for i, (v, s, m) in enumerate(candidates, 1)]
+    jobs = [Job(v, s, m, f"{i}/{count}") for i, (v, s, m) in enumerate(candidates, 1)]
     rows, finished = searched(jobs)
-    best = Plan(tuple(rows), calibration, repr(strategy), True).best()
     variants = {(s, m, v.pipeline_stages): v for v, s, m in candidates}
-    if (
-        finished
-        and best is not None
-        and remat_policies
-        and _has_unpoliced_remat(strategy, step, args)
-    ):
-        variant = variants[(best.sharding, best.devices_per_replica, best.stages)]
-        count = len(remat_policies)
-        jobs = [
-            (variant, best.sharding, best.devices_per_replica, f"remat {i}/{count}", policy)
-            for i, policy in enumerate(remat_policies, 1)
-        ]
-        more, finished = searched(jobs)
-        rows += more
+    if finished:
+        more = _remat_jobs(strategy, step, args, rows, variants, remat_policies)
+        more += _schedule_jobs(strategy, step, args, rows, variants, schedules)
+        if more:
+            tried, finished = searched(more)
+            rows += tried
     return Plan(tuple(rows), calibration, repr(strategy), finished=finished)
+
+
+def _remat_jobs(
+    strategy: Strategy,
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    rows: list[Row],
+    variants: dict[tuple[str, int, int], Strategy],
+    remat_policies: tuple[str, ...],
+) -> list[Job]:
+    """The remat policies, each on the best configuration without stages, where the step
+    has remat blocks that take one (a pipelined step takes none yet: `step.stage_plan`)."""
+    best = Plan(tuple(r for r in rows if r.stages == 1), "", "", True).best()
+    if best is None or not remat_policies or not _has_unpoliced_remat(strategy, step, args):
+        return []
+    variant = variants[(best.sharding, best.devices_per_replica, best.stages)]
+    count = len(remat_policies)
+    return [
+        Job(variant, best.sharding, best.devices_per_replica, f"remat {i}/{count}", policy)
+        for i, policy in enumerate(remat_policies, 1)
+    ]
+
+
+def _schedule_jobs(
+    strategy: Strategy,
+    step: Callable[..., Any],
+    args: tuple[Any, ...],
+    rows: list[Row],
+    variants: dict[tuple[str, int, int], Strategy],
+    schedules: tuple[str, ...],
+) -> list[Job]:
+    """`schedules`, on the best configuration with stages (the one of least memory where
+    none fits), at its batch; the interleaved ones at each count of virtual stages
+    `virtual_stage_counts` takes from its layers."""
+    staged = [
+        r for r in rows if r.stages > 1 and r.memory_bytes and not r.note.startswith(NOT_COMPILED)
+    ]
+    if not staged or not schedules:
+        return []
+    fitting = [r for r in staged if r.fits]
+    if fitting:
+        base = max(fitting, key=lambda r: r.items_per_s_per_chip or 0)
+    else:
+        base = min(staged, key=lambda r: r.memory_bytes or 0)
+    variant = variants[(base.sharding, base.devices_per_replica, base.stages)]
+    given = batch_per_chip(variant, laid_out(variant, args, 1, strategy))
+    factor = base.batch_per_chip // given if given else 1
+    counts = []
+    if any(schedule in INTERLEAVED_SCHEDULES for schedule in schedules):
+        layers = _stacked_layers(variant, step, laid_out(variant, args, factor, strategy), base)
+        counts = virtual_stage_counts(layers // base.stages)
+    tried = [
+        (schedule, v)
+        for schedule in schedules
+        for v in (counts if schedule in INTERLEAVED_SCHEDULES else [0])
+    ]
+    model = base.devices_per_replica
+    return [
+        Job(variant, base.sharding, model, f"schedule {i}/{len(tried)}", "", name, v, factor)
+        for i, (name, v) in enumerate(tried, 1)
+    ]
+
+
+def virtual_stage_counts(layers_per_stage: int, most: int = VIRTUAL_STAGES_TRIED) -> list[int]:
+    """The virtual stages tried for `layers_per_stage`: those that divide it (at least 2),
+    at most `most` of them spread from the fewest chunks to one layer a chunk.
+
+    >>> virtual_stage_counts(63)
+    [3, 7, 21, 63]
+    >>> virtual_stage_counts(8), virtual_stage_counts(1)
+    ([2, 4, 8], [])
+    """
+    counts = [v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0]
+    if len(counts) <= most:
+        return counts
+    picks = {round(i * (len(counts) - 1) / (most - 1)) for i in range(most)}
+    return [counts[i] for i in sorted(picks)]
+
+
+def _stacked_layers(
+    variant: Strategy, step: Callable[..., Any], args: tuple[Any, ...], row: Row
+) -> int:
+    """How many layers the stack `row`'s configuration splits over its stages holds (the
+    leading dimension of the weights held split over the stage axis); 0 where the step
+    marks its stages' boundaries instead."""
+    graph = configured(variant, step, row.options()).graph(*args)
+    inputs = zip(graph.inputs, graph.io.inputs, strict=True)
+    stacked = [value.shape[0] for value, attrs in inputs if attrs.stage_split]
+    return max(stacked, default=0)
 
 
 def _has_unpoliced_remat(strategy: Strategy, step: Callable[..., Any], args: tuple) -> bool:
     """Whether the step has a remat block without a policy of its own (the policies are
     tried only where one would take them): its capture, counted."""
-    options = dataclasses.replace(_options_of(step), remat_policy=None)
+    options = dataclasses.replace(options_of(step), remat_policy=None)
     with given_remat_policy("nothing_saveable") as blocks:
         strategy.compile(getattr(step, "fn", step), options=options).graph(*args)
     return blocks()[0] > 0
@@ -211,81 +286,6 @@ def _candidates(
                 yield variant, sharding, model
 
 
-def _pruned(variant: Strategy, sharding: str, args: tuple[Any, ...], given: Strategy) -> Row | None:
-    """A row that says `variant` cannot fit, where the state alone (the arguments `given`
-    does not split over its replicas) is more than a chip's memory at its best: split over
-    the model axis and stages when replicated, over every device when sharded. None where
-    it may fit, or the chip's memory is unknown."""
-    hbm = variant.topology.hbm_bytes if variant.topology is not None else None
-    state = sum(
-        a.size * a.dtype.itemsize
-        for a in jax.tree.leaves(args)
-        if given.layout(a) is not Layout.SPLIT
-    )
-    split = variant.logical_devices_per_replica * variant.pipeline_stages
-    floor = state // (split if sharding == "replicated" else len(variant.devices))
-    if hbm is None or floor <= hbm:
-        return None
-    per_chip = _batch_per_chip(variant, _on(variant, args, 1, given))
-    note = (
-        f"not compiled: the state alone needs {floor / 2**30:.2f} GiB per chip at best, "
-        f"more than its {hbm / 2**30:.2f} GiB"
-    )
-    devices = variant.logical_devices_per_replica
-    return Row(sharding, devices, per_chip, False, floor, None, None, note, variant.pipeline_stages)
-
-
-def _on(strategy: Strategy, args: tuple[Any, ...], factor: int, given: Strategy) -> tuple[Any, ...]:
-    """`args`, laid out for `given`, laid out for `strategy`: batches (leaves `given` splits
-    over its replicas) with `factor` times the rows, the rest replicated."""
-
-    def leaf(a: Any) -> Any:
-        if given.layout(a) is Layout.SPLIT:
-            shape = (a.shape[0] * factor, *a.shape[1:])
-            return jax.ShapeDtypeStruct(shape, a.dtype, sharding=strategy.split_sharding())
-        return strategy.replicate(jax.ShapeDtypeStruct(a.shape, a.dtype))
-
-    return jax.tree.map(leaf, args)
-
-
-def _batch_per_chip(strategy: Strategy, args: tuple[Any, ...]) -> int:
-    rows = [a.shape[0] for a in jax.tree.leaves(args) if strategy.layout(a) is Layout.SPLIT]
-    return max(rows, default=0) // len(strategy.devices)
-
-
-def _compiled_row(
-    strategy: Strategy,
-    step: Callable[..., Any],
-    args: tuple[Any, ...],
-    sharding: str,
-    model: int,
-    per_chip: int,
-    remat_policy: str = "",
-) -> Row:
-    stages = strategy.pipeline_stages
-    microbatches = _microbatches(strategy, args) if stages > 1 else 0
-    chosen = row_options(sharding, stages, microbatches, remat_policy)
-    compiled_step = _configured(strategy, step, chosen)
-    where = (sharding, model, str(strategy.topology), stages, microbatches, remat_policy,
-             ROW_VERSION)  # fmt: skip
-    key = fingerprint(print_graph(compiled_step.graph(*args)), strategy.topology, where)
-    cached = verdict_cache.read("plan_rows", key)
-    if cached is not None:
-        return Row.from_json(cached)
-    row = _compile(compiled_step, strategy, args, sharding, model, per_chip)
-    row = dataclasses.replace(
-        row, stages=stages, microbatches=microbatches, remat_policy=remat_policy
-    )
-    verdict_cache.write("plan_rows", key, dataclasses.asdict(row))
-    return row
-
-
-def _configured(strategy: Strategy, step: Callable[..., Any], chosen: dict[str, Any]) -> Any:
-    """`step` compiled by `strategy` with its own options and a row's `chosen` ones."""
-    options = dataclasses.replace(_options_of(step), **chosen)
-    return strategy.compile(getattr(step, "fn", step), options=options)
-
-
 def write_timeline(
     strategy: Strategy, step: Callable[..., Any], args: tuple[Any, ...], found: Plan, out: Path
 ) -> Path | None:
@@ -297,84 +297,9 @@ def write_timeline(
         return None
     variant = strategy.with_pipeline_stages(best.stages)
     variant = variant.with_logical_devices_per_replica(best.devices_per_replica)
-    base = _batch_per_chip(variant, _on(variant, args, 1, strategy))
-    scaled = _on(variant, args, best.batch_per_chip // base if base else 1, strategy)
-    chosen = row_options(best.sharding, best.stages, best.microbatches, best.remat_policy)
-    text = _configured(variant, step, chosen).lower(*scaled).compile().as_text()
+    base = batch_per_chip(variant, laid_out(variant, args, 1, strategy))
+    scaled = laid_out(variant, args, best.batch_per_chip // base if base else 1, strategy)
+    text = configured(variant, step, best.options()).lower(*scaled).compile().as_text()
     out.parent.mkdir(parents=True, exist_ok=True)
     save_timeline(hlo_timeline(text, variant.topology, best.devices_per_replica), out)
     return out
-
-
-def _microbatches(strategy: Strategy, args: tuple[Any, ...]) -> int:
-    """The most microbatches, at most 4 per stage, that divide a replica's rows."""
-    rows = [a.shape[0] for a in jax.tree.leaves(args) if strategy.layout(a) is Layout.SPLIT]
-    per_replica = max(rows, default=0) // strategy.num_replicas_in_sync
-    most = min(per_replica, 4 * strategy.pipeline_stages)
-    return next((m for m in range(most, 0, -1) if per_replica % m == 0), 1)
-
-
-def _compile(
-    compiled_step: Any,
-    strategy: Strategy,
-    args: tuple[Any, ...],
-    sharding: str,
-    model: int,
-    per_chip: int,
-) -> Row:
-    with tempfile.TemporaryDirectory() as dump:
-        try:
-            with warnings.catch_warnings(record=True) as caught:  # an option that did nothing
-                warnings.simplefilter("always")
-                lowered = compiled_step.lower(*args)
-                compiled = lowered.compile(compiler_options=dump_options(dump))
-                report = compiled_report(compiled, strategy)
-        except OutOfMemoryError as exc:
-            memory = _needed_bytes(str(exc))
-            row = Row(sharding, model, per_chip, False, memory, None, None, str(exc).split(":")[0])
-            return _with_held(row, dump, args)
-        except (ValueError, TypeError) as exc:  # a configuration this step cannot take
-            note = f"not compiled: {str(exc).splitlines()[0][:120]}"
-            return Row(sharding, model, per_chip, False, None, None, None, note)
-        step_s = report.estimate.get("step_s")
-        rate = per_chip / step_s if step_s and per_chip else None
-        memory = report.memory.total_bytes if report.memory else None
-        note = str(caught[0].message).splitlines()[0][:160] if caught else ""
-        fits = report.fits is not False
-        row = Row(sharding, model, per_chip, fits, memory, step_s, rate, note)
-        return _with_held(row, dump, args)
-
-
-def _with_held(row: Row, dump: str, args: tuple[Any, ...]) -> Row:
-    """`row` with what holds its memory, read from XLA's dump; as it was where XLA wrote
-    none (a compile refused before its buffer assignment)."""
-    try:
-        held = memory_at_peak(dump, library_directories())
-    except FileNotFoundError:
-        return row
-    names = [f"args{jax.tree_util.keystr(path)}" for path, _ in jax.tree.leaves_with_path(args)]
-    largest = tuple((b.nbytes, b.shape, held.describe(b, names)) for b in held.buffers[:HELD_SHOWN])
-    return dataclasses.replace(
-        row,
-        held_by_group=held.by_group(),
-        largest_held=largest,
-        heap_gaps_bytes=held.heap_gaps_bytes,
-    )
-
-
-def _needed_bytes(message: str) -> int | None:
-    """The bytes per chip an out-of-memory refusal says the step needs."""
-    found = re.search(r"needs ([\d.]+)([KMGT]?)i?B per", message)
-    if found is None:
-        return None
-    return int(float(found[1]) * 1024 ** "_KMGT".index(found[2] or "_"))
-
-
-def _options_of(step: Any) -> CompileOptions:
-    """A compiled step's own options (donation, static arguments...), the sharding ones
-    reset for the planner to set; none for a plain function. Each row compiles its own
-    configuration: never swapped for another by `select_by_compiling`."""
-    given = getattr(step, "options", None) or CompileOptions()
-    return dataclasses.replace(
-        given, shard_weight_updates=None, shard_parameters=None, select_by_compiling=False
-    )

@@ -16,6 +16,7 @@ from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes.bridge.microbatches import microbatched
 from xla_strategies.passes.bridge.pipelined_gradients import Pipelined, StagePlan
 from xla_strategies.passes.pipeline import PassPipeline, with_pass
+from xla_strategies.passes.stages.schedules import INTERLEAVED_SCHEDULES
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.step.compile_options import CompileOptions
@@ -40,7 +41,7 @@ def stage_plan(
             )
         return None
     schedule = options.schedule or "1f1b"
-    interleaved = schedule in ("interleaved-1f1b", "looped-bfs")
+    interleaved = schedule in INTERLEAVED_SCHEDULES
     microbatches = stages if options.microbatches is None else options.microbatches
     # microbatch losses combine as the replicas' do: a mean, or a sum under ReduceOp.SUM
     per_microbatch = 1.0 if options.gradient_reduction is ReduceOp.SUM else 1.0 / microbatches
