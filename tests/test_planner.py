@@ -249,7 +249,7 @@ def test_what_xla_counts_beyond_the_live_buffers_is_split_by_cause():
 def test_a_row_is_named_by_everything_that_configures_it():
     """Two rows that differ only in their remat policy (or stages) read differently
     wherever the plan names one: the memory's heading, the best so far, the recommendation."""
-    from xla_strategies.distribute.plan_rows import Plan, Row
+    from xla_strategies.distribute.plan_rows import Plan, Row, best_so_far
 
     row = Row("parameter sharding", 1, 2, True, 2**30, 1.0, 2.0, remat_policy="dots_saveable")
     assert row.describe() == "parameter sharding, remat dots_saveable, 1 per replica, 2 per chip"
@@ -261,6 +261,9 @@ def test_a_row_is_named_by_everything_that_configures_it():
     assert (
         "schedule='looped-bfs', virtual_stages=4" in Plan((looped,), "", "", True).recommendation()
     )
+    # a large model's rate keeps its figures: 0.174 sequences a second, not 0.2
+    slow = Row("parameter sharding", 1, 1, True, 2**30, 5.733, 1 / 5.733)
+    assert " 0.174  " in slow.line() and "0.174 items/s/chip" in best_so_far([slow])
     plan = Plan((row,), "", "", True)
     assert "remat dots_saveable" in plan.memory().splitlines()[0]
     assert "remat dots_saveable" in plan.recommendation().splitlines()[0]

@@ -101,7 +101,7 @@ class Row:
     def line(self) -> str:
         gib = "   -   " if self.memory_bytes is None else f"{self.memory_bytes / 2**30:7.2f}"
         step = "    -    " if self.step_s is None else f"{self.step_s * 1e3:9.2f}"
-        rate = "-" if self.items_per_s_per_chip is None else f"{self.items_per_s_per_chip:,.1f}"
+        rate = "-" if self.items_per_s_per_chip is None else rate_text(self.items_per_s_per_chip)
         fits = "yes" if self.fits else "NO"
         remat = REMAT_SHORT.get(self.remat_policy, self.remat_policy)
         return (
@@ -193,4 +193,10 @@ def best_so_far(rows: list[Row]) -> str:
     best = Plan(tuple(rows), "", "", True).best()
     if best is None:
         return ""
-    return f"; best so far: {best.describe()}, {best.items_per_s_per_chip:,.1f} items/s/chip"
+    return f"; best so far: {best.describe()}, {rate_text(best.items_per_s_per_chip)} items/s/chip"
+
+
+def rate_text(items_per_s: float) -> str:
+    """Items a second, to a tenth, or to three figures below 100 (a 405B model's chip
+    trains a sequence in seconds: 0.0311, not 0.0)."""
+    return f"{items_per_s:,.1f}" if items_per_s >= 100 else f"{items_per_s:.3g}"
