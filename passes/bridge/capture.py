@@ -30,6 +30,7 @@ from xla_strategies.passes.bridge.axis_names import (
     AxisRenamer,
     diagnose_unknown_axis,
 )
+from xla_strategies.passes.bridge.called_functions import mark_call_site
 from xla_strategies.passes.bridge.equations import (
     RESHAPING,
     axis_names,
@@ -65,6 +66,9 @@ from xla_strategies.passes.ir.graph import (
 )
 
 _INLINE = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
+#: of those, the calls JAX lowers as calls of a function, which the lowering calls again
+#: (`called_functions`)
+_CALLED = {"jit", "pjit"}
 _REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 _GATHERS = {"all_gather", "all_gather_invariant"}
 _SMALL_CONSTANT = 8  # constants up to this many elements print their value in the IR
@@ -166,6 +170,7 @@ class _Importer:
         self._uses: dict[tuple, list[tuple[Value, Value]]] = {}
         self._roots: dict[Value, Value] = {}  # a reshaped value -> the value it reshapes
         self._reductions: list[tuple[tuple, Node]] = []
+        self._inlining = 0  # how deep in inlined calls the importer is
 
     def value(self, aval: Any) -> Value:
         return self._renamer.value(ir_value(aval))
@@ -223,7 +228,16 @@ class _Importer:
         prim, params = eqn.primitive.name, eqn.params
         if prim in _INLINE:
             sub = params.get("jaxpr", params.get("call_jaxpr", params.get("fun_jaxpr")))
-            return self.emit(graph, *jax_compat.jaxpr_parts(sub), inputs)
+            first = len(graph.nodes)
+            self._inlining += 1
+            try:
+                outputs = self.emit(graph, *jax_compat.jaxpr_parts(sub), inputs)
+            finally:
+                self._inlining -= 1
+            if not self._inlining and prim in _CALLED and jax_compat.lowered_as_call(params):
+                name = str(params.get("name", "call"))
+                mark_call_site(graph.nodes[first:], sub, name, inputs, outputs)
+            return outputs
         if prim == "pvary" and REPLICA_BLOCK_AXES.search(str(eqn.source_info.name_stack)):
             return inputs  # `replica_slice` takes the mirrored stack itself
         outputs = [self.value(v.aval) for v in eqn.outvars]

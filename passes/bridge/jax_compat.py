@@ -66,3 +66,13 @@ def bwd_with_logs(flatten_bwd_rest: tuple[Any, ...]) -> bool:
     JAX 0.12 passes `(out_trees, primal_fun, symbolic_zeros, with_logs)` there; JAX 0.10
     passed `out_trees` alone, and had no logs."""
     return bool(flatten_bwd_rest[3]) if len(flatten_bwd_rest) > 3 else False
+
+
+def lowered_as_call(params: dict[str, Any]) -> bool:
+    """Whether JAX lowers a `jit` equation with `params` as a call of a function, not
+    inline: `inline=False` before JAX 0.12; an `Inline` other than JAX_EARLY and JAX_LATE
+    (AUTO, the default, and XLA's own) from it."""
+    inline = params.get("inline", False)
+    if isinstance(inline, bool):
+        return not inline
+    return getattr(inline, "name", "") not in ("JAX_EARLY", "JAX_LATE")

@@ -21,6 +21,7 @@ Nested calls (`jit`) run inline.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -69,11 +70,28 @@ def _call(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
     return _body(eqn.params["jaxpr"])(*invals)
 
 
+@contextlib.contextmanager
+def unchecked_types() -> Iterator[None]:
+    """While open, this thread's `evaluate` runs in a program whose types are unchecked (the
+    lowering's `shard_map`, which names its own mesh's axes): a `pvary` is a no-op."""
+    outer = getattr(_types, "unchecked", False)
+    _types.unchecked = True
+    try:
+        yield
+    finally:
+        _types.unchecked = outer
+
+
+_types = threading.local()
+
+
 def _pvary(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
     """`pvary` as JAX's own runs it: over the axes a value does not vary over already, and
     not at all in a program whose types are unchecked."""
     from jax._src import core
 
+    if getattr(_types, "unchecked", False):
+        return list(invals)
     out = []
     for x in invals:
         missing = tuple(a for a in eqn.params["axes"] if a not in vma(x))

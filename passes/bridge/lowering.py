@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from xla_strategies.passes.bridge import partial_manual, tree_collectives
+from xla_strategies.passes.bridge.called_functions import site_function, whole_site
 from xla_strategies.passes.bridge.layouts import (
     comes_back_stacked,
     input_shardings,
@@ -81,10 +82,23 @@ def lower(
     )
 
 
-def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
-    """Run `graph` on per-replica values inside a trace; returns its outputs."""
+def evaluate(
+    graph: Graph, args: Sequence[Any], callees: dict[Any, Callable[..., Any]] | None = None
+) -> list[Any]:
+    """Run `graph` on per-replica values inside a trace; returns its outputs. A call of the
+    user's jitted function the passes left whole runs as a call of it again
+    (`called_functions`), one function per callee in `callees`."""
+    callees = {} if callees is None else callees
     env: dict[Value, Any] = dict(zip(graph.inputs, args, strict=True))
-    for node in graph.nodes:
+    at = 0
+    while at < len(graph.nodes):
+        site = whole_site(graph.nodes, at)
+        if site is not None:
+            results = site_function(site, callees)(*[env[v] for v in site.inputs])
+            env.update(zip(site.outputs, results, strict=True))
+            at += len(site.nodes)
+            continue
+        node = graph.nodes[at]
         rule = _RULES.get(node.op)
         try:
             results = (
@@ -98,6 +112,7 @@ def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
             exc.add_note(f"while lowering IR node {node.op} of graph @{graph.name}")
             raise
         env.update(zip(node.outputs, results, strict=True))
+        at += 1
     return [env[v] for v in graph.outputs]
 
 

@@ -115,7 +115,9 @@ class Value:
 class Node:
     """One operation. `payload` holds what only the JAX layer understands (a jaxpr equation
     for foreign nodes, an array for large constants); it never appears in the text form.
-    `created_by` names the pass that made the node, for dumps and debugging."""
+    `created_by` names the pass that made the node, for dumps and debugging. `call`: the
+    nested `jax.jit` call of the user's program the node was imported from, which the
+    lowering may call again (`bridge.called_functions.CallSite`); never in the text."""
 
     op: str
     inputs: list[Value]
@@ -124,6 +126,7 @@ class Node:
     regions: list[Graph] = field(default_factory=list)
     payload: Any = None
     created_by: str | None = None
+    call: Any = None
 
     @property
     def is_foreign(self) -> bool:

@@ -1,0 +1,73 @@
+"""The user's nested `jax.jit` calls are called again in the lowered program, one function
+per callee as JAX lowers them, wherever the passes left a call as it was imported."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import xla_strategies as xs
+from xla_strategies.passes.bridge.called_functions import whole_site
+
+
+@jax.jit
+def norm(x):
+    """A layer norm without weights, jitted as a library's function is (`jnp.var` is)."""
+    return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def _loss(w, x):
+    for layer in w:
+        x = norm(x @ layer)
+    return jnp.mean(x**2)
+
+
+def _step(w, x):
+    loss, grads = jax.value_and_grad(_loss)(w, x)
+    return w - 0.1 * grads, loss
+
+
+def _arguments():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 8, 8)).astype(np.float32)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    return w, x
+
+
+def test_a_function_called_in_three_places_is_one_function_called_three_times():
+    """Three layers call `norm`: the lowered program defines it once and calls it three
+    times (and its gradient's function three times), as `jax.jit` lowers the same step, and
+    trains to the one-device run's numbers."""
+    strategy = xs.MirroredStrategy()
+    step = strategy.compile(_step)
+    w, x = _arguments()
+    batch = next(iter(strategy.experimental_distribute_dataset([x])))
+    text = step.lower(strategy.replicate(w), batch).as_text()
+    assert text.count("func.func private @norm(") == 1
+    assert len(re.findall(r"call @norm\(", text)) == 3
+    got, loss = step(strategy.replicate(w), batch)
+    one = xs.OneDeviceStrategy()
+    want, want_loss = one.compile(_step)(one.replicate(w), x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(loss).mean(), np.asarray(want_loss), rtol=1e-5)
+
+
+def test_a_call_a_pass_changed_runs_inlined():
+    """A call site is called again only while its nodes are as imported: rewire one of its
+    nodes (as a pass replacing a value's uses does) and the site runs node by node."""
+    strategy = xs.MirroredStrategy()
+    w, x = _arguments()
+    batch = next(iter(strategy.experimental_distribute_dataset([x])))
+    graph = strategy.compile(_step).graph(strategy.replicate(w), batch)
+    starts = [i for i, n in enumerate(graph.nodes) if n.call and n.call.nodes[0] is n]
+    assert len(starts) >= 3  # each layer's forward call
+    at = starts[0]
+    site = whole_site(graph.nodes, at)
+    assert site is not None and site.name == "norm"
+    inner = next(n for n in site.nodes if n.inputs)
+    inner.inputs[0] = graph.inputs[0]  # a value from outside the call
+    assert whole_site(graph.nodes, at) is None
+    assert whole_site(graph.nodes, starts[1]) is not None  # the others stay calls
