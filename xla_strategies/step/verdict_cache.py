@@ -18,6 +18,10 @@ from xla_strategies.hardware.compiled_report import compiler_versions
 from xla_strategies.passes.cost.topology_like import TopologyLike
 
 CACHE = "XLA_STRATEGIES_CACHE"
+#: part of every key: raised when the lowering gives XLA another program for the same
+#: captured IR, so no verdict on the old program is read as the new one's (2: the user's
+#: nested `jax.jit` calls called again, `bridge.called_functions`)
+LOWERING = 2
 
 
 def fingerprint(captured_ir: str, topology: TopologyLike | None, options: Any) -> str:
@@ -30,6 +34,7 @@ def fingerprint(captured_ir: str, topology: TopologyLike | None, options: Any) -
             repr(topology),
             repr(options),
             compiler_versions(),
+            LOWERING,
         ],  # fmt: skip
         sort_keys=True,
         default=str,
