@@ -157,21 +157,27 @@ def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
     assert "stages" in found.table().splitlines()[1]
 
 
+def _plan_checkpointed_layers(topology, rows, stages):
+    """The plan of an SGD step over 16 checkpointed 1024-wide layers (no remat policy of
+    their own) on `topology`, a batch of `rows`, one batch size and model axis."""
+    from tests.test_remat_policy import _step
+
+    strategy = xs.TPUStrategy(topology, compile_only=True)
+    tx = optax.sgd(0.1)
+    stack = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((rows, 1024), jnp.float32, sharding=strategy.split_sharding())
+    return strategy.plan(
+        _step(tx), stack, jax.eval_shape(tx.init, stack), x, model_axes=(1,), batch_doublings=0,
+        stages=stages, log=lambda line: None,
+    )  # fmt: skip
+
+
 def test_remat_policies_are_tried_where_the_steps_blocks_have_none(tmp_path, monkeypatch):
     """A scan over `jax.checkpoint`ed layers with no policy: on the best configuration, the
     planner compiles the policies that keep more for the backward pass too; a policy that
     keeps more holds more memory, and the recommendation names the one it chose."""
-    from tests.test_remat_policy import _step
-
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
-    strategy = xs.TPUStrategy("v5e-4", compile_only=True)
-    tx = optax.sgd(0.1)
-    stack = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.float32)
-    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=strategy.split_sharding())
-    found = strategy.plan(
-        _step(tx), stack, jax.eval_shape(tx.init, stack), x, model_axes=(1,), batch_doublings=0,
-        stages=(1,), log=lambda line: None,
-    )  # fmt: skip
+    found = _plan_checkpointed_layers("v5e-4", 4096, stages=(1,))
     tried = [row for row in found.rows if row.remat_policy]
     assert [row.remat_policy for row in tried] == [
         "dots_with_no_batch_dims_saveable", "dots_saveable", "everything_saveable"
@@ -192,17 +198,8 @@ def test_schedules_are_tried_on_the_best_configuration_with_stages(tmp_path, mon
     tried, and on the best configuration with two stages the other schedules, the
     interleaved ones at each count of virtual stages that divides a stage's 8 layers;
     each compiles a program of its own, and the recommendation names what won."""
-    from tests.test_remat_policy import _step
-
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
-    strategy = xs.TPUStrategy("2xv5e-4", compile_only=True)
-    tx = optax.sgd(0.1)
-    stack = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.float32)
-    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=strategy.split_sharding())
-    found = strategy.plan(
-        _step(tx), stack, jax.eval_shape(tx.init, stack), x, model_axes=(1,), batch_doublings=0,
-        stages=(1, 2), log=lambda line: None,
-    )  # fmt: skip
+    found = _plan_checkpointed_layers("2xv5e-4", 512, stages=(1, 2))
     assert {row.stages for row in found.rows if row.remat_policy} == {1}
     staged = [row for row in found.rows if row.stages == 2]
     first = max((r for r in staged if r.schedule == "1f1b"), key=lambda r: r.items_per_s_per_chip)
