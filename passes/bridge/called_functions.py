@@ -27,8 +27,8 @@ from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.jaxpr_eval import evaluate, unchecked_types
 from xla_strategies.passes.ir.graph import Node, Value
 
-#: foreign primitives a call site must not hold: a sharding names the capture's mesh
-_NOT_CALLED = frozenset({"sharding_constraint"})
+#: foreign primitives a call site must not hold: each names the capture's mesh
+_NOT_CALLED = frozenset({"sharding_constraint", "mesh_cast", "reshard"})
 
 
 @dataclass(eq=False)

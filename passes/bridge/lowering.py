@@ -82,13 +82,11 @@ def lower(
     )
 
 
-def evaluate(
-    graph: Graph, args: Sequence[Any], callees: dict[Any, Callable[..., Any]] | None = None
-) -> list[Any]:
+def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
     """Run `graph` on per-replica values inside a trace; returns its outputs. A call of the
     user's jitted function the passes left whole runs as a call of it again
-    (`called_functions`), one function per callee in `callees`."""
-    callees = {} if callees is None else callees
+    (`called_functions`), one function per callee."""
+    callees: dict[Any, Callable[..., Any]] = {}
     env: dict[Value, Any] = dict(zip(graph.inputs, args, strict=True))
     at = 0
     while at < len(graph.nodes):
