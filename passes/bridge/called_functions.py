@@ -13,6 +13,10 @@ So the importer marks the nodes of each outermost call with its `CallSite`
 (`whole_site`) as a call of its callee's function, one function per callee
 (`site_function`). A site holding anything a pass gives meaning to (a reduction, a
 gradient's scale, a loop whose body a pass may rewrite, a sharding) is left inlined.
+
+Not for GPUs (`calls_kept`): XLA's GPU compiler fuses less across the calls, and the
+plain-JAX GPT-2 medium's step on a DGX H100 node reads 4.6 % longer with them (138.98
+against 132.91 ms, the same memory).
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ def _callable(node: Node) -> bool:
     if node.op in ("constant", "pvary"):
         return True
     return node.is_foreign and not node.regions and node.primitive not in _NOT_CALLED
+
+
+def calls_kept(platform: str) -> bool:
+    """Whether a program for devices of `platform` calls its sites again (not on GPUs)."""
+    return platform not in ("gpu", "cuda", "rocm")
 
 
 def whole_site(nodes: Sequence[Node], at: int) -> CallSite | None:

@@ -9,6 +9,7 @@ on a new leading replica axis; mirrored outputs come back replicated.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from xla_strategies.passes.bridge import partial_manual, tree_collectives
-from xla_strategies.passes.bridge.called_functions import site_function, whole_site
+from xla_strategies.passes.bridge.called_functions import calls_kept, site_function, whole_site
 from xla_strategies.passes.bridge.layouts import (
     comes_back_stacked,
     input_shardings,
@@ -59,9 +60,15 @@ def lower(
     stacked_in = [a.stacked for a in io.inputs]
     stacked_out = [comes_back_stacked(graph, i) for i in range(len(graph.outputs))]
 
+    calls = calls_kept(mesh.devices.flat[0].platform)
+
     def body(*flat):
         flat = [x[0] if s else x for x, s in zip(flat, stacked_in, strict=True)]
-        outs = evaluate(graph, flat)
+        _calling.kept = calls  # for the regions' graphs too
+        try:
+            outs = evaluate(graph, flat)
+        finally:
+            _calling.kept = True
         return tuple(o[None] if s else o for o, s in zip(outs, stacked_out, strict=True))
 
     program = jax.shard_map(
@@ -82,15 +89,19 @@ def lower(
     )
 
 
+_calling = threading.local()  # `kept`: whether this thread's lowering calls sites again
+
+
 def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
     """Run `graph` on per-replica values inside a trace; returns its outputs. A call of the
     user's jitted function the passes left whole runs as a call of it again
-    (`called_functions`), one function per callee."""
+    (`called_functions`), one function per callee, but for a GPU's program."""
     callees: dict[Any, Callable[..., Any]] = {}
+    calls = getattr(_calling, "kept", True)
     env: dict[Value, Any] = dict(zip(graph.inputs, args, strict=True))
     at = 0
     while at < len(graph.nodes):
-        site = whole_site(graph.nodes, at)
+        site = whole_site(graph.nodes, at) if calls else None
         if site is not None:
             results = site_function(site, callees)(*[env[v] for v in site.inputs])
             env.update(zip(site.outputs, results, strict=True))

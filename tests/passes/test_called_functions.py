@@ -71,3 +71,13 @@ def test_a_call_a_pass_changed_runs_inlined():
     inner.inputs[0] = graph.inputs[0]  # a value from outside the call
     assert whole_site(graph.nodes, at) is None
     assert whole_site(graph.nodes, starts[1]) is not None  # the others stay calls
+
+
+def test_a_gpus_program_keeps_the_calls_inlined():
+    """XLA's GPU compiler fuses less across calls (the plain-JAX GPT-2's step on a DGX
+    node reads 4.6 % longer with them): a GPU's program inlines them, as before."""
+    strategy = xs.MirroredStrategy(topology="dgx-h100", compile_only=True)
+    w = strategy.replicate(jax.ShapeDtypeStruct((3, 8, 8), jnp.float32))
+    x = jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=strategy.split_sharding())
+    text = strategy.compile(_step).lower(w, x).as_text()
+    assert "@norm" not in text
