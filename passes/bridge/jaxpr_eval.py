@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from xla_strategies.core.patching import set_in_this_thread
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.replay import equation_context, recompute_inputs
 from xla_strategies.passes.bridge.trace_hooks import vma
@@ -74,12 +75,8 @@ def _call(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
 def unchecked_types() -> Iterator[None]:
     """While open, this thread's `evaluate` runs in a program whose types are unchecked (the
     lowering's `shard_map`, which names its own mesh's axes): a `pvary` is a no-op."""
-    outer = getattr(_types, "unchecked", False)
-    _types.unchecked = True
-    try:
+    with set_in_this_thread(_types, "unchecked", True):
         yield
-    finally:
-        _types.unchecked = outer
 
 
 _types = threading.local()

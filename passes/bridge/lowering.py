@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
+from xla_strategies.core.patching import set_in_this_thread
 from xla_strategies.passes.bridge import partial_manual, tree_collectives
 from xla_strategies.passes.bridge.called_functions import calls_kept, site_function, whole_site
 from xla_strategies.passes.bridge.layouts import (
@@ -64,11 +65,8 @@ def lower(
 
     def body(*flat):
         flat = [x[0] if s else x for x, s in zip(flat, stacked_in, strict=True)]
-        _calling.kept = calls  # for the regions' graphs too
-        try:
+        with set_in_this_thread(_calling, "kept", calls):  # the regions' graphs' too
             outs = evaluate(graph, flat)
-        finally:
-            _calling.kept = True
         return tuple(o[None] if s else o for o, s in zip(outs, stacked_out, strict=True))
 
     program = jax.shard_map(
@@ -97,7 +95,7 @@ def evaluate(graph: Graph, args: Sequence[Any]) -> list[Any]:
     user's jitted function the passes left whole runs as a call of it again
     (`called_functions`), one function per callee, but for a GPU's program."""
     callees: dict[Any, Callable[..., Any]] = {}
-    calls = getattr(_calling, "kept", True)
+    calls = getattr(_calling, "kept", None) is not False
     env: dict[Value, Any] = dict(zip(graph.inputs, args, strict=True))
     at = 0
     while at < len(graph.nodes):

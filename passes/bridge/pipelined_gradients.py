@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from xla_strategies.core.patching import patched
+from xla_strategies.core.patching import patched, set_in_this_thread
 from xla_strategies.passes.bridge.layer_stack import split
 from xla_strategies.passes.bridge.microbatches import (
     around_the_microbatches,
@@ -110,13 +110,12 @@ def pipelining_gradients(plan: StagePlan | None) -> Iterator[Pipelined]:
         return
     from jax._src import api
 
-    outer = getattr(_pipelining, "state", None)
-    _pipelining.state = [plan, record, False]  # False: not inside a pipelined gradient
-    try:
-        with patched(api, "vjp", _pipelining_the_threads_gradients):
-            yield record
-    finally:
-        _pipelining.state = outer
+    # False: not inside a pipelined gradient
+    with (
+        set_in_this_thread(_pipelining, "state", [plan, record, False]),
+        patched(api, "vjp", _pipelining_the_threads_gradients),
+    ):
+        yield record
 
 
 _pipelining = threading.local()  # this thread's [plan, record, inside], while it pipelines

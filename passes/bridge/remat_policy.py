@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax._src import ad_checkpoint  # remat2's primitive: where a block's policy is bound
 
-from xla_strategies.core.patching import patched
+from xla_strategies.core.patching import patched, set_in_this_thread
 
 #: the policies a block can be given by name: `jax.checkpoint_policies`' plain ones (its
 #: factories, such as `save_only_these_names`, take arguments a name cannot carry)
@@ -51,13 +51,11 @@ def given_remat_policy(name: str | None) -> Iterator[Callable[[], tuple[int, int
         yield lambda: (0, 0)
         return
     policy = getattr(jax.checkpoint_policies, checked_policy(name))
-    outer = getattr(_given, "policy", None)
-    _given.policy = policy, counts
-    try:
-        with patched(ad_checkpoint.remat_p, "bind", _giving_the_threads_policy):
-            yield lambda: (counts[0], counts[1])
-    finally:
-        _given.policy = outer
+    with (
+        set_in_this_thread(_given, "policy", (policy, counts)),
+        patched(ad_checkpoint.remat_p, "bind", _giving_the_threads_policy),
+    ):
+        yield lambda: (counts[0], counts[1])
 
 
 _given = threading.local()  # this thread's policy and its counts, while one is given

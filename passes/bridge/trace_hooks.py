@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from xla_strategies.core.patching import patched
+from xla_strategies.core.patching import patched, set_in_this_thread
 from xla_strategies.passes.bridge import jax_compat
 
 AUTODIFF_SCOPE = "xla_strategies.autodiff_reduction"
@@ -177,16 +177,12 @@ def pallas_kernels_per_replica(axes: tuple[str, ...]) -> Any:
     except ImportError:  # this jaxlib has no Pallas
         yield
         return
-    outer = getattr(_kernel_replicas, "axes", None)
-    _kernel_replicas.axes = frozenset(axes)
-    try:
-        with (
-            patched(pallas_core, "_convert_out_shape_to_aval", _typing_kernel_outputs),
-            patched(pallas_call.pallas_call_p, "bind", _casting_kernel_operands),
-        ):
-            yield
-    finally:
-        _kernel_replicas.axes = outer
+    with (
+        set_in_this_thread(_kernel_replicas, "axes", frozenset(axes)),
+        patched(pallas_core, "_convert_out_shape_to_aval", _typing_kernel_outputs),
+        patched(pallas_call.pallas_call_p, "bind", _casting_kernel_operands),
+    ):
+        yield
 
 
 _kernel_replicas = threading.local()  # the replica axes this thread's trace types over

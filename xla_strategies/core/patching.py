@@ -43,3 +43,15 @@ def patched(owner: Any, key: Any, replacement: Callable[[Any], Any]) -> Iterator
             if _patches[slot][1] == 0:
                 original = _patches.pop(slot)[0]
                 drop(key) if original is _ABSENT else put(key, original)
+
+
+@contextlib.contextmanager
+def set_in_this_thread(local: threading.local, name: str, value: Any) -> Iterator[None]:
+    """`local.name` is `value` in this thread while open, then what it was (absent: None):
+    the state a shared `patched` replacement reads for the trace this thread runs."""
+    outer = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield
+    finally:
+        setattr(local, name, outer)
