@@ -35,8 +35,24 @@ def _ids(batch):
     return np.asarray(batch["id"]).tolist()
 
 
+_threads_before_the_test: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _ignore_earlier_tests_threads():
+    # Another test on this worker may leave an iterator in a reference cycle, its
+    # thread running until the collector finds it: each test counts only its own.
+    _threads_before_the_test.clear()
+    _threads_before_the_test.update(threading.enumerate())
+    yield
+
+
 def _input_threads():
-    return [t for t in threading.enumerate() if t.name == "xla_strategies-input"]
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name == "xla_strategies-input" and t not in _threads_before_the_test
+    ]
 
 
 def _wait_for_no_input_threads():
