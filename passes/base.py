@@ -32,6 +32,8 @@ class PassContext:
             decisions passes took. Nothing decides by reading it; a fact a later pass
             needs is a typed field above.
         remarks: human-readable notes passes leave for the dump (why a rewrite did not fire).
+        platform: the platform of the devices the program is compiled for (`tpu`, `gpu`,
+            `cpu`: a `jax.Device`'s).
     """
 
     mesh_axes: Mapping[str, int]
@@ -41,6 +43,7 @@ class PassContext:
     parameters_split: bool = False
     stats: dict[str, Any] = field(default_factory=dict)
     remarks: list[str] = field(default_factory=list)
+    platform: str = "cpu"
 
     @property
     def num_replicas(self) -> int:

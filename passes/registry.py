@@ -8,6 +8,7 @@ from xla_strategies.passes.transforms.combine_all_reduces import CombineAllReduc
 from xla_strategies.passes.transforms.decompose_all_reduces import DecomposeAllReduces
 from xla_strategies.passes.transforms.fold_invariant_reductions import FoldInvariantReductions
 from xla_strategies.passes.transforms.hoist_all_reduces import HoistAllReduces
+from xla_strategies.passes.transforms.inline_nested_calls import InlineNestedCalls
 from xla_strategies.passes.transforms.insert_reductions import InsertReductions
 from xla_strategies.passes.transforms.materialize_early_matmuls import MaterializeEarlyMatmuls
 from xla_strategies.passes.transforms.prefetch_all_gathers import PrefetchAllGathers
@@ -45,6 +46,7 @@ PASSES: tuple[type[Pass], ...] = (
     ScatterAddsAsSelects,
     ReduceScattersBeforeLoops,
     MaterializeEarlyMatmuls,
+    InlineNestedCalls,
 )
 PASS_REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
 PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
@@ -59,11 +61,13 @@ PASS_ORDER: tuple[str, ...] = tuple(cls.name for cls in PASSES)
 # statistics row by row; in a step whose state is held split, look up before casting, take
 # the loss's label gradient as a select, and have layer loops wait for the reduce-scatters
 # before them (those three where the hardware file says they were measured to pay), and
-# materialize the matmuls a sum adds after a loop, so XLA does not fuse them past it.
+# materialize the matmuls a sum adds after a loop, so XLA does not fuse them past it; for
+# GPUs, inline the user's nested calls.
 DEFAULT_PIPELINE = (
     "insert-reductions,fold-invariant-reductions,shard-parameters{mode=auto},"
     "schedule-all-reduces,reassociate-all-reduces,shard-weight-updates{mode=auto},"
     "combine-all-reduces,prefetch-all-gathers{mode=auto},split-stacked-all-reduces{mode=auto},"
     "sink-casts-below-lookups{mode=auto},scatter-adds-as-selects{mode=auto},"
-    "reduce-scatters-before-loops{mode=auto},materialize-early-matmuls{mode=auto}"
+    "reduce-scatters-before-loops{mode=auto},materialize-early-matmuls{mode=auto},"
+    "inline-nested-calls{mode=auto}"
 )

@@ -48,7 +48,7 @@ def test_opt_output_passes_its_checks(source, options, expected, capsys):
 def test_opt_print_ir_after_all_shows_every_pass(capsys):
     assert main(["opt", str(GOLDEN / "tied_weight.ir"), "--print-ir-after-all"]) == 0
     out = capsys.readouterr().out
-    assert out.count("// -----// IR Dump After") == 14  # capture + thirteen passes
+    assert out.count("// -----// IR Dump After") == 15  # capture + fourteen passes
 
 
 def test_opt_errors(tmp_path, capsys):

@@ -27,13 +27,14 @@ def test_strategies_change_the_default_by_declaring_passes():
     default = [p.name for p in parse_spec(DEFAULT_PIPELINE)]
     assert _names(xs.MirroredStrategy().pipeline()) == default
     tpu = xs.TPUStrategy("v5e-8", emulate=True)
-    # in the passes' canonical order: before the last five, which split stacked
+    # in the passes' canonical order: before the last six, which split stacked
     # statistics across slices, rewrite the loss's lookup and its gradient, order the
-    # reduce-scatters before the loops and materialize the matmuls added after them
-    assert _names(tpu.pipeline()) == [*default[:-5], "decompose-all-reduces", *default[-5:]]
+    # reduce-scatters before the loops, materialize the matmuls added after them and
+    # inline nested calls
+    assert _names(tpu.pipeline()) == [*default[:-6], "decompose-all-reduces", *default[-6:]]
     central = xs.CentralStorageStrategy().pipeline()
     assert "shard-weight-updates" not in [p.name for p in central.passes]
-    assert _names(central)[-8:] == [
+    assert _names(central)[-9:] == [
         "reduce-to-one-device",
         "combine-all-reduces",
         "prefetch-all-gathers",
@@ -42,6 +43,7 @@ def test_strategies_change_the_default_by_declaring_passes():
         "scatter-adds-as-selects",
         "reduce-scatters-before-loops",
         "materialize-early-matmuls",
+        "inline-nested-calls",
     ]
     combine = next(p for p in central.passes if isinstance(p, CombineAllReduces))
     assert combine.threshold_bytes == 32 << 20

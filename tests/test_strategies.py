@@ -209,6 +209,7 @@ def test_dump_directory_from_environment(mirrored, tmp_path, monkeypatch):
         "0011.mirrored.after_scatter-adds-as-selects.txt",
         "0012.mirrored.after_reduce-scatters-before-loops.txt",
         "0013.mirrored.after_materialize-early-matmuls.txt",
+        "0014.mirrored.after_inline-nested-calls.txt",
         "compiled.hlo.txt",
         "compiled_report.json",
         "ledger.json",

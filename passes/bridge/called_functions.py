@@ -16,7 +16,8 @@ gradient's scale, a loop whose body a pass may rewrite, a sharding) is left inli
 
 Not for GPUs (`calls_kept`): XLA's GPU compiler fuses less across the calls, and the
 plain-JAX GPT-2 medium's step on a DGX H100 node reads 4.6 % longer with them (138.98
-against 132.91 ms, the same memory).
+against 132.91 ms, the same memory). Nor where the `inline-nested-calls` pass unmarked
+the sites (`inline_calls`): a step compiled for a topology tries that by compiling it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax
 
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.jaxpr_eval import evaluate, unchecked_types
-from xla_strategies.passes.ir.graph import Node, Value
+from xla_strategies.passes.ir.graph import Graph, Node, Value
 
 #: foreign primitives a call site must not hold: each names the capture's mesh
 _NOT_CALLED = frozenset({"sharding_constraint", "mesh_cast", "reshard"})
@@ -75,6 +76,20 @@ def _callable(node: Node) -> bool:
 def calls_kept(platform: str) -> bool:
     """Whether a program for devices of `platform` calls its sites again (not on GPUs)."""
     return platform not in ("gpu", "cuda", "rocm")
+
+
+def call_sites(graph: Graph) -> int:
+    """How many call sites `graph` (its regions' too) still marks."""
+    return len({id(node.call) for node in graph.walk() if node.call is not None})
+
+
+def inline_calls(graph: Graph) -> int:
+    """Unmark every call site of `graph` (its regions' too), so each runs inlined; returns
+    how many there were."""
+    sites = call_sites(graph)
+    for node in graph.walk():
+        node.call = None
+    return sites
 
 
 def whole_site(nodes: Sequence[Node], at: int) -> CallSite | None:

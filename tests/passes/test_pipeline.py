@@ -54,7 +54,7 @@ def test_a_spec_names_the_passes_that_run():
 def test_spec_errors_name_the_problem():
     with pytest.raises(
         PipelineSpecError,
-        match="unknown pass 'combine-everything'; known passes: combine-all-reduces, decompose-all-reduces, fold-invariant-reductions, hoist-all-reduces, insert-reductions, materialize-early-matmuls, prefetch-all-gathers, reassociate-all-reduces",
+        match="unknown pass 'combine-everything'; known passes: combine-all-reduces, decompose-all-reduces, fold-invariant-reductions, hoist-all-reduces, inline-nested-calls, insert-reductions, materialize-early-matmuls, prefetch-all-gathers, reassociate-all-reduces",
     ):
         parse_spec("insert-reductions,combine-everything")
     with pytest.raises(

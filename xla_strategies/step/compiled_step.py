@@ -19,6 +19,7 @@ from xla_strategies.core.errors import StoppedAfterCompile
 from xla_strategies.core.layout import Layout
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.base import PassContext
+from xla_strategies.passes.bridge.called_functions import call_sites
 from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
@@ -246,6 +247,7 @@ class CompiledStep:
             topology=self.strategy.topology,
             synchronous_collectives=self.strategy.devices_share_host_cores,
             devices_per_replica=self.strategy.logical_devices_per_replica,
+            platform=self.strategy.mesh.devices.flat[0].platform,
         )
 
     def _capture(self, signature: Signature) -> tuple[Graph, Outputs]:
@@ -317,13 +319,13 @@ class CompiledStep:
         """Compile the alternatives of `pipeline` for this step (`pipeline_choice`); without
         `swap`, only its refinements."""
         strategy = self.strategy
-        reports: dict[str, Any] = {}  # by the program the passes left: each compiled once
+        reports: dict[Any, Any] = {}  # by the program the passes left: each compiled once
 
         def compile_one(candidate: PassPipeline) -> Any:
             fresh, _ = self._capture(signature)
             ctx = self._pass_context()
             candidate.run(fresh, ctx)
-            program = print_graph(fresh)
+            program = (print_graph(fresh), call_sites(fresh))  # the text shows no call
             if program not in reports:
                 reports[program] = self._compiled_report(signature, fresh, ctx)
             return reports[program]

@@ -59,6 +59,7 @@ from xla_strategies.core.errors import OutOfMemoryError
 from xla_strategies.hardware.compiled_report import CompiledReport
 from xla_strategies.passes.base import Pass
 from xla_strategies.passes.pipeline import PassPipeline, with_pass, without_pass
+from xla_strategies.passes.transforms.inline_nested_calls import InlineNestedCalls
 from xla_strategies.passes.transforms.materialize_early_matmuls import MaterializeEarlyMatmuls
 from xla_strategies.passes.transforms.scatter_adds_as_selects import ScatterAddsAsSelects
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
@@ -77,6 +78,9 @@ REFINEMENTS: dict[str, Callable[[], Pass]] = {
     # its own rule (operands larger than the result) is the default's; the replicated
     # program, which leaves it out, is where a tied embedding's logits stay alive
     MaterializeEarlyMatmuls.name: lambda: MaterializeEarlyMatmuls(mode="auto"),
+    # the user's nested calls inlined (for GPUs, what the default already does: the same
+    # program, not compiled again)
+    InlineNestedCalls.name: lambda: InlineNestedCalls(mode="on"),
 }
 #: the relative difference two programs' memory or estimated step may have and count as
 #: the same (programs that differ in their instructions' names and fusion boundaries)
