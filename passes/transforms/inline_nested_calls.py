@@ -16,10 +16,9 @@ the calls (138.98 against 132.91 ms, the same memory). So `mode=auto` inlines th
 GPUs only, and a step compiled for a known topology tries `mode=on` by compiling it
 (`select_by_compiling`), keeping it where XLA's compile says it is better.
 
-    Before (each node of the call marked with its site; lowered as `call @norm`):
-      %4: f32[8,64] = jax.reduce_sum(%3) {...}     // call @norm
-      ...
-    After: the same nodes, unmarked, lowered one by one.
+The IR's text is the same before and after: what changes is the mark each node of a call
+carries (`Node.call`, which the text does not show). Before, a call of a jitted `norm`
+lowers as `call @norm(...)` of one `func.func private @norm`; after, as its operations.
 """
 
 from __future__ import annotations
