@@ -83,6 +83,12 @@ def call_sites(graph: Graph) -> int:
     return len({id(node.call) for node in graph.walk() if node.call is not None})
 
 
+def sites_called(graph: Graph, platform: str) -> int:
+    """The call sites `graph` still marks where its lowering for `platform` keeps calls
+    (none for GPUs): with its text, what tells two programs the passes left apart."""
+    return call_sites(graph) if calls_kept(platform) else 0
+
+
 def inline_calls(graph: Graph) -> int:
     """Unmark every call site of `graph` (its regions' too), so each runs inlined; returns
     how many there were."""

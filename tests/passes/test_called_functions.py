@@ -112,3 +112,28 @@ def test_a_tpu_step_tries_its_calls_inlined_by_compiling(tmp_path, monkeypatch):
     remarks = strategy.compile(_step, select_by_compiling=True).executable(w, x).remarks
     verdict = next(r for r in remarks if r.startswith("select-by-compiling"))
     assert "+inline-nested-calls" in verdict
+
+
+def test_a_gpu_step_whose_alternatives_leave_one_program_compiles_it_once(tmp_path, monkeypatch):
+    """A GPU's program runs every call inlined, with or without the pass: alternatives that
+    differ only in the sites they still mark are one program, compiled once."""
+    from xla_strategies.step import compiled_step
+
+    compiles = []
+    original = compiled_step.CompiledStep._compiled_report
+
+    def counting(self, signature, graph, ctx):
+        compiles.append(1)
+        return original(self, signature, graph, ctx)
+
+    monkeypatch.setattr(compiled_step.CompiledStep, "_compiled_report", counting)
+    monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
+    strategy = xs.MirroredStrategy(topology="dgx-h100", compile_only=True)
+
+    def evaluate(w, x):  # no gradient: the alternatives differ only in the pass
+        return jnp.mean(norm(x @ w))
+
+    w = strategy.replicate(jax.ShapeDtypeStruct((8, 8), jnp.float32))
+    x = jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=strategy.split_sharding())
+    strategy.compile(evaluate, select_by_compiling=True).executable(w, x)
+    assert len(compiles) == 1

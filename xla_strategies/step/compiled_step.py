@@ -19,7 +19,7 @@ from xla_strategies.core.errors import StoppedAfterCompile
 from xla_strategies.core.layout import Layout
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.passes.base import PassContext
-from xla_strategies.passes.bridge.called_functions import call_sites
+from xla_strategies.passes.bridge.called_functions import sites_called
 from xla_strategies.passes.bridge.layouts import input_shardings
 from xla_strategies.passes.bridge.lowering import lower
 from xla_strategies.passes.cost.collective_stats import collective_summary
@@ -325,7 +325,7 @@ class CompiledStep:
             fresh, _ = self._capture(signature)
             ctx = self._pass_context()
             candidate.run(fresh, ctx)
-            program = (print_graph(fresh), call_sites(fresh))  # the text shows no call
+            program = (print_graph(fresh), sites_called(fresh, ctx.platform))  # not in text
             if program not in reports:
                 reports[program] = self._compiled_report(signature, fresh, ctx)
             return reports[program]
