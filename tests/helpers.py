@@ -350,3 +350,19 @@ ENTRY %main (p: f32[8]) -> f32[8] {
   ROOT %n = f32[8]{0} negate(f32[8]{0} %ar)
 }
 """
+
+
+def counted_compiles(monkeypatch: Any) -> list[int]:
+    """A list that gains an item each time a step's program is compiled for its topology
+    (`CompiledStep._compiled_report`), for as long as `monkeypatch` lasts."""
+    from xla_strategies.step import compiled_step
+
+    compiles: list[int] = []
+    original = compiled_step.CompiledStep._compiled_report
+
+    def counting(self: Any, signature: Any, graph: Any, ctx: Any) -> Any:
+        compiles.append(1)
+        return original(self, signature, graph, ctx)
+
+    monkeypatch.setattr(compiled_step.CompiledStep, "_compiled_report", counting)
+    return compiles

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import xla_strategies as xs
 from tests.frameworks.test_flax_quick_start import CNN  # flax's quick start, as written
+from tests.helpers import counted_compiles
 from xla_strategies.hardware.compiled_report import compiled_report
 from xla_strategies.step.pipeline_choice import STEP_RESOLUTION
 
@@ -236,16 +237,7 @@ def test_the_fastest_program_at_most_the_replicated_one_is_kept_or_a_smaller_one
 
 
 def test_an_alternative_that_leaves_the_same_program_is_not_compiled_again(tmp_path, monkeypatch):
-    from xla_strategies.step import compiled_step
-
-    compiles = []
-    original = compiled_step.CompiledStep._compiled_report
-
-    def counting(self, signature, graph, ctx):
-        compiles.append(1)
-        return original(self, signature, graph, ctx)
-
-    monkeypatch.setattr(compiled_step.CompiledStep, "_compiled_report", counting)
+    compiles = counted_compiles(monkeypatch)
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
     strategy = xs.TPUStrategy("v5e-16", compile_only=True)
 

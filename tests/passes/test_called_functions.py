@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import xla_strategies as xs
+from tests.helpers import counted_compiles
 from xla_strategies.passes.bridge.called_functions import whole_site
 
 
@@ -117,16 +118,7 @@ def test_a_tpu_step_tries_its_calls_inlined_by_compiling(tmp_path, monkeypatch):
 def test_a_gpu_step_whose_alternatives_leave_one_program_compiles_it_once(tmp_path, monkeypatch):
     """A GPU's program runs every call inlined, with or without the pass: alternatives that
     differ only in the sites they still mark are one program, compiled once."""
-    from xla_strategies.step import compiled_step
-
-    compiles = []
-    original = compiled_step.CompiledStep._compiled_report
-
-    def counting(self, signature, graph, ctx):
-        compiles.append(1)
-        return original(self, signature, graph, ctx)
-
-    monkeypatch.setattr(compiled_step.CompiledStep, "_compiled_report", counting)
+    compiles = counted_compiles(monkeypatch)
     monkeypatch.setenv("XLA_STRATEGIES_CACHE", str(tmp_path))
     strategy = xs.MirroredStrategy(topology="dgx-h100", compile_only=True)
 
