@@ -373,6 +373,34 @@ def test_weight_update_sharding_alone_is_refused_with_stages():
         strategy.compile(lambda p: p, shard_weight_updates=True)
 
 
+def test_a_float64_step_keeps_its_float64_loss_with_stages():
+    """Under `jax_enable_x64` a pipelined step runs (its schedule's int32 tables index
+    int64 loop counters) and its loss is the float64 one device computes, not rounded to
+    float32 in the stages' loss buffer."""
+
+    def in_numpy(params, x, y):  # `_plain_loss`, in float64 by construction
+        h = np.tanh(x * params["embed"])
+        for w, b in zip(params["w"], params["b"], strict=True):
+            h = np.tanh(h @ w + b)
+        return np.mean((h @ params["head"] - y) ** 2)
+
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda a: np.asarray(a, np.float64), _plain_params())
+        x, y = (np.asarray(a, np.float64) for a in _plain_batches()[0])
+        strategy = xs.MirroredStrategy(pipeline_stages=2)
+
+        @strategy.compile(microbatches=4)
+        def loss(params, x, y):
+            return jax.value_and_grad(_plain_loss)(params, x, y)[0]
+
+        with strategy.scope():
+            held = strategy.replicate(params)
+        (batch,) = strategy.experimental_distribute_dataset([(x, y)])
+        got = strategy.reduce("MEAN", loss(held, *batch), axis=None)
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, in_numpy(params, x, y), rtol=1e-12)
+
+
 def test_stages_compose_with_a_model_axis_inside_each():
     """2 replicas of 2 stages of 2 model devices: the stages cut from the slowest devices,
     the model axis the fastest; trains as one device does."""

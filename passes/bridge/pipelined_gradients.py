@@ -43,6 +43,7 @@ from xla_strategies.passes.bridge.microbatches import (
 from xla_strategies.passes.bridge.stage_blocks import (
     block_dims,
     gathered,
+    model_dim_of,
     replica_block,
     scattered,
     whole,
@@ -178,8 +179,11 @@ def pipelined_vjp(
     replicas = _manual_axes()
     with around_the_microbatches():  # one program for all microbatches, unbatched
         values = [outside(x) for x in inputs]
-        result, before_pullback, outputs = _pipelined(
-            plan, stack, values, row_mask, wanted, mb_mask
+        # the dimension the model axis splits each stacked weight on, where it is an
+        # argument of the step
+        model_dims = [None if i is None else model_dim_of(values[i]) for i in stack.xs_inputs]
+        result, before_pullback, outputs, stack_dims = _pipelined(
+            plan, stack, values, row_mask, wanted, mb_mask, model_dims
         )
         losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
@@ -192,8 +196,9 @@ def pipelined_vjp(
         # sum of each one's weighted by the plan's seed (their mean), whole, not one each
         del ct
         with around_the_microbatches():
-            held = block_dims(plan.block_axes, [outputs[i] for i in stacked_at])
-            held += block_dims(plan.block_axes, [outputs[i] for i in head_at], stacked=False)
+            held = stack_dims + block_dims(
+                plan.block_axes, [outputs[i] for i in head_at], stacked=False
+            )
             at = [*stacked_at, *head_at]  # the head's summed into its blocks (`scattered`)
             in_blocks = {i: d for i, d in zip(at, held, strict=True) if d is not None}
             summed = [
@@ -216,12 +221,12 @@ def pipelined_vjp(
     return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
 
 
-def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask):
+def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask, model_dims):
     """`before` run on every microbatch (`flat`: the inputs, each flagged in `row_mask`
     stacked over the microbatches; its outputs that depend on them stacked too) and the
-    rest once,
-    differentiated by JAX; then the schedule. Returns the executor's result, `before`'s
-    pullback and its outputs."""
+    rest once, differentiated by JAX; then the schedule. Returns the executor's result,
+    `before`'s pullback, its outputs, and the dimension each stacked weight is held in
+    blocks on (`stage_blocks.block_dims`; `model_dims`: the model axis's)."""
     stacked_args = flat
     flags = [f for group in mb_mask for f in group]
 
@@ -237,11 +242,11 @@ def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask):
     outputs, before_pullback = jax.vjp(before, *diff)
     sizes = [len(g) for g in mb_mask]
     carry, consts, xs, kept = _groups(outputs, sizes)
-    return (
-        _run(plan, stack, carry, consts, xs, kept, mb_mask[1], mb_mask[3]),
-        before_pullback,
-        outputs,
+    dims = block_dims(plan.block_axes, xs, model_dims=model_dims)
+    result = _run(
+        plan, stack, carry, consts, xs, kept, (mb_mask[1], mb_mask[3]), (dims, model_dims)
     )
+    return result, before_pullback, outputs, dims
 
 
 def _flat(groups: tuple) -> list:
@@ -256,11 +261,14 @@ def _groups(values: list, sizes: list[int]) -> list[list]:
     return out
 
 
-def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executor.StageResult:
-    """The schedule's loop, manual over the stage axis, on microbatches of the rows."""
+def _run(plan, stack, carry, consts, xs, kept, rows_mask, dims) -> executor.StageResult:
+    """The schedule's loop, manual over the stage axis, on microbatches of the rows
+    (`rows_mask`: the layers' and the head's). `dims`: the dimension each stacked weight is
+    held in blocks on, and the one the model axis splits it on."""
     s, v = plan.stages, plan.virtual_stages
     chunk = stack.length // (s * v)
-    dims = block_dims(plan.block_axes, xs)
+    layer_rows, head_rows = rows_mask
+    dims, model_dims = dims
     xs = [
         x if d is None else replica_block(x, d, plan.block_axes)
         for x, d in zip(xs, dims, strict=True)
@@ -280,7 +288,8 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
         # it as); JAX's transpose of the gather reduce-scatters its gradient into the
         # stage's blocks
         whole = [
-            gathered(a, d, plan.block_axes, t) for a, d, t in zip(w, dims, read_as, strict=True)
+            gathered(a, d, plan.block_axes, t, m)
+            for a, d, t, m in zip(w, dims, read_as, model_dims, strict=True)
         ]
         return stack.layer(whole, x, _merge(layer_rows, rows, shared))
 
@@ -304,6 +313,7 @@ def _run(plan, stack, carry, consts, xs, kept, layer_rows, head_rows) -> executo
             list(stack.outputs[1:]),
             plan.keeps,
             head_blocks if any(d is not None for d in head_dims) else None,
+            jnp.promote_types(_loss_dtype(stack), jnp.float32),
         )
         r = executor.run(
             plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
@@ -387,7 +397,8 @@ def _zero_cotangent(x: Any) -> Any:
 
 
 def _loss_dtype(stack: Any) -> Any:
-    """The dtype of the loss the function returns (the executor keeps float32)."""
+    """The dtype of the loss the function returns (the executor keeps it at least
+    float32)."""
     return stack.outputs[0].dtype
 
 

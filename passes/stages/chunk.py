@@ -106,14 +106,19 @@ def add_layer(weights: Any, chunk: Any, i: Any, value: Any) -> Any:
 
 def _read(a: Any, at: tuple) -> Any:
     """`a[at]` for the two leading indices `at`, sliced in place."""
-    start = at + (0,) * (a.ndim - 2)
-    return lax.dynamic_slice(a, start, (1, 1, *a.shape[2:]))[0, 0]
+    return lax.dynamic_slice(a, _start(a, at), (1, 1, *a.shape[2:]))[0, 0]
 
 
 def _write(a: Any, at: tuple, value: Any) -> Any:
     """`a` with `value` at the two leading indices `at`, in place."""
-    start = at + (0,) * (a.ndim - 2)
-    return lax.dynamic_update_slice(a, value.astype(a.dtype)[None, None], start)
+    return lax.dynamic_update_slice(a, value.astype(a.dtype)[None, None], _start(a, at))
+
+
+def _start(a: Any, at: tuple) -> tuple:
+    """The indices of `a[at]`'s first element, all int32: the schedule's tables index as
+    int32, and under `jax_enable_x64` the loop counters and the zeros are int64, a mix
+    `dynamic_slice` refuses."""
+    return tuple(jnp.asarray(i, jnp.int32) for i in (*at, *(0,) * (a.ndim - 2)))
 
 
 def vjp(fn: Callable[..., Any], *args: Any, has_aux: bool = False) -> tuple[Any, Callable]:

@@ -83,6 +83,9 @@ class StageProgram:
     #: where the head's weights are held in blocks over the replicas: its shared values'
     #: gradients (a list, None where a value has none) summed into those blocks
     head_blocks: Callable[[Any], Any] | None = None
+    #: the dtype each microbatch's loss is kept in: float32, or the loss's own where wider
+    #: (float64 under `jax_enable_x64`), so a pipelined loss loses no precision
+    loss_dtype: Any = jnp.float32
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def run(
         "stash": buffers(schedule.slots["stash"], *_kept_depth(program, weights)),
         "seed": buffers(schedule.slots["stash"]),
         "grad": buffers(schedule.slots["grad"]),  # zero-bubble: B's gradient kept for W
-        "loss": jnp.zeros((m_count,), jnp.float32),
+        "loss": jnp.zeros((m_count,), program.loss_dtype),
         "aux": jax.tree.map(lambda s: jnp.zeros((m_count, *s.shape), s.dtype), aux_shape),
         "d_weights": zeros(weights),
         "d_inputs": zeros(inputs),
@@ -271,13 +274,13 @@ def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head)
     def no_head(y):
         aux = program.aux
         return (
-            jnp.zeros((), jnp.float32),
+            jnp.zeros((), program.loss_dtype),
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux),
             float_zeros(y),
         )
 
     loss, aux, dy = lax.cond(where.last, head_and_seed_of, no_head, y)
-    s["loss"] = put(s["loss"], m, loss.astype(jnp.float32))
+    s["loss"] = put(s["loss"], m, loss.astype(program.loss_dtype))
     s["aux"] = put(s["aux"], m, aux)
     s["seed"] = put(s["seed"], where.stash_slot, dy)
     return s, y, jax.tree.map(jnp.zeros_like, y)

@@ -29,7 +29,7 @@ def heads(s, program, head_in, head_rows, head_shared):
 
     def one(_, m):
         (loss, aux), dy = head_and_seed(program, get(head_in, m), get(head_rows, m), head_shared)
-        return None, (loss.astype(jnp.float32), aux, dy)
+        return None, (loss.astype(program.loss_dtype), aux, dy)
 
     _, (loss, aux, dy) = lax.scan(one, None, jnp.arange(s["loss"].shape[0]))
     return dict(s, loss=loss, aux=aux, seed_of=dy)

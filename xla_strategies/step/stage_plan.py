@@ -15,6 +15,7 @@ from xla_strategies.core.layout import STAGE_AXIS, Layout
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes.bridge.microbatches import microbatched
 from xla_strategies.passes.bridge.pipelined_gradients import Pipelined, StagePlan
+from xla_strategies.passes.bridge.stage_blocks import split_over_the_model_axis
 from xla_strategies.passes.pipeline import PassPipeline, with_pass
 from xla_strategies.passes.stages.schedules import INTERLEAVED_SCHEDULES
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
@@ -64,12 +65,6 @@ def _block_axes(
 ) -> tuple[str, ...]:
     if not options.shard_parameters:
         return ()
-    if getattr(strategy, "logical_devices_per_replica", 1) > 1:
-        raise ValueError(
-            "shard_parameters=True is not supported with pipeline stages and a model axis "
-            f"(logical_devices_per_replica={strategy.logical_devices_per_replica}) yet: "
-            "drop one of the three"
-        )
     if options.axis_name is not None:  # the blocks are numbered over the strategy's axes
         raise ValueError(
             f"shard_parameters=True is not supported with pipeline stages and "
@@ -122,10 +117,18 @@ def on_microbatches(
     gradient_reduction: ReduceOp | None,
 ) -> Callable[..., list[Any]]:
     """`step` (flat arrays in and out) traced on the plan's microbatches of its batch
-    arguments (`microbatches.microbatched`); itself without a plan. What it returns that
+    arguments (`microbatches.microbatched`), the pipelined gradient told which dimension
+    the model axis splits each argument on; itself without a plan. What it returns that
     depends on the batch is combined as the replicas combine theirs: a mean, or with
     `ReduceOp.SUM` a sum."""
     if plan is None:
         return step
     rows = [spec.layout is Layout.SPLIT for spec in specs]
-    return microbatched(step, rows, plan.microbatches, gradient_reduction is not ReduceOp.SUM)
+    run = microbatched(step, rows, plan.microbatches, gradient_reduction is not ReduceOp.SUM)
+    model_dims = [getattr(spec, "model_dim", None) for spec in specs]
+
+    def traced(*flat: Any) -> list[Any]:
+        with split_over_the_model_axis(flat, model_dims):
+            return run(*flat)
+
+    return traced
