@@ -76,7 +76,7 @@ VARIANTS = ("a", "b", "c", "d", "e")
 #: Chips per replica in variant (t), over the fastest torus axis, and the models annotated
 #: for it (`benchmarks.tpu_models.TransformerConfig.tensor_parallel`).
 TENSOR_PARALLEL = 4
-TENSOR_PARALLEL_MODELS = {"llama2-7b", "llama2-70b", "llama2-70b-minimal"}
+TENSOR_PARALLEL_MODELS = {"llama2-7b", "llama2-70b", "llama2-70b-minimal", "llama3.1-405b"}
 #: The pass a variant leaves out of its strategy's pipeline: (e) the prefetch; on GPU nodes
 #: (`benchmarks.gpu_aot`), (f) and (g) are (a) and (d) without the decomposition across nodes.
 LEFT_OUT = {

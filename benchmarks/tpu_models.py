@@ -391,11 +391,14 @@ def _llama2_70b(tensor_parallel: bool, **settings: Any) -> TransformerConfig:
     )  # fmt: skip
 
 
-def _llama31_405b() -> TransformerConfig:
+def _llama31_405b(tensor_parallel: bool = False) -> TransformerConfig:
     """Llama-3.1-405B as its model card gives it: 126 layers, grouped-query attention (8
     K/V heads of 128 query heads), a vocabulary of 128,256; 2,048 tokens per chip as the
     Llama-2 steps here (MaxText's `llama3.1-405b` model)."""
-    return TransformerConfig(128256, 16384, 128, 126, 53248, 2048, swiglu=True, kv_heads=8)
+    return TransformerConfig(
+        128256, 16384, 128, 126, 53248, 2048, swiglu=True, kv_heads=8,
+        tensor_parallel=tensor_parallel,
+    )  # fmt: skip
 
 
 def _plain_gpt2(name: str, cfg: TransformerConfig, cast_first: bool = False) -> Workload:
@@ -467,5 +470,5 @@ WORKLOADS = {
         "Llama-2-70B minimal remat",
         _llama2_70b(tp, remat_policy="dots_with_no_batch_dims_saveable"),
     ),
-    "llama3.1-405b": lambda: language_model("Llama-3.1-405B", _llama31_405b()),
+    "llama3.1-405b": lambda tp=False: language_model("Llama-3.1-405B", _llama31_405b(tp)),
 }

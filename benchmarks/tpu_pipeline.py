@@ -36,7 +36,7 @@ from typing import Any
 import optax
 
 import xla_strategies as xs
-from benchmarks.tpu_aot import HLO_DIR, _batch, abstract_state, peer
+from benchmarks.tpu_aot import HLO_DIR, TENSOR_PARALLEL_MODELS, _batch, abstract_state, peer
 from benchmarks.tpu_models import WORKLOADS
 from xla_strategies.hardware.compiled_report import compiled_report, hlo_report
 from xla_strategies.passes.stages.executor import KEEPS
@@ -114,6 +114,13 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
     parser.add_argument("--shard-parameters", action="store_true")
+    parser.add_argument(
+        "--model-axis",
+        type=int,
+        default=1,
+        help="chips per replica: a model axis inside each stage, the model annotated for "
+        "tensor parallelism (the global batch is the same)",
+    )
     parser.add_argument("--stage-keeps", choices=KEEPS)
     parser.add_argument(
         "--virtual-stages", type=int, help="chunks per stage (interleaved-1f1b, looped-bfs)"
@@ -133,19 +140,23 @@ def main() -> None:
     if args.reread:
         reread()
         return
-    workload = WORKLOADS[args.model]()
+    workload = _workload(args.model, args.model_axis)
     cell = f"{args.model} {args.topology} S={args.stages}{' FSDP' if args.shard_parameters else ''}"
+    cell += f" TP={args.model_axis}" if args.model_axis > 1 else ""
     if args.batch_per_chip:
         workload = dataclasses.replace(workload, batch_per_chip=args.batch_per_chip)
         cell += f" {args.batch_per_chip}/chip"
-    flat = xs.TPUStrategy(args.topology, compile_only=True)
+    per_replica = {"logical_devices_per_replica": args.model_axis}
+    flat = xs.TPUStrategy(args.topology, compile_only=True, **per_replica)
     split = {"shard_parameters": True} if args.shard_parameters else {}
     kind = "FSDP" if split else "DP"
     rows = [] if args.stages_only else [
         _row(f"jit {kind}", flat, lambda: peer(flat, workload, fsdp=bool(split)), cell),
         _row(f"ours {kind}", flat, lambda: _ours(flat, workload, **split), cell),
     ]  # fmt: skip
-    staged = xs.TPUStrategy(args.topology, compile_only=True, pipeline_stages=args.stages)
+    staged = xs.TPUStrategy(
+        args.topology, compile_only=True, pipeline_stages=args.stages, **per_replica
+    )
     keeps = {"stage_keeps": args.stage_keeps} if args.stage_keeps else {}
     chunks = {"virtual_stages": args.virtual_stages} if args.virtual_stages else {}
     for schedule in args.schedules:
@@ -167,6 +178,18 @@ def main() -> None:
         )
     print(rows[-1].get("calibration", ""))
     _record(cell, rows, keep_others=args.stages_only)
+
+
+def _workload(model: str, model_axis: int) -> Any:
+    """The model's workload; with a model axis, the one annotated for tensor parallelism."""
+    if model_axis == 1:
+        return WORKLOADS[model]()
+    if model not in TENSOR_PARALLEL_MODELS:
+        raise SystemExit(
+            f"--model-axis {model_axis} needs a model annotated for tensor parallelism: "
+            f"one of {sorted(TENSOR_PARALLEL_MODELS)}, not {model!r}"
+        )
+    return WORKLOADS[model](tp=True)
 
 
 def _record(cell: str, rows: list[dict[str, Any]], keep_others: bool) -> None:

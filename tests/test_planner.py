@@ -281,3 +281,21 @@ def test_a_configuration_whose_state_alone_outgrows_the_chip_is_not_compiled(tmp
     said = sorted(line.split(":")[1].split("/")[0] for line in lines)
     assert said == [" compiling 2", " compiling 3", " not compiling 1"]  # the sharded two
     assert found.best().sharding == "parameter sharding"
+
+
+def test_stages_with_a_model_axis_are_planned_with_parameter_sharding_too():
+    """Each stage's parameters held in blocks over its replicas composes with a model axis
+    inside the stage, so the planner tries it there too."""
+    from xla_strategies.distribute.planner import _candidates
+
+    strategy = xs.TPUStrategy("2xv5e-4", compile_only=True)
+    tried = {
+        (sharding, model, variant.pipeline_stages)
+        for variant, sharding, model in _candidates(strategy, (1, 2), (2,))
+    }
+    assert tried == {
+        ("replicated", 1, 2),
+        ("parameter sharding", 1, 2),
+        ("replicated", 2, 2),
+        ("parameter sharding", 2, 2),
+    }

@@ -279,9 +279,9 @@ def _candidates(
             if variant is None:
                 continue
             # with stages, the state is replicated within each, or its parameters are held
-            # in blocks over the stage's replicas (FSDP inside each stage; not with a
-            # model axis yet, `step.stage_plan`); weight-update sharding alone is refused
-            within = ("replicated",) + (("parameter sharding",) if model == 1 else ())
+            # in blocks over the stage's replicas (FSDP inside each stage, on top of a
+            # model axis's split); weight-update sharding alone is refused
+            within = ("replicated", "parameter sharding")
             for sharding in SHARDINGS if count == 1 else within:
                 yield variant, sharding, model
 
