@@ -26,6 +26,7 @@ from xla_strategies.passes.bridge.stack_parts import (
     NothingToPipeline,
     depending,
     function_of,
+    input_indices,
 )
 
 
@@ -95,6 +96,7 @@ def split_at_boundaries(
         depends,
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
         (None,) * len(rows_in),  # stacked here: no input is a stack
+        kept_inputs=input_indices(jaxpr, kept),
     )
 
 

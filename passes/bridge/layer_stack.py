@@ -27,6 +27,7 @@ from xla_strategies.passes.bridge.stack_parts import (
     NothingToPipeline,
     depending,
     function_of,
+    input_indices,
 )
 
 __all__ = ["LayerStack", "NothingToPipeline", "split"]
@@ -146,11 +147,9 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
         tuple(consts),
         depends,
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
-        tuple(
-            jaxpr.invars.index(v) if v in jaxpr.invars else None
-            for v in scan.invars[num_consts + num_carry :]
-        ),
+        input_indices(jaxpr, scan.invars[num_consts + num_carry :]),
         tuple(read_as(inner, v) for v in inner.invars[num_consts + num_carry :]),
+        input_indices(jaxpr, kept),
     )
 
 

@@ -179,12 +179,13 @@ def pipelined_vjp(
     replicas = _manual_axes()
     with around_the_microbatches():  # one program for all microbatches, unbatched
         values = [outside(x) for x in inputs]
-        # the dimension the model axis splits each stacked weight on, where it is an
-        # argument of the step
-        model_dims = [None if i is None else model_dim_of(values[i]) for i in stack.xs_inputs]
-        result, before_pullback, outputs, stack_dims = _pipelined(
-            plan, stack, values, row_mask, wanted, mb_mask, model_dims
-        )
+        # the dimension the model axis splits each stacked weight and each value the head
+        # reads on, where it is an argument of the step
+        model_of = lambda at: [None if i is None else model_dim_of(values[i]) for i in at]  # noqa: E731
+        result, before_pullback, outputs, held = _pipelined(
+            plan, stack, values, row_mask, wanted, mb_mask,
+            (model_of(stack.xs_inputs), model_of(stack.kept_inputs)),
+        )  # fmt: skip
         losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
         cotangents, stacked_at, head_at = _cotangents(result, mb_mask)
@@ -196,11 +197,9 @@ def pipelined_vjp(
         # sum of each one's weighted by the plan's seed (their mean), whole, not one each
         del ct
         with around_the_microbatches():
-            held = stack_dims + block_dims(
-                plan.block_axes, [outputs[i] for i in head_at], stacked=False
-            )
             at = [*stacked_at, *head_at]  # the head's summed into its blocks (`scattered`)
-            in_blocks = {i: d for i, d in zip(at, held, strict=True) if d is not None}
+            dims = [*held.stack, *held.head]
+            in_blocks = {i: d for i, d in zip(at, dims, strict=True) if d is not None}
             summed = [
                 whole(c, in_blocks[i], plan.block_axes, replicas).astype(p.dtype)
                 if i in in_blocks
@@ -221,12 +220,25 @@ def pipelined_vjp(
     return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
 
 
+@dataclass(frozen=True)
+class _Held:
+    """Where the stage program's weights are held in blocks over the replicas
+    (`stage_blocks.block_dims`; None: whole) and where the model axis splits them (None:
+    whole over it): the stacked weights', and the head's shared values'."""
+
+    stack: list
+    stack_model: list
+    head: list
+    head_model: list
+
+
 def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask, model_dims):
     """`before` run on every microbatch (`flat`: the inputs, each flagged in `row_mask`
     stacked over the microbatches; its outputs that depend on them stacked too) and the
     rest once, differentiated by JAX; then the schedule. Returns the executor's result,
-    `before`'s pullback, its outputs, and the dimension each stacked weight is held in
-    blocks on (`stage_blocks.block_dims`; `model_dims`: the model axis's)."""
+    `before`'s pullback, its outputs, and where the weights are held (`_Held`;
+    `model_dims`: the model axis's dimension of each stacked weight and each value the
+    head reads, where known)."""
     stacked_args = flat
     flags = [f for group in mb_mask for f in group]
 
@@ -242,11 +254,17 @@ def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask, model_dims):
     outputs, before_pullback = jax.vjp(before, *diff)
     sizes = [len(g) for g in mb_mask]
     carry, consts, xs, kept = _groups(outputs, sizes)
-    dims = block_dims(plan.block_axes, xs, model_dims=model_dims)
-    result = _run(
-        plan, stack, carry, consts, xs, kept, (mb_mask[1], mb_mask[3]), (dims, model_dims)
+    xs_model, kept_model = model_dims
+    shared = lambda values: [x for x, r in zip(values, mb_mask[3], strict=True) if not r]  # noqa: E731
+    head_model = shared(kept_model or [None] * len(kept))
+    held = _Held(
+        block_dims(plan.block_axes, xs, model_dims=xs_model),
+        xs_model,
+        block_dims(plan.block_axes, shared(kept), stacked=False, model_dims=head_model),
+        head_model,
     )
-    return result, before_pullback, outputs, dims
+    result = _run(plan, stack, carry, consts, xs, kept, (mb_mask[1], mb_mask[3]), held)
+    return result, before_pullback, outputs, held
 
 
 def _flat(groups: tuple) -> list:
@@ -261,14 +279,13 @@ def _groups(values: list, sizes: list[int]) -> list[list]:
     return out
 
 
-def _run(plan, stack, carry, consts, xs, kept, rows_mask, dims) -> executor.StageResult:
+def _run(plan, stack, carry, consts, xs, kept, rows_mask, held) -> executor.StageResult:
     """The schedule's loop, manual over the stage axis, on microbatches of the rows
-    (`rows_mask`: the layers' and the head's). `dims`: the dimension each stacked weight is
-    held in blocks on, and the one the model axis splits it on."""
+    (`rows_mask`: the layers' and the head's), the weights held as `held` says."""
     s, v = plan.stages, plan.virtual_stages
     chunk = stack.length // (s * v)
     layer_rows, head_rows = rows_mask
-    dims, model_dims = dims
+    dims = held.stack
     xs = [
         x if d is None else replica_block(x, d, plan.block_axes)
         for x, d in zip(xs, dims, strict=True)
@@ -289,7 +306,7 @@ def _run(plan, stack, carry, consts, xs, kept, rows_mask, dims) -> executor.Stag
         # stage's blocks
         whole = [
             gathered(a, d, plan.block_axes, t, m)
-            for a, d, t, m in zip(w, dims, read_as, model_dims, strict=True)
+            for a, d, t, m in zip(w, dims, read_as, held.stack_model, strict=True)
         ]
         return stack.layer(whole, x, _merge(layer_rows, rows, shared))
 
@@ -298,10 +315,9 @@ def _run(plan, stack, carry, consts, xs, kept, rows_mask, dims) -> executor.Stag
         return out[0], out[1:]
 
     # the head's weights, where held in blocks, get their gradient summed into the blocks
-    head_dims = block_dims(plan.block_axes, pick(kept, head_rows, False), stacked=False)
-
     def head_blocks(grads):
-        return [scattered(g, d, plan.block_axes) for g, d in zip(grads, head_dims, strict=True)]
+        held_at = zip(grads, held.head, held.head_model, strict=True)
+        return [scattered(g, d, plan.block_axes, m) for g, d, m in held_at]
 
     def body(w, inputs, lrows, lshared, hrows, hshared):
         if v > 1:  # each [V, chunk, ...], as the stage runs its chunks
@@ -312,7 +328,7 @@ def _run(plan, stack, carry, consts, xs, kept, rows_mask, dims) -> executor.Stag
             plan.seed,
             list(stack.outputs[1:]),
             plan.keeps,
-            head_blocks if any(d is not None for d in head_dims) else None,
+            head_blocks if any(d is not None for d in held.head) else None,
             jnp.promote_types(_loss_dtype(stack), jnp.float32),
         )
         r = executor.run(

@@ -39,6 +39,26 @@ class LayerStack:
     #: per scanned input, the narrower float type a layer reads it as, if it only ever
     #: reads it as one (`cast_reads.read_as`); empty: none known
     xs_read_as: tuple[Any, ...] = ()
+    #: per value the head reads from before the layers (`kept`), the input it is, if one
+    kept_inputs: tuple[int | None, ...] = ()
+
+
+#: equations whose output is their input's value, laid out another way (flax's own
+#: constraint on an annotated parameter, where it is read)
+_SAME_VALUE = ("sharding_constraint",)
+
+
+def input_indices(jaxpr: jex.Jaxpr, values: Sequence[Any]) -> tuple[int | None, ...]:
+    """Per value of `values`, the input of `jaxpr` it is, if one: itself, or through a
+    sharding constraint."""
+    same_as = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name in _SAME_VALUE}
+
+    def index(v: Any) -> int | None:
+        while v not in jaxpr.invars and v in same_as:
+            v = same_as[v]
+        return jaxpr.invars.index(v) if v in jaxpr.invars else None
+
+    return tuple(index(v) for v in values)
 
 
 def function_of(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Callable[..., list]:

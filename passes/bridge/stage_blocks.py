@@ -79,13 +79,19 @@ def block_dims(
     ]
 
 
-def scattered(gradient: Any, dim: int | None, axes: tuple[str, ...]) -> Any:
+def scattered(
+    gradient: Any, dim: int | None, axes: tuple[str, ...], model_dim: int | None = None
+) -> Any:
     """A replica's whole gradient of a weight held in blocks on `dim`, summed over the
     replicas of `axes` into this replica's block: a reduce-scatter, so the sum is never
-    whole on a device (`whole` then marks it for shard-parameters)."""
+    whole on a device (`whole` then marks it for shard-parameters). Where the model axis
+    splits the weight on `model_dim`, on each device's part."""
     if dim is None or gradient is None:
         return gradient
     with jax.named_scope(AUTODIFF_SCOPE):
+        if model_dim is not None and partial_manual.is_partial_manual():
+            parts = jax.lax.axis_size(axes)
+            return partial_manual.reduce_scatter(gradient, axes, dim, parts, model_dim)
         return jax.lax.psum_scatter(gradient, axes, scatter_dimension=dim, tiled=True)
 
 
