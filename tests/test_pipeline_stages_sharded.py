@@ -131,10 +131,38 @@ def test_one_replica_per_stage_and_a_stack_no_replica_count_divides_stay_whole()
     assert {s.data.shape for s in got["w"].addressable_shards} == {(4, 6, 6)}
 
 
-def test_sharded_stages_with_an_axis_name_are_refused_by_name():
+def test_sharded_stages_with_an_axis_name_train_as_one_device_does():
+    """`axis_name` names the replicas as one axis, which the step's own collectives use
+    (the loss averaged over it); each stage's layers are held in blocks over it."""
+
+    @jax.jit
+    def jit_loss(params, x, y):
+        return _plain_loss(params, x, y)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(_plain_loss)(params, x, y)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
+
+    params, batches = _plain_params(), _plain_batches()
+    want = _train(xs.OneDeviceStrategy(), _plain_loss, params, batches)
     strategy = xs.MirroredStrategy(pipeline_stages=2)
-    with pytest.raises(ValueError, match="shard_parameters=True is not supported with "
-                       "pipeline stages and axis_name='batch'"):  # fmt: skip
+    compiled = strategy.compile(step, microbatches=4, shard_parameters=True, axis_name="batch")
+    with strategy.scope():
+        state = strategy.replicate(params), strategy.replicate(TX.init(params))
+    for (x, y), batch in zip(batches, strategy.experimental_distribute_dataset(batches)):
+        loss = jit_loss(state[0], x, y)
+        *state, got_loss = compiled(*state, *batch)
+        np.testing.assert_allclose(got_loss, loss, rtol=1e-5)  # every replica's, the mean
+    _assert_held_in_blocks_and_equal(state[0], want, stacked={"w", "b"})
+
+
+def test_sharded_stages_with_an_axis_name_over_part_of_the_replicas_are_refused():
+    """Across 4 slices of 2 stages, each stage's blocks span a slice's chips, not the
+    slices its replicas also span: `axis_name`, one axis over them all, cannot name them."""
+    strategy = xs.TPUStrategy("4xv5e-4", compile_only=True, pipeline_stages=2)
+    with pytest.raises(ValueError, match=r"axis_name='batch' holds each stage's layers in "
+                       r"blocks over \['x', 'y'\].*drop axis_name"):  # fmt: skip
         strategy.compile(lambda p: p, shard_parameters=True, axis_name="batch")
 
 

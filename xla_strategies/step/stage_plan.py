@@ -65,12 +65,21 @@ def _block_axes(
 ) -> tuple[str, ...]:
     if not options.shard_parameters:
         return ()
-    if options.axis_name is not None:  # the blocks are numbered over the strategy's axes
+    axes = tuple(block_axes())
+    if options.axis_name is None or tuple(strategy.replica_axes) == (options.axis_name,):
+        return axes
+    # the step is traced on one replica axis named `axis_name` (`capture_mesh`), the
+    # strategy's replica axes merged in their order: blocks over them all (in that order;
+    # an axis of one device numbers nothing) are blocks over it
+    spanned = lambda names: [a for a in names if strategy.mesh.shape[a] > 1]  # noqa: E731
+    if spanned(axes) != spanned(strategy.replica_axes):
         raise ValueError(
-            f"shard_parameters=True is not supported with pipeline stages and "
-            f"axis_name={options.axis_name!r} yet: drop one of the three"
+            f"shard_parameters=True with pipeline stages and axis_name="
+            f"{options.axis_name!r} holds each stage's layers in blocks over {list(axes)}, "
+            f"some of the replica axes {list(strategy.replica_axes)} that axis_name names "
+            "as one: not supported yet, drop axis_name"
         )
-    return tuple(block_axes())
+    return (options.axis_name,)
 
 
 def check_pipelined(plan: StagePlan | None, pipelined: Pipelined, name: str) -> None:
