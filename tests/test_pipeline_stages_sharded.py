@@ -150,7 +150,8 @@ def test_sharded_stages_with_an_axis_name_train_as_one_device_does():
     compiled = strategy.compile(step, microbatches=4, shard_parameters=True, axis_name="batch")
     with strategy.scope():
         state = strategy.replicate(params), strategy.replicate(TX.init(params))
-    for (x, y), batch in zip(batches, strategy.experimental_distribute_dataset(batches)):
+    distributed = list(strategy.experimental_distribute_dataset(batches))
+    for (x, y), batch in zip(batches, distributed, strict=True):
         loss = jit_loss(state[0], x, y)
         *state, got_loss = compiled(*state, *batch)
         np.testing.assert_allclose(got_loss, loss, rtol=1e-5)  # every replica's, the mean
