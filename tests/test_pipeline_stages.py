@@ -96,15 +96,21 @@ def _train(strategy, loss_fn, params, batches, **options):
     return state[0]
 
 
+def assert_no_block_drifts(array):
+    """Each block of `array` held on several devices is the same on each: no replica
+    drifts from another."""
+    by_block = {}
+    for shard in array.addressable_shards:
+        block = by_block.setdefault(str(shard.index), np.asarray(shard.data))
+        np.testing.assert_array_equal(np.asarray(shard.data), block)
+
+
 def _assert_mirrored_and_equal(got, want):
     """Each leaf the same on every replica (split over nothing but the stages), and equal
     to the one-device run's."""
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert set(jax.tree.leaves(tuple(g.sharding.spec))) <= {"stage"}
-        by_block = {}
-        for shard in g.addressable_shards:  # no replica drifts from another
-            block = by_block.setdefault(str(shard.index), np.asarray(shard.data))
-            np.testing.assert_array_equal(np.asarray(shard.data), block)
+        assert_no_block_drifts(g)
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 

@@ -20,6 +20,7 @@ from test_pipeline_stages import (
     _plain_loss,
     _plain_params,
     _train,
+    assert_no_block_drifts,
 )
 
 import xla_strategies as xs
@@ -29,10 +30,12 @@ from xla_strategies.hardware.compiled_report import compiled_report
 
 
 def _assert_held_in_blocks_and_equal(got, want, stacked, devices=8):
-    """Each leaf equal to the one-device run's; the stacked ones held split over the
-    stages and the replicas, so each device holds 1/devices of them."""
+    """Each leaf equal to the one-device run's, the same on each device that holds a
+    block of it; the stacked ones held split over the stages and the replicas, so each
+    device holds 1/devices of them."""
     for name, g in got.items():
         np.testing.assert_allclose(np.asarray(g), np.asarray(want[name]), rtol=1e-4, atol=1e-5)
+        assert_no_block_drifts(g)
         if name in stacked:
             assert tuple(g.sharding.spec)[:1] in {("stage",), ("sharded:stage",)}, name
             held = {shard.data.size for shard in g.addressable_shards}
@@ -206,6 +209,7 @@ def test_stages_with_a_model_axis_and_sharded_parameters_train_as_one_device_doe
                                           batches, microbatches=4, shard_parameters=True)  # fmt: skip
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)  # adam divides by sqrt(v)
+            assert_no_block_drifts(g)  # a bias's blocks, each on both model devices
         stack = got["ScanCheckpoint_Block_0"]
         for kernel in (stack["Dense_0"]["kernel"].value, stack["Dense_1"]["kernel"].value):
             assert {s.data.size for s in kernel.addressable_shards} == {kernel.size // 8}
