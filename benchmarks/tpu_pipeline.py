@@ -64,6 +64,7 @@ def _row(label: str, strategy: Any, compile_one: Any, cell: str) -> dict[str, An
         "fits": report.fits,
         "memory_gib": report.memory.total_bytes / 2**30,
         "stages": strategy.pipeline_stages,
+        "devices_per_replica": strategy.logical_devices_per_replica,
         **_read(report),
         "compile_s": time.perf_counter() - start,
         "hlo": re.sub(r"[^\w.-]+", "-", f"pipeline {cell} {label}") + ".hlo.txt.gz",
@@ -98,8 +99,10 @@ def reread() -> None:
                 missing.append(f"{cell}: {row['program']}")
                 continue
             text = gzip.decompress(path.read_bytes()).decode()
-            split = xs.Topology.from_name(topology).split_stage_axis(row["stages"])
-            row.update(_read(hlo_report(text, split)))
+            per_replica = row.get("devices_per_replica", 1)
+            split = xs.Topology.from_name(topology).split_model_axis(per_replica)
+            split = split.split_stage_axis(row["stages"])
+            row.update(_read(hlo_report(text, split, per_replica)))
             print(f"{cell}: {row['program']}: {row['step_ms']:.1f} ms")
     RESULTS.write_text(json.dumps(found, indent=1) + "\n")
     if missing:
