@@ -255,16 +255,20 @@ def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask, model_dims):
     sizes = [len(g) for g in mb_mask]
     carry, consts, xs, kept = _groups(outputs, sizes)
     xs_model, kept_model = model_dims
-    shared = lambda values: [x for x, r in zip(values, mb_mask[3], strict=True) if not r]  # noqa: E731
-    head_model = shared(kept_model or [None] * len(kept))
+    head_model = _pick(kept_model or [None] * len(kept), mb_mask[3], False)
     held = _Held(
         block_dims(plan.block_axes, xs, model_dims=xs_model),
         xs_model,
-        block_dims(plan.block_axes, shared(kept), stacked=False, model_dims=head_model),
+        block_dims(plan.block_axes, _pick(kept, mb_mask[3], False), False, head_model),
         head_model,
     )
     result = _run(plan, stack, carry, consts, xs, kept, (mb_mask[1], mb_mask[3]), held)
     return result, before_pullback, outputs, held
+
+
+def _pick(values: list, mask: list[bool], want: bool) -> list:
+    """The `values` whose flag in `mask` is `want`."""
+    return [x for x, r in zip(values, mask, strict=True) if r == want]
 
 
 def _flat(groups: tuple) -> list:
@@ -290,7 +294,6 @@ def _run(plan, stack, carry, consts, xs, kept, rows_mask, held) -> executor.Stag
         x if d is None else replica_block(x, d, plan.block_axes)
         for x, d in zip(xs, dims, strict=True)
     ]
-    pick = lambda values, mask, want: [x for x, r in zip(values, mask, strict=True) if r == want]  # noqa: E731
     # each stage gets its block of the stack as the stack is held between steps ([S*V]
     # chunks split over the stages): no weight moves. Interleaved chunks go round the
     # stages, stage d's chunk c the global chunk c*S + d: `round_robin` sends each stage
@@ -342,10 +345,10 @@ def _run(plan, stack, carry, consts, xs, kept, rows_mask, held) -> executor.Stag
     args = (
         weights,
         list(carry),
-        pick(consts, layer_rows, True),
-        pick(consts, layer_rows, False),
-        pick(kept, head_rows, True),
-        pick(kept, head_rows, False),
+        _pick(consts, layer_rows, True),
+        _pick(consts, layer_rows, False),
+        _pick(kept, head_rows, True),
+        _pick(kept, head_rows, False),
     )
     # inside, unchecked types say nothing of the replicas, so no reduction across them runs
     # in the loop: every result is this replica's, summed across replicas once, after it
