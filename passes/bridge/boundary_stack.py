@@ -97,6 +97,7 @@ def split_at_boundaries(
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
         (None,) * len(rows_in),  # stacked here: no input is a stack
         kept_inputs=input_indices(jaxpr, kept),
+        outputs_inputs=input_indices(jaxpr, jaxpr.outvars),
     )
 
 

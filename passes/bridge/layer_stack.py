@@ -150,6 +150,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
         input_indices(jaxpr, scan.invars[num_consts + num_carry :]),
         tuple(read_as(inner, v) for v in inner.invars[num_consts + num_carry :]),
         input_indices(jaxpr, kept),
+        input_indices(jaxpr, jaxpr.outvars),
     )
 
 

@@ -189,8 +189,12 @@ def pipelined_vjp(
         losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
         cotangents, stacked_at, head_at = _cotangents(result, mb_mask)
-    # the step sees its microbatch's loss and auxiliary outputs, as it was traced
-    loss, aux = as_microbatches(losses), [as_microbatches(a) for a in aux]
+    # the step sees its microbatch's loss and auxiliary outputs, as it was traced; an
+    # auxiliary output that is an input of the function (flax NNX's gradients return the
+    # model's state so) is that input, not each replica's copy of it out of the stages
+    passed = stack.outputs_inputs[1:] or (None,) * len(aux)
+    loss = as_microbatches(losses)
+    aux = [as_microbatches(a) if i is None else inputs[i] for a, i in zip(aux, passed, strict=True)]
 
     def pullback(ct: Any) -> tuple[Any, ...]:
         # `jax.grad`'s seed, one on every microbatch: the gradient is of all of them, the

@@ -41,6 +41,9 @@ class LayerStack:
     xs_read_as: tuple[Any, ...] = ()
     #: per value the head reads from before the layers (`kept`), the input it is, if one
     kept_inputs: tuple[int | None, ...] = ()
+    #: per output of the function (the loss first), the input it is, if one: flax NNX's
+    #: gradients return the model's state so, beside the loss
+    outputs_inputs: tuple[int | None, ...] = ()
 
 
 #: equations whose output is their input's value, laid out another way (flax's own
