@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from test_pipeline_stages import (
     TOKENS,
     TX,
@@ -21,6 +22,7 @@ from test_pipeline_stages import (
     _plain_params,
     _train,
     assert_no_block_drifts,
+    train_nnx_against_nnx_jit,
 )
 
 import xla_strategies as xs
@@ -310,3 +312,30 @@ def test_the_type_a_layer_reads_is_found_through_its_checkpoint_and_never_guesse
     for fn, expected in [(cast_only, jnp.bfloat16), (also_wide, None), (lambda w, x: x, None)]:
         jaxpr = jax.make_jaxpr(fn)(w, x).jaxpr
         assert read_as(jaxpr, jaxpr.invars[0]) == expected, fn
+
+
+class _NnxTensorParallelBlock(nnx.Module):
+    """A residual MLP block annotated as the flax NNX guides annotate tensor parallelism."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        columns, rows = (None, "model"), ("model", None)
+        self.up = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, columns), rngs=rngs)
+        self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(init, rows), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.tanh(self.up(x)))
+
+
+@pytest.mark.slow
+def test_an_nnx_model_with_a_model_axis_trains_in_sharded_stages_as_nnx_jit_does():
+    strategy = xs.MirroredStrategy(pipeline_stages=2, logical_devices_per_replica=2)
+    model, want = train_nnx_against_nnx_jit(
+        strategy, _NnxTensorParallelBlock, microbatches=4, shard_parameters=True
+    )
+    got = nnx.state(model, nnx.Param)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(want, nnx.Param)), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+        assert_no_block_drifts(g)
+    for kernel in (model.blocks.up.kernel[...], model.blocks.down.kernel[...]):
+        assert {s.data.size for s in kernel.addressable_shards} == {kernel.size // 8}
