@@ -29,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from xla_strategies.core.patching import patched, set_in_this_thread
 from xla_strategies.passes.bridge.layer_stack import split
@@ -40,13 +39,14 @@ from xla_strategies.passes.bridge.microbatches import (
     stacked_microbatches,
     tracing_microbatches,
 )
-from xla_strategies.passes.bridge.stage_blocks import (
-    block_dims,
-    gathered,
-    model_dim_of,
-    replica_block,
-    scattered,
-    whole,
+from xla_strategies.passes.bridge.stage_blocks import block_dims, model_dim_of, whole
+from xla_strategies.passes.bridge.stage_program import (
+    Held,
+    loss_dtype,
+    manual_axes,
+    merge,
+    pick,
+    run_stages,
 )
 from xla_strategies.passes.bridge.trace_hooks import (
     AUTODIFF_SCOPE,
@@ -56,7 +56,6 @@ from xla_strategies.passes.bridge.trace_hooks import (
     vma,
 )
 from xla_strategies.passes.stages import executor
-from xla_strategies.passes.stages.round_robin import round_robin, stack_order
 from xla_strategies.passes.stages.schedules import Schedule, schedule
 from xla_strategies.passes.stages.slots import is_float
 
@@ -176,7 +175,7 @@ def pipelined_vjp(
         )
     if stacked is not None:
         stacked.extend(inputs[i] for i in stack.xs_inputs if i is not None)
-    replicas = _manual_axes()
+    replicas = manual_axes()
     with around_the_microbatches():  # one program for all microbatches, unbatched
         values = [outside(x) for x in inputs]
         # the dimension the model axis splits each stacked weight and each value the head
@@ -186,7 +185,7 @@ def pipelined_vjp(
             plan, stack, values, row_mask, wanted, mb_mask,
             (model_of(stack.xs_inputs), model_of(stack.kept_inputs)),
         )  # fmt: skip
-        losses = varying_over(result.loss.astype(_loss_dtype(stack)), replicas)
+        losses = varying_over(result.loss.astype(loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
         cotangents, stacked_at, head_at = _cotangents(result, mb_mask)
     # the step sees its microbatch's loss and auxiliary outputs, as it was traced; an
@@ -224,23 +223,11 @@ def pipelined_vjp(
     return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
 
 
-@dataclass(frozen=True)
-class _Held:
-    """Where the stage program's weights are held in blocks over the replicas
-    (`stage_blocks.block_dims`; None: whole) and where the model axis splits them (None:
-    whole over it): the stacked weights', and the head's shared values'."""
-
-    stack: list
-    stack_model: list
-    head: list
-    head_model: list
-
-
 def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask, model_dims):
     """`before` run on every microbatch (`flat`: the inputs, each flagged in `row_mask`
     stacked over the microbatches; its outputs that depend on them stacked too) and the
     rest once, differentiated by JAX; then the schedule. Returns the executor's result,
-    `before`'s pullback, its outputs, and where the weights are held (`_Held`;
+    `before`'s pullback, its outputs, and where the weights are held (`Held`;
     `model_dims`: the model axis's dimension of each stacked weight and each value the
     head reads, where known)."""
     stacked_args = flat
@@ -259,20 +246,15 @@ def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask, model_dims):
     sizes = [len(g) for g in mb_mask]
     carry, consts, xs, kept = _groups(outputs, sizes)
     xs_model, kept_model = model_dims
-    head_model = _pick(kept_model or [None] * len(kept), mb_mask[3], False)
-    held = _Held(
+    head_model = pick(kept_model or [None] * len(kept), mb_mask[3], False)
+    held = Held(
         block_dims(plan.block_axes, xs, model_dims=xs_model),
         xs_model,
-        block_dims(plan.block_axes, _pick(kept, mb_mask[3], False), False, head_model),
+        block_dims(plan.block_axes, pick(kept, mb_mask[3], False), False, head_model),
         head_model,
     )
-    result = _run(plan, stack, carry, consts, xs, kept, (mb_mask[1], mb_mask[3]), held)
+    result = run_stages(plan, stack, carry, consts, xs, kept, (mb_mask[1], mb_mask[3]), held)
     return result, before_pullback, outputs, held
-
-
-def _pick(values: list, mask: list[bool], want: bool) -> list:
-    """The `values` whose flag in `mask` is `want`."""
-    return [x for x, r in zip(values, mask, strict=True) if r == want]
 
 
 def _flat(groups: tuple) -> list:
@@ -287,109 +269,12 @@ def _groups(values: list, sizes: list[int]) -> list[list]:
     return out
 
 
-def _run(plan, stack, carry, consts, xs, kept, rows_mask, held) -> executor.StageResult:
-    """The schedule's loop, manual over the stage axis, on microbatches of the rows
-    (`rows_mask`: the layers' and the head's), the weights held as `held` says."""
-    s, v = plan.stages, plan.virtual_stages
-    chunk = stack.length // (s * v)
-    layer_rows, head_rows = rows_mask
-    dims = held.stack
-    xs = [
-        x if d is None else replica_block(x, d, plan.block_axes)
-        for x, d in zip(xs, dims, strict=True)
-    ]
-    # each stage gets its block of the stack as the stack is held between steps ([S*V]
-    # chunks split over the stages): no weight moves. Interleaved chunks go round the
-    # stages, stage d's chunk c the global chunk c*S + d: `round_robin` sends each stage
-    # the chunks it runs
-    weights = [x.reshape(s * v, chunk, *x.shape[1:]) for x in xs]
-    weights_spec = P(plan.axis)
-
-    read_as = stack.xs_read_as or (None,) * len(xs)
-
-    def layer(w, x, rows, shared):
-        # a layer held in blocks is gathered where it is read (as the type the layer reads
-        # it as); JAX's transpose of the gather reduce-scatters its gradient into the
-        # stage's blocks
-        whole = [
-            gathered(a, d, plan.block_axes, t, m)
-            for a, d, t, m in zip(w, dims, read_as, held.stack_model, strict=True)
-        ]
-        return stack.layer(whole, x, _merge(layer_rows, rows, shared))
-
-    def head(y, rows, shared):
-        out = stack.after(y, _merge(head_rows, rows, shared))
-        return out[0], out[1:]
-
-    # the head's weights, where held in blocks, get their gradient summed into the blocks
-    def head_blocks(grads):
-        held_at = zip(grads, held.head, held.head_model, strict=True)
-        return [scattered(g, d, plan.block_axes, m) for g, d, m in held_at]
-
-    def body(w, inputs, lrows, lshared, hrows, hshared):
-        if v > 1:  # each [V, chunk, ...], as the stage runs its chunks
-            w = [round_robin(x, s, plan.axis) for x in w]
-        program = executor.StageProgram(
-            layer,
-            head,
-            plan.seed,
-            list(stack.outputs[1:]),
-            plan.keeps,
-            head_blocks if any(d is not None for d in held.head) else None,
-            jnp.promote_types(_loss_dtype(stack), jnp.float32),
-        )
-        r = executor.run(
-            plan.table(), program, w, inputs, lrows, lshared, hrows, hshared, plan.axis
-        )
-        if v == 1:
-            return vars(r)
-        in_stack_order = [None if g is None else stack_order(g, s, plan.axis) for g in r.weights]
-        return {**vars(r), "weights": in_stack_order}
-
-    args = (
-        weights,
-        list(carry),
-        _pick(consts, layer_rows, True),
-        _pick(consts, layer_rows, False),
-        _pick(kept, head_rows, True),
-        _pick(kept, head_rows, False),
-    )
-    # inside, unchecked types say nothing of the replicas, so no reduction across them runs
-    # in the loop: every result is this replica's, summed across replicas once, after it
-    # (`_summed_like`)
-    specs = (weights_spec, P(), P(), P(), P(), P())
-    out_specs = {f: weights_spec if f == "weights" else P() for f in _RESULT_FIELDS}
-    out = jax.shard_map(
-        body, in_specs=specs, out_specs=out_specs, axis_names={plan.axis}, check_vma=False
-    )(*args)
-    return executor.StageResult(**jax.tree.map(_the_replicas_own, out))
-
-
-def _the_replicas_own(x: Any) -> Any:
-    """`x`, a result of the stage program, typed and traced as what it is: this replica's
-    own. The unchecked program types its results as the same on every replica, and the
-    passes would take them at their word (a sum across replicas folded into N times one
-    replica's value). Adding a zero computed from the replica's index says otherwise."""
-    replicas = tuple(sorted(_manual_axes()))
-    if not replicas:
-        return x
-    return x + (jax.lax.axis_index(replicas) * 0).astype(x.dtype)
-
-
-_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(executor.StageResult))
-
-
-def _merge(mask: list[bool], rows: list, shared: list) -> list:
-    r, s = iter(rows), iter(shared)
-    return [next(r) if is_row else next(s) for is_row in mask]
-
-
 def _cotangents(result: executor.StageResult, mb_mask: tuple) -> tuple[list, range, list]:
     """The executor's gradients, one per output of `before` (per microbatch where that
     output is); where the layer stack's (held split over the stages) are among them, and
     where the head's shared values' are."""
-    d_consts = _merge(mb_mask[1], list(result.layer_rows), list(result.layer_shared))
-    d_kept = _merge(mb_mask[3], list(result.head_rows), list(result.head_shared))
+    d_consts = merge(mb_mask[1], list(result.layer_rows), list(result.layer_shared))
+    d_kept = merge(mb_mask[3], list(result.head_rows), list(result.head_shared))
     # each [S*V, chunk, ...], in the stack's order
     d_xs = [None if a is None else a.reshape(-1, *a.shape[2:]) for a in result.weights]
     start = len(result.inputs) + len(d_consts)
@@ -417,14 +302,3 @@ def _zero_cotangent(x: Any) -> Any:
     if is_float(x):
         return jnp.zeros_like(x)
     return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def _loss_dtype(stack: Any) -> Any:
-    """The dtype of the loss the function returns (the executor keeps it at least
-    float32)."""
-    return stack.outputs[0].dtype
-
-
-def _manual_axes() -> frozenset[str]:
-    mesh = jax.sharding.get_abstract_mesh()
-    return frozenset(getattr(mesh, "manual_axes", ()) or ())
