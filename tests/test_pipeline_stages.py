@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import xla_strategies as xs
 from xla_strategies.passes.ir.text import print_graph
@@ -408,79 +407,6 @@ def test_a_float64_step_keeps_its_float64_loss_with_stages():
         got = strategy.reduce("MEAN", loss(held, *batch), axis=None)
         assert got.dtype == np.float64
         np.testing.assert_allclose(got, in_numpy(params, x, y), rtol=1e-12)
-
-
-class _NnxBlock(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(16, 16, rngs=rngs)
-
-    def __call__(self, x):
-        return nnx.tanh(self.linear(x))
-
-
-class _NnxScanned(nnx.Module):
-    """Layers as flax's NNX guide scans them: blocks made by `nnx.vmap`, run by `nnx.scan`."""
-
-    def __init__(self, rngs: nnx.Rngs, block: type = _NnxBlock):
-        @nnx.split_rngs(splits=4)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def create_block(rngs: nnx.Rngs):
-            return block(rngs)
-
-        self.blocks = create_block(rngs)
-        self.head = nnx.Linear(16, 3, rngs=rngs)
-
-    def __call__(self, x):
-        @nnx.scan(
-            in_axes=(nnx.Carry, 0),
-            out_axes=nnx.Carry,
-            transform_metadata={nnx.PARTITION_NAME: None},
-        )
-        def forward(x, block):
-            return block(x)
-
-        return self.head(forward(x, self.blocks))
-
-
-def _nnx_train_step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
-
-
-def test_an_nnx_model_scanned_as_flaxs_guide_scans_trains_as_nnx_jit_does():
-    """`nnx.value_and_grad` returns the model's state beside the loss: passed through the
-    stages, each replica's copy of it came back typed as varying, and the step's in-place
-    parameters were refused as differing across replicas."""
-
-    strategy = xs.MirroredStrategy(pipeline_stages=2)
-    model, want = train_nnx_against_nnx_jit(strategy, _NnxBlock, microbatches=4)
-    _assert_mirrored_and_equal(nnx.state(model, nnx.Param), nnx.state(want, nnx.Param))
-    assert tuple(model.blocks.linear.kernel[...].sharding.spec)[:1] == ("stage",)
-
-
-def train_nnx_against_nnx_jit(strategy, block, **options):
-    """`_NnxScanned` of `block`s trained 3 steps with adam on `strategy`, and by `nnx.jit`
-    on one device (in a mesh of one, where flax makes annotated variables)."""
-
-    def objects():
-        model = _NnxScanned(nnx.Rngs(0), block)
-        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    rng = np.random.default_rng(0)
-    batches = [(rng.normal(size=(32, 16)), rng.normal(size=(32, 3))) for _ in range(3)]
-    batches = [(x.astype(np.float32), y.astype(np.float32)) for x, y in batches]
-    one_device = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(one_device):
-        want, want_optimizer = objects()
-        for x, y in batches:
-            nnx.jit(_nnx_train_step)(want, want_optimizer, x, y)
-    with strategy.scope():
-        model, optimizer = objects()
-    step = strategy.compile(_nnx_train_step, **options)
-    for x, y in strategy.experimental_distribute_dataset(batches):
-        step(model, optimizer, x, y)
-    return model, want
 
 
 def test_stages_compose_with_a_model_axis_inside_each():

@@ -22,8 +22,8 @@ from test_pipeline_stages import (
     _plain_params,
     _train,
     assert_no_block_drifts,
-    train_nnx_against_nnx_jit,
 )
+from test_pipeline_stages_nnx import train_nnx_against_nnx_jit
 
 import xla_strategies as xs
 from tests.helpers import lm_step, train_on

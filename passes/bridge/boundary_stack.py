@@ -26,6 +26,7 @@ from xla_strategies.passes.bridge.stack_parts import (
     NothingToPipeline,
     depending,
     function_of,
+    head_parts,
     input_indices,
 )
 
@@ -79,7 +80,7 @@ def split_at_boundaries(
     def layer(x: list, carry: list, layer_consts: list) -> list:
         return evaluate(body, (), [*layer_consts, *carry, *x])
 
-    after = function_of(jaxpr, head, [*carry_out, *kept], list(jaxpr.outvars))
+    after, apart, outputs_apart = head_parts(jaxpr, eqns[: marks[0]], head, carry_out, kept)
 
     def depends(inputs: Sequence[bool]) -> tuple[list, list, list, list]:
         flags = depending(
@@ -97,7 +98,8 @@ def split_at_boundaries(
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
         (None,) * len(rows_in),  # stacked here: no input is a stack
         kept_inputs=input_indices(jaxpr, kept),
-        outputs_inputs=input_indices(jaxpr, jaxpr.outvars),
+        apart=apart,
+        outputs_apart=outputs_apart,
     )
 
 

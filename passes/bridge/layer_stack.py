@@ -27,6 +27,7 @@ from xla_strategies.passes.bridge.stack_parts import (
     NothingToPipeline,
     depending,
     function_of,
+    head_parts,
     input_indices,
 )
 
@@ -105,12 +106,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     num_consts, num_carry = jax_compat.scan_counts(scan.params)
     used_after = {v for e in jaxpr.eqns[at + 1 :] for v in e.invars if isinstance(v, jex.Var)}
     used_after |= {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
-    ys = scan.outvars[num_carry:]
-    if any(v in used_after for v in ys):
-        raise NothingToPipeline(
-            "the layer scan returns per-layer outputs the loss reads (its ys); pipelining "
-            "splits a scan that only carries its activations"
-        )
+    _refuse_per_layer_outputs(scan, [v in used_after for v in scan.outvars[num_carry:]])
     carry_out = scan.outvars[:num_carry]
     defined_before = set(jaxpr.invars) | set(jaxpr.constvars)
     defined_before |= {v for e in jaxpr.eqns[:at] for v in e.outvars}
@@ -120,7 +116,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     before = function_of(jaxpr, head, jaxpr.invars, scan_in + kept)
     body = scan.params["jaxpr"]
     inner = jax_compat.jaxpr_parts(body)[0]
-    after = function_of(jaxpr, jaxpr.eqns[at + 1 :], carry_out + kept, list(jaxpr.outvars))
+    after, apart, outputs_apart = head_parts(jaxpr, head, jaxpr.eqns[at + 1 :], carry_out, kept)
 
     def grouped(values: list) -> tuple[list, list, list, list]:
         """`before`'s outputs (or one flag per output) as (carry, consts, xs, kept)."""
@@ -150,7 +146,32 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
         input_indices(jaxpr, scan.invars[num_consts + num_carry :]),
         tuple(read_as(inner, v) for v in inner.invars[num_consts + num_carry :]),
         input_indices(jaxpr, kept),
-        input_indices(jaxpr, jaxpr.outvars),
+        apart,
+        outputs_apart,
+    )
+
+
+def _refuse_per_layer_outputs(scan: jex.JaxprEqn, used: list[bool]) -> None:
+    """Name per-layer outputs (the scan's ys) the function uses: state the layers update
+    apart from their activations (a flax NNX `Dropout`'s RNG count in each layer), or
+    values computed from them."""
+    if not any(used):
+        return
+    num_consts, num_carry = jax_compat.scan_counts(scan.params)
+    body = jax_compat.jaxpr_parts(scan.params["jaxpr"])[0]
+    carried = [num_consts <= k < num_consts + num_carry for k in range(len(body.invars))]
+    from_activations = depending(body, body.eqns, carried, body.outvars[num_carry:])
+    if any(u and not a for u, a in zip(used, from_activations, strict=True)):
+        raise NothingToPipeline(
+            "each layer returns state it updates apart from the activations (the layers' "
+            "random streams: a flax NNX Dropout's RNG count in each layer); pipeline "
+            "stages run layers that only carry their activations. Draw random numbers "
+            "outside the layers (in the embedding or the head), or run the layers' "
+            "Dropout deterministic"
+        )
+    raise NothingToPipeline(
+        "the layer scan returns per-layer outputs the loss reads (its ys); pipelining "
+        "splits a scan that only carries its activations"
     )
 
 

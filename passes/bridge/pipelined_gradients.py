@@ -188,12 +188,14 @@ def pipelined_vjp(
         losses = varying_over(result.loss.astype(loss_dtype(stack)), replicas)
         aux = [varying_over(a, replicas) for a in result.aux]
         cotangents, stacked_at, head_at = _cotangents(result, mb_mask)
-    # the step sees its microbatch's loss and auxiliary outputs, as it was traced; an
-    # auxiliary output that is an input of the function (flax NNX's gradients return the
-    # model's state so) is that input, not each replica's copy of it out of the stages
-    passed = stack.outputs_inputs[1:] or (None,) * len(aux)
+    # the step sees its microbatch's loss and auxiliary outputs, as it was traced; one the
+    # layers do not reach (the model state flax NNX's gradients return, an advanced RNG
+    # count) is computed here from the step's own values, not taken out of the stages as
+    # each replica's copy, once per microbatch
     loss = as_microbatches(losses)
-    aux = [as_microbatches(a) if i is None else inputs[i] for a, i in zip(aux, passed, strict=True)]
+    staged, apart = iter(aux), iter(stack.outputs_apart(*inputs))
+    flags = stack.apart[1:] or (False,) * len(aux)
+    aux = [next(apart) if a else as_microbatches(next(staged)) for a in flags]
 
     def pullback(ct: Any) -> tuple[Any, ...]:
         # `jax.grad`'s seed, one on every microbatch: the gradient is of all of them, the

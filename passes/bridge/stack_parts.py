@@ -41,9 +41,17 @@ class LayerStack:
     xs_read_as: tuple[Any, ...] = ()
     #: per value the head reads from before the layers (`kept`), the input it is, if one
     kept_inputs: tuple[int | None, ...] = ()
-    #: per output of the function (the loss first), the input it is, if one: flax NNX's
-    #: gradients return the model's state so, beside the loss
-    outputs_inputs: tuple[int | None, ...] = ()
+    #: per output of the function (the loss first), whether the layers do not reach it:
+    #: the model state flax NNX's gradients return beside the loss, a dropout stream's
+    #: advanced count. `after` returns the others; `apart(*inputs)` these, in order
+    apart: tuple[bool, ...] = ()
+    outputs_apart: Callable[..., list] = lambda *inputs: []
+
+    @property
+    def staged_aux(self) -> list[jax.ShapeDtypeStruct]:
+        """The auxiliary outputs the layers reach, which `after` returns after the loss."""
+        apart = self.apart or (False,) * len(self.outputs)
+        return [o for o, a in zip(self.outputs[1:], apart[1:], strict=True) if not a]
 
 
 #: equations whose output is their input's value, laid out another way (flax's own
@@ -75,8 +83,45 @@ def function_of(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Ca
 def depending(jaxpr: jex.Jaxpr, eqns: list, inputs: Sequence[bool], values: list) -> list[bool]:
     """Which of `values` (computed by `eqns` from `jaxpr`'s inputs) depend on the inputs
     flagged in `inputs`."""
-    flagged = {v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}
-    for eqn in eqns:
-        if any(isinstance(v, jex.Var) and v in flagged for v in eqn.invars):
-            flagged.update(eqn.outvars)
+    flagged = _reached({v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}, eqns)
     return [isinstance(v, jex.Var) and v in flagged for v in values]
+
+
+def head_parts(
+    jaxpr: jex.Jaxpr, before: list, head: list, carry_out: list, kept: list
+) -> tuple[Callable[..., list], tuple[bool, ...], Callable[..., list]]:
+    """What follows the layers (the equations `head`, reading the layers' output
+    `carry_out` and the values `kept` from before them), split in two: `after(*carry_out,
+    *kept)`, the outputs of `jaxpr` the layers reach (the loss first, always); which
+    outputs they do not reach (`apart`); and those computed from `jaxpr`'s inputs by the
+    equations they need (of `before` and `head`). The stage program runs only the first:
+    an output apart from the layers is the same for every stage and tick."""
+    reached = _reached(set(carry_out), head)
+    apart = tuple(
+        k > 0 and not (isinstance(v, jex.Var) and v in reached) for k, v in enumerate(jaxpr.outvars)
+    )
+    with_layers = [v for v, a in zip(jaxpr.outvars, apart, strict=True) if not a]
+    without = [v for v, a in zip(jaxpr.outvars, apart, strict=True) if a]
+    after = function_of(jaxpr, _needed(head, with_layers), [*carry_out, *kept], with_layers)
+    alone = function_of(jaxpr, _needed(before + head, without), jaxpr.invars, without)
+    return after, apart, alone
+
+
+def _reached(start: set, eqns: list) -> set:
+    """`start` and every value `eqns` compute from it."""
+    reached = set(start)
+    for eqn in eqns:
+        if any(isinstance(v, jex.Var) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return reached
+
+
+def _needed(eqns: list, values: list) -> list:
+    """The equations of `eqns` that `values` need, in order."""
+    wanted = {v for v in values if isinstance(v, jex.Var)}
+    kept = []
+    for eqn in reversed(eqns):
+        if any(v in wanted for v in eqn.outvars):
+            kept.append(eqn)
+            wanted.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    return kept[::-1]

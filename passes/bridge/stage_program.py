@@ -82,7 +82,7 @@ def run_stages(plan, stack, carry, consts, xs, kept, rows_mask, held) -> executo
             layer,
             head,
             plan.seed,
-            list(stack.outputs[1:]),
+            stack.staged_aux,
             plan.keeps,
             head_blocks if any(d is not None for d in held.head) else None,
             jnp.promote_types(loss_dtype(stack), jnp.float32),

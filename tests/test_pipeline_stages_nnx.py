@@ -1,0 +1,161 @@
+"""Pipeline stages train flax NNX models written as flax's guide writes them: layers made
+by `nnx.vmap` and run by `nnx.scan`, a step of `nnx.value_and_grad` and
+`optimizer.update`, against `nnx.jit` on one device; and NNX's random streams, whose
+draws update the model's state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_pipeline_stages import _assert_mirrored_and_equal
+
+import xla_strategies as xs
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.tanh(self.linear(x))
+
+
+class _NnxScanned(nnx.Module):
+    """Layers as flax's NNX guide scans them: blocks made by `nnx.vmap`, run by `nnx.scan`."""
+
+    def __init__(self, rngs: nnx.Rngs, block: type = _NnxBlock):
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def create_block(rngs: nnx.Rngs):
+            return block(rngs)
+
+        self.blocks = create_block(rngs)
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0),
+            out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: None},
+        )
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(x, self.blocks))
+
+
+def _nnx_train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_an_nnx_model_scanned_as_flaxs_guide_scans_trains_as_nnx_jit_does():
+    """`nnx.value_and_grad` returns the model's state beside the loss: passed through the
+    stages, each replica's copy of it came back typed as varying, and the step's in-place
+    parameters were refused as differing across replicas."""
+
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    model, want = train_nnx_against_nnx_jit(strategy, _NnxBlock, microbatches=4)
+    _assert_mirrored_and_equal(nnx.state(model, nnx.Param), nnx.state(want, nnx.Param))
+    assert tuple(model.blocks.linear.kernel[...].sharding.spec)[:1] == ("stage",)
+
+
+def train_nnx_against_nnx_jit(strategy, block, **options):
+    """`_NnxScanned` of `block`s trained 3 steps with adam on `strategy`, and by `nnx.jit`
+    on one device (in a mesh of one, where flax makes annotated variables)."""
+
+    def objects():
+        model = _NnxScanned(nnx.Rngs(0), block)
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(32, 16)), rng.normal(size=(32, 3))) for _ in range(3)]
+    batches = [(x.astype(np.float32), y.astype(np.float32)) for x, y in batches]
+    one_device = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(one_device):
+        want, want_optimizer = objects()
+        for x, y in batches:
+            nnx.jit(_nnx_train_step)(want, want_optimizer, x, y)
+    with strategy.scope():
+        model, optimizer = objects()
+    step = strategy.compile(_nnx_train_step, **options)
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        step(model, optimizer, x, y)
+    return model, want
+
+
+class _DropoutHead(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.linear = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(self.dropout(x))
+
+
+def _step_with_each_examples_error(model, optimizer, x, y):
+    def loss(model):
+        errors = jnp.mean((model(x) - y) ** 2, axis=1)
+        return jnp.mean(errors), errors
+
+    (loss, errors), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return loss, errors
+
+
+def test_a_head_that_draws_dropout_trains_in_stages_each_microbatch_drawing_its_own_mask():
+    """The head's Dropout advances its stream's count (state the loss returns beside its
+    gradient): that failed to trace in the stage program. Its count advances as under
+    `nnx.jit`, once a step, and each microbatch and replica draws its own mask: the same
+    2 rows as each of 4 replicas' 4 microbatches come back with 16 different errors."""
+
+    def objects():
+        model = _NnxScanned(nnx.Rngs(0, dropout=1))
+        model.head = _DropoutHead(nnx.Rngs(2, dropout=3))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    rng = np.random.default_rng(0)
+    rows, targets = rng.normal(size=(2, 16)), rng.normal(size=(2, 3))
+    batch = (
+        np.tile(rows, (16, 1)).astype(np.float32),
+        np.tile(targets, (16, 1)).astype(np.float32),
+    )
+    want, want_optimizer = objects()
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    assert strategy.num_replicas_in_sync == 4
+    with strategy.scope():
+        model, optimizer = objects()
+    step = strategy.compile(_step_with_each_examples_error, microbatches=4)
+    for x, y in strategy.experimental_distribute_dataset([batch] * 3):
+        _, errors = step(model, optimizer, x, y)
+        nnx.jit(_step_with_each_examples_error)(want, want_optimizer, *batch)
+
+    stream, want_stream = model.head.dropout.rngs, want.head.dropout.rngs
+    assert int(stream.count[...]) == int(want_stream.count[...]) == 3
+    np.testing.assert_array_equal(
+        jax.random.key_data(stream.key[...]), jax.random.key_data(want_stream.key[...])
+    )
+    per_microbatch = np.asarray(errors).reshape(16, 2)  # 4 replicas x 4 microbatches
+    distinct = {tuple(np.round(e, 6)) for e in per_microbatch}
+    assert len(distinct) == 16, per_microbatch
+
+
+class _DropoutBlock(_NnxBlock):
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(super().__call__(x))
+
+
+def test_dropout_inside_the_pipelined_layers_is_refused_by_name():
+    """Each layer's stream count comes out of the layer scan beside the activations: the
+    error names the layers' random streams, not per-layer outputs the loss reads."""
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    with pytest.raises(ValueError, match="random streams: a flax NNX Dropout") as error:
+        train_nnx_against_nnx_jit(strategy, _DropoutBlock, microbatches=4)
+    assert "Dropout deterministic" in str(error.value)
