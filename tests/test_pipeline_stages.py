@@ -187,6 +187,26 @@ def test_a_step_with_nothing_to_pipeline_is_an_error():
         step(jnp.ones(4), next(iter(strategy.experimental_distribute_dataset([np.ones((8, 4))]))))
 
 
+def _loss_with_a_loss_per_layer(params, x, y):
+    def layer(h, w):
+        h = jnp.tanh(h @ w["w"] + w["b"])
+        return h, jnp.mean(h**2)  # each layer's own term, as a balancing loss is
+
+    h, per_layer = jax.lax.scan(layer, x * params["embed"], {"w": params["w"], "b": params["b"]})
+    return jnp.mean((h @ params["head"] - y) ** 2) + 0.1 * per_layer.sum()
+
+
+def test_a_loss_that_reads_each_layers_output_is_refused_by_name():
+    with pytest.raises(ValueError, match="the loss reads per-layer outputs of the layer scan"):
+        _train(
+            xs.MirroredStrategy(pipeline_stages=2),
+            _loss_with_a_loss_per_layer,
+            _plain_params(),
+            _plain_batches(),
+            microbatches=4,
+        )
+
+
 def _flax_docs_step(strategy, **options):
     """A train step as flax's docs write one: the loss closes over the batch, returns the
     logits as auxiliary output, and the step computes a metric from them."""

@@ -159,3 +159,19 @@ def test_dropout_inside_the_pipelined_layers_is_refused_by_name():
     with pytest.raises(ValueError, match="random streams: a flax NNX Dropout") as error:
         train_nnx_against_nnx_jit(strategy, _DropoutBlock, microbatches=4)
     assert "Dropout deterministic" in str(error.value)
+
+
+class _BatchNormBlock(_NnxBlock):
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(super().__call__(x))
+
+
+def test_batchnorm_inside_the_pipelined_layers_is_refused_by_name():
+    """Each layer's running statistics come out of the layer scan: the error names them."""
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    with pytest.raises(ValueError, match="BatchNorm's running statistics"):
+        train_nnx_against_nnx_jit(strategy, _BatchNormBlock, microbatches=4)

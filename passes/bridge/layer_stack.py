@@ -29,6 +29,7 @@ from xla_strategies.passes.bridge.stack_parts import (
     function_of,
     head_parts,
     input_indices,
+    reached_from,
 )
 
 __all__ = ["LayerStack", "NothingToPipeline", "split"]
@@ -106,7 +107,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     num_consts, num_carry = jax_compat.scan_counts(scan.params)
     used_after = {v for e in jaxpr.eqns[at + 1 :] for v in e.invars if isinstance(v, jex.Var)}
     used_after |= {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
-    _refuse_per_layer_outputs(scan, [v in used_after for v in scan.outvars[num_carry:]])
+    _refuse_per_layer_outputs(jaxpr, at, used_after)
     carry_out = scan.outvars[:num_carry]
     defined_before = set(jaxpr.invars) | set(jaxpr.constvars)
     defined_before |= {v for e in jaxpr.eqns[:at] for v in e.outvars}
@@ -151,27 +152,37 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     )
 
 
-def _refuse_per_layer_outputs(scan: jex.JaxprEqn, used: list[bool]) -> None:
-    """Name per-layer outputs (the scan's ys) the function uses: state the layers update
-    apart from their activations (a flax NNX `Dropout`'s RNG count in each layer), or
-    values computed from them."""
+def _refuse_per_layer_outputs(jaxpr: jex.Jaxpr, at: int, used_after: set) -> None:
+    """Name what the per-layer outputs of the layer scan at `at` (its ys) that the
+    function uses are: read by the loss, returned state computed from the activations
+    (BatchNorm's statistics), or returned state apart from them (a flax NNX `Dropout`'s
+    RNG count in each layer)."""
+    scan = jaxpr.eqns[at]
+    num_consts, num_carry = jax_compat.scan_counts(scan.params)
+    used = [v in used_after for v in scan.outvars[num_carry:]]
     if not any(used):
         return
-    num_consts, num_carry = jax_compat.scan_counts(scan.params)
+    ys = {v for v, u in zip(scan.outvars[num_carry:], used, strict=True) if u}
+    if jaxpr.outvars[0] in reached_from(ys, jaxpr.eqns[at + 1 :]):
+        raise NothingToPipeline(
+            "the loss reads per-layer outputs of the layer scan (its ys: a loss each layer "
+            "adds, a mixture of experts' balancing loss); pipelining splits a scan that only "
+            "carries its activations"
+        )
     body = jax_compat.jaxpr_parts(scan.params["jaxpr"])[0]
     carried = [num_consts <= k < num_consts + num_carry for k in range(len(body.invars))]
     from_activations = depending(body, body.eqns, carried, body.outvars[num_carry:])
-    if any(u and not a for u, a in zip(used, from_activations, strict=True)):
+    if any(u and a for u, a in zip(used, from_activations, strict=True)):
         raise NothingToPipeline(
-            "each layer returns state it updates apart from the activations (the layers' "
-            "random streams: a flax NNX Dropout's RNG count in each layer); pipeline "
-            "stages run layers that only carry their activations. Draw random numbers "
-            "outside the layers (in the embedding or the head), or run the layers' "
-            "Dropout deterministic"
+            "each layer returns state computed from its activations (BatchNorm's running "
+            "statistics, a metric per layer), which the step returns; pipeline stages run "
+            "layers that return only their activations"
         )
     raise NothingToPipeline(
-        "the layer scan returns per-layer outputs the loss reads (its ys); pipelining "
-        "splits a scan that only carries its activations"
+        "each layer returns state it updates apart from the activations (the layers' random "
+        "streams: a flax NNX Dropout's RNG count in each layer); pipeline stages run layers "
+        "that only carry their activations. Draw random numbers outside the layers (in the "
+        "embedding or the head), or run the layers' Dropout deterministic"
     )
 
 

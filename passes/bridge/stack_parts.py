@@ -83,7 +83,7 @@ def function_of(jaxpr: jex.Jaxpr, eqns: list, invars: list, outvars: list) -> Ca
 def depending(jaxpr: jex.Jaxpr, eqns: list, inputs: Sequence[bool], values: list) -> list[bool]:
     """Which of `values` (computed by `eqns` from `jaxpr`'s inputs) depend on the inputs
     flagged in `inputs`."""
-    flagged = _reached({v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}, eqns)
+    flagged = reached_from({v for v, f in zip(jaxpr.invars, inputs, strict=True) if f}, eqns)
     return [isinstance(v, jex.Var) and v in flagged for v in values]
 
 
@@ -96,7 +96,7 @@ def head_parts(
     outputs they do not reach (`apart`); and those computed from `jaxpr`'s inputs by the
     equations they need (of `before` and `head`). The stage program runs only the first:
     an output apart from the layers is the same for every stage and tick."""
-    reached = _reached(set(carry_out), head)
+    reached = reached_from(set(carry_out), head)
     apart = tuple(
         k > 0 and not (isinstance(v, jex.Var) and v in reached) for k, v in enumerate(jaxpr.outvars)
     )
@@ -107,7 +107,7 @@ def head_parts(
     return after, apart, alone
 
 
-def _reached(start: set, eqns: list) -> set:
+def reached_from(start: set, eqns: list) -> set:
     """`start` and every value `eqns` compute from it."""
     reached = set(start)
     for eqn in eqns:
