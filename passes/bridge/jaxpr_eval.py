@@ -35,6 +35,7 @@ from xla_strategies.core.patching import set_in_this_thread
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.replay import equation_context, recompute_inputs
 from xla_strategies.passes.bridge.trace_hooks import vma
+from xla_strategies.passes.stages.microbatch_draws import random_bits
 
 #: call equations run inline
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -237,4 +238,5 @@ _RULES: dict[str, Callable[[jex.JaxprEqn, list[Any]], list[Any]]] = {
     "checkpoint": _remat,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
+    "random_bits": random_bits,
 }

@@ -56,6 +56,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
     vma,
 )
 from xla_strategies.passes.stages import executor
+from xla_strategies.passes.stages.microbatch_draws import drawing_for
 from xla_strategies.passes.stages.schedules import Schedule, schedule
 from xla_strategies.passes.stages.slots import is_float
 
@@ -238,8 +239,13 @@ def _pipelined(plan, stack, flat, row_mask, wanted, mb_mask, model_dims):
     def before(*diff: Any) -> list:
         it = iter(diff)
         args = [next(it) if w else x for x, w in zip(stacked_args, wanted, strict=True)]
-        in_axes = [0 if r else None for r in row_mask]
-        per_microbatch = jax.vmap(lambda *a: _flat(stack.before(*a)), in_axes=in_axes)(*args)
+        in_axes = [0, *(0 if r else None for r in row_mask)]
+
+        def before_one(m, *a):  # what precedes the layers draws for its microbatch
+            with drawing_for(m):
+                return _flat(stack.before(*a))
+
+        per_microbatch = jax.vmap(before_one, in_axes=in_axes)(jnp.arange(plan.microbatches), *args)
         once = _flat(stack.before(*[a[0] if r else a for a, r in zip(args, row_mask, strict=True)]))
         return [p if f else o for p, o, f in zip(per_microbatch, once, flags, strict=True)]
 

@@ -55,6 +55,7 @@ from xla_strategies.passes.stages.heads import (
     heads,
     seeds_where_read,
 )
+from xla_strategies.passes.stages.microbatch_draws import drawing_for
 from xla_strategies.passes.stages.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
 from xla_strategies.passes.stages.slots import add_at, float_zeros, get, put
 
@@ -246,6 +247,18 @@ class _Where:
         return self.row[name]
 
 
+def _drawing_for_its_microbatch(action: Callable[..., Any]) -> Callable[..., Any]:
+    """A tick's action on the microbatch `where.micro`, its random draws that microbatch's."""
+
+    @functools.wraps(action)
+    def run(s, where, *args, **kwargs):
+        with drawing_for(where.micro):
+            return action(s, where, *args, **kwargs)
+
+    return run
+
+
+@_drawing_for_its_microbatch
 def _forward(s, where, program, weights, inputs, layer_rows, layer_shared, head):
     """The microbatch `where` through the stage's chunk; on the last stage, its output kept
     for the head, and with `head` (its rows and shared values) the head run on it."""
@@ -294,6 +307,7 @@ def _output_gradient(s, where):
     return jax.tree.map(lambda a, b: jnp.where(where.last, a, b), seed, arrived)
 
 
+@_drawing_for_its_microbatch
 def _backward(s, where, program, weights, layer_rows, layer_shared, split):
     m, chunk = where.micro, where.chunk
     rows = get(layer_rows, m)
@@ -312,6 +326,7 @@ def _backward(s, where, program, weights, layer_rows, layer_shared, split):
     return s, jax.tree.map(jnp.zeros_like, grads.x), grads.x
 
 
+@_drawing_for_its_microbatch
 def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
     chunk, rows = where.chunk, get(layer_rows, where.micro)
     layer_inputs = _layer_inputs(s, where, program, weights, rows, layer_shared)

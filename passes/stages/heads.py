@@ -10,6 +10,7 @@ import numpy as np
 from jax import lax
 
 from xla_strategies.passes.stages.chunk import vjp
+from xla_strategies.passes.stages.microbatch_draws import drawing_for
 from xla_strategies.passes.stages.schedules import FORWARD
 from xla_strategies.passes.stages.slots import float_zeros, get, plus, put
 
@@ -28,7 +29,10 @@ def heads(s, program, head_in, head_rows, head_shared):
     gradients that seed the backwards, by microbatch in `s["seed_of"]`."""
 
     def one(_, m):
-        (loss, aux), dy = head_and_seed(program, get(head_in, m), get(head_rows, m), head_shared)
+        with drawing_for(m):
+            (loss, aux), dy = head_and_seed(
+                program, get(head_in, m), get(head_rows, m), head_shared
+            )
         return None, (loss.astype(program.loss_dtype), aux, dy)
 
     _, (loss, aux, dy) = lax.scan(one, None, jnp.arange(s["loss"].shape[0]))
@@ -62,9 +66,10 @@ def head_gradients(program, head_in, head_rows, head_shared, microbatches):
     to_blocks = program.head_blocks or (lambda d: d)
 
     def one(d_shared, m):
-        (loss, _), pullback = vjp(
-            program.head, get(head_in, m), get(head_rows, m), head_shared, has_aux=True
-        )
+        with drawing_for(m):
+            (loss, _), pullback = vjp(
+                program.head, get(head_in, m), get(head_rows, m), head_shared, has_aux=True
+            )
         _, d_rows, d_m = pullback(jnp.full_like(loss, program.seed))
         return plus(d_shared, to_blocks(d_m)), d_rows
 
