@@ -146,8 +146,9 @@ SLOW_TESTS = (
     # cases stay), the TPU gather inside the loop (the CPU ones stay), a second checkpoint
     # writer (the reader and retry cases stay), nn.scan's gelu case, the v5e-8 clipped
     # adamw LM (the CPU one stays), a NaN the step makes (an entering one stays), GPipe's
-    # flax-docs step (1F1B's stays), Mirrored's loss curve, the NNX head's dropout and the
-    # drawn loss's central differences (each microbatch's own draws stay), the planner's
+    # flax-docs step (1F1B's stays), Mirrored's loss curve, the NNX head's dropout, the
+    # drawn loss's central differences and the layers' draws under interleaving (each
+    # microbatch's own draws in the layers stay), the planner's
     # stages, a Keras text transformer's declared ops, a stack whose layer axis is not first
     "tests/test_never_worse_than_jit.py::test_the_verdict_is_cached_by_the_programs_fingerprint_and_said",
     "tests/test_parameter_sharding_state.py::test_the_tpu_compiler_gathers_one_layer_at_a_time_inside_the_loop",
@@ -159,6 +160,7 @@ SLOW_TESTS = (
     "tests/test_equivalence.py::test_loss_goes_down[MirroredStrategy]",
     "tests/test_pipeline_stages_nnx.py::test_a_head_that_draws_dropout_trains_in_stages_each_microbatch_drawing_its_own_mask",
     "tests/test_pipeline_draws.py::test_the_gradient_is_the_drawn_losss_by_central_differences",
+    "tests/test_pipeline_stages_nnx.py::test_the_layers_draws_are_the_same_whatever_the_schedule",
     "tests/test_planner.py::test_stages_across_slices_are_planned_where_replicated_state_does_not_fit",
     "tests/passes/test_declared_ops.py::test_every_op_of_a_keras_fit_is_declared[text_transformer]",
     "tests/test_parameter_sharding.py::test_a_stack_whose_layer_axis_is_not_its_first_is_gathered_a_layer_at_a_time",

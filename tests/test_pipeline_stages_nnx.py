@@ -106,17 +106,9 @@ def _step_with_each_examples_error(model, optimizer, x, y):
     return loss, errors
 
 
-def test_a_head_that_draws_dropout_trains_in_stages_each_microbatch_drawing_its_own_mask():
-    """The head's Dropout advances its stream's count (state the loss returns beside its
-    gradient): that failed to trace in the stage program. Its count advances as under
-    `nnx.jit`, once a step, and each microbatch and replica draws its own mask: the same
-    2 rows as each of 4 replicas' 4 microbatches come back with 16 different errors."""
-
-    def objects():
-        model = _NnxScanned(nnx.Rngs(0, dropout=1))
-        model.head = _DropoutHead(nnx.Rngs(2, dropout=3))
-        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
+def _trained_on_repeated_rows(strategy, objects):
+    """The model of `objects()` trained 3 steps with 4 microbatches on `strategy`, and by
+    `nnx.jit`, on the same 2 rows as every microbatch; and the last step's errors."""
     rng = np.random.default_rng(0)
     rows, targets = rng.normal(size=(2, 16)), rng.normal(size=(2, 3))
     batch = (
@@ -124,23 +116,43 @@ def test_a_head_that_draws_dropout_trains_in_stages_each_microbatch_drawing_its_
         np.tile(targets, (16, 1)).astype(np.float32),
     )
     want, want_optimizer = objects()
-    strategy = xs.MirroredStrategy(pipeline_stages=2)
-    assert strategy.num_replicas_in_sync == 4
     with strategy.scope():
         model, optimizer = objects()
     step = strategy.compile(_step_with_each_examples_error, microbatches=4)
     for x, y in strategy.experimental_distribute_dataset([batch] * 3):
         _, errors = step(model, optimizer, x, y)
         nnx.jit(_step_with_each_examples_error)(want, want_optimizer, *batch)
+    return model, want, errors
 
+
+def _assert_each_microbatch_drew_its_own(strategy, errors):
+    """The same 2 rows as each of the replicas' 4 microbatches came back with different
+    errors: each microbatch and replica drew its own masks."""
+    per_microbatch = np.asarray(errors).reshape(-1, 2)
+    assert len(per_microbatch) == 4 * strategy.num_replicas_in_sync
+    distinct = {tuple(np.round(e, 6)) for e in per_microbatch}
+    assert len(distinct) == len(per_microbatch), per_microbatch
+
+
+def test_a_head_that_draws_dropout_trains_in_stages_each_microbatch_drawing_its_own_mask():
+    """The head's Dropout advances its stream's count (state the loss returns beside its
+    gradient): that failed to trace in the stage program. Its count advances as under
+    `nnx.jit`, once a step, its key is as it was, and each microbatch and replica draws
+    its own mask."""
+
+    def objects():
+        model = _NnxScanned(nnx.Rngs(0, dropout=1))
+        model.head = _DropoutHead(nnx.Rngs(2, dropout=3))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+    model, want, errors = _trained_on_repeated_rows(strategy, objects)
     stream, want_stream = model.head.dropout.rngs, want.head.dropout.rngs
     assert int(stream.count[...]) == int(want_stream.count[...]) == 3
     np.testing.assert_array_equal(
         jax.random.key_data(stream.key[...]), jax.random.key_data(want_stream.key[...])
     )
-    per_microbatch = np.asarray(errors).reshape(16, 2)  # 4 replicas x 4 microbatches
-    distinct = {tuple(np.round(e, 6)) for e in per_microbatch}
-    assert len(distinct) == 16, per_microbatch
+    _assert_each_microbatch_drew_its_own(strategy, errors)
 
 
 class _DropoutBlock(_NnxBlock):
@@ -152,13 +164,51 @@ class _DropoutBlock(_NnxBlock):
         return self.dropout(super().__call__(x))
 
 
-def test_dropout_inside_the_pipelined_layers_is_refused_by_name():
-    """Each layer's stream count comes out of the layer scan beside the activations: the
-    error names the layers' random streams, not per-layer outputs the loss reads."""
+def test_layers_that_draw_dropout_train_in_stages_their_streams_advanced_as_nnx_jit_does():
+    """Each scanned layer's Dropout advances its own stream's count: the layer scan returns
+    the counts beside the activations, and was refused as "per-layer outputs the loss
+    reads". The counts come back advanced as under `nnx.jit`, and each microbatch draws
+    its own masks."""
+
+    def objects():
+        model = _NnxScanned(nnx.Rngs(0, dropout=1), _DropoutBlock)
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
     strategy = xs.MirroredStrategy(pipeline_stages=2)
-    with pytest.raises(ValueError, match="random streams: a flax NNX Dropout") as error:
-        train_nnx_against_nnx_jit(strategy, _DropoutBlock, microbatches=4)
-    assert "Dropout deterministic" in str(error.value)
+    model, want, errors = _trained_on_repeated_rows(strategy, objects)
+    stream, want_stream = model.blocks.dropout.rngs, want.blocks.dropout.rngs
+    np.testing.assert_array_equal(stream.count[...], want_stream.count[...])
+    np.testing.assert_array_equal(stream.count[...], [3, 3, 3, 3])
+    _assert_each_microbatch_drew_its_own(strategy, errors)
+
+
+def test_the_layers_draws_are_the_same_whatever_the_schedule():
+    """A layer draws from its own stream with its microbatch's index, wherever the
+    schedule runs it: interleaved 1F1B (each stage's layer keys sent round the stages)
+    with sharded parameters trains to 1F1B's numbers."""
+
+    def trained(**options):
+        strategy = xs.MirroredStrategy(pipeline_stages=2)
+        with strategy.scope():
+            model = _NnxScanned(nnx.Rngs(0, dropout=1), _DropoutBlock)
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        step = strategy.compile(_step_with_each_examples_error, microbatches=4, **options)
+        rng = np.random.default_rng(0)
+        batch = (rng.normal(size=(32, 16)), rng.normal(size=(32, 3)))
+        batch = tuple(a.astype(np.float32) for a in batch)
+        for x, y in strategy.experimental_distribute_dataset([batch] * 3):
+            step(model, optimizer, x, y)
+        return model
+
+    want = trained()
+    got = trained(schedule="interleaved-1f1b", virtual_stages=2, shard_parameters=True)
+    np.testing.assert_array_equal(got.blocks.dropout.rngs.count[...], [3, 3, 3, 3])
+    for g, w in zip(
+        jax.tree.leaves(nnx.state(got, nnx.Param)),
+        jax.tree.leaves(nnx.state(want, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
 class _BatchNormBlock(_NnxBlock):

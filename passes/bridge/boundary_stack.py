@@ -80,7 +80,7 @@ def split_at_boundaries(
     def layer(x: list, carry: list, layer_consts: list) -> list:
         return evaluate(body, (), [*layer_consts, *carry, *x])
 
-    after, apart, outputs_apart = head_parts(jaxpr, eqns[: marks[0]], head, carry_out, kept)
+    after, apart, outputs_apart = head_parts(jaxpr, head, carry_out, kept)
 
     def depends(inputs: Sequence[bool]) -> tuple[list, list, list, list]:
         flags = depending(

@@ -117,7 +117,7 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
     before = function_of(jaxpr, head, jaxpr.invars, scan_in + kept)
     body = scan.params["jaxpr"]
     inner = jax_compat.jaxpr_parts(body)[0]
-    after, apart, outputs_apart = head_parts(jaxpr, head, jaxpr.eqns[at + 1 :], carry_out, kept)
+    after, apart, outputs_apart = head_parts(jaxpr, jaxpr.eqns[at + 1 :], carry_out, kept)
 
     def grouped(values: list) -> tuple[list, list, list, list]:
         """`before`'s outputs (or one flag per output) as (carry, consts, xs, kept)."""
@@ -153,17 +153,20 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
 
 
 def _refuse_per_layer_outputs(jaxpr: jex.Jaxpr, at: int, used_after: set) -> None:
-    """Name what the per-layer outputs of the layer scan at `at` (its ys) that the
-    function uses are: read by the loss, returned state computed from the activations
-    (BatchNorm's statistics), or returned state apart from them (a flax NNX `Dropout`'s
-    RNG count in each layer)."""
+    """Refuse per-layer outputs of the layer scan at `at` (its ys) the stages cannot run,
+    named for what they are: read by the loss, or returned state computed from the
+    activations (BatchNorm's statistics). State the layers update apart from their
+    activations (a flax NNX `Dropout`'s RNG count in each layer) is computed outside the
+    stages (`stack_parts.head_parts`), where no output the activations reach reads it."""
     scan = jaxpr.eqns[at]
     num_consts, num_carry = jax_compat.scan_counts(scan.params)
     used = [v in used_after for v in scan.outvars[num_carry:]]
     if not any(used):
         return
-    ys = {v for v, u in zip(scan.outvars[num_carry:], used, strict=True) if u}
-    if jaxpr.outvars[0] in reached_from(ys, jaxpr.eqns[at + 1 :]):
+    after = jaxpr.eqns[at + 1 :]
+    ys = scan.outvars[num_carry:]
+    from_ys = reached_from({v for v, u in zip(ys, used, strict=True) if u}, after)
+    if jaxpr.outvars[0] in from_ys:
         raise NothingToPipeline(
             "the loss reads per-layer outputs of the layer scan (its ys: a loss each layer "
             "adds, a mixture of experts' balancing loss); pipelining splits a scan that only "
@@ -172,18 +175,14 @@ def _refuse_per_layer_outputs(jaxpr: jex.Jaxpr, at: int, used_after: set) -> Non
     body = jax_compat.jaxpr_parts(scan.params["jaxpr"])[0]
     carried = [num_consts <= k < num_consts + num_carry for k in range(len(body.invars))]
     from_activations = depending(body, body.eqns, carried, body.outvars[num_carry:])
-    if any(u and a for u, a in zip(used, from_activations, strict=True)):
+    from_layers = reached_from(set(scan.outvars[:num_carry]), after)
+    mixed = any(v in from_ys and v in from_layers for v in jaxpr.outvars)
+    if mixed or any(u and a for u, a in zip(used, from_activations, strict=True)):
         raise NothingToPipeline(
             "each layer returns state computed from its activations (BatchNorm's running "
             "statistics, a metric per layer), which the step returns; pipeline stages run "
             "layers that return only their activations"
         )
-    raise NothingToPipeline(
-        "each layer returns state it updates apart from the activations (the layers' random "
-        "streams: a flax NNX Dropout's RNG count in each layer); pipeline stages run layers "
-        "that only carry their activations. Draw random numbers outside the layers (in the "
-        "embedding or the head), or run the layers' Dropout deterministic"
-    )
 
 
 def _inlined(

@@ -50,7 +50,6 @@ def microbatched(
         def body(*args: Any) -> list[Any]:
             stack = _stack()
             stack.append(core.trace_ctx.trace)
-            _counts().append(microbatches)
             try:
                 out = list(fn(*args))
                 batched[:] = [stacked_microbatches(o) is not None for o in out]
@@ -59,7 +58,6 @@ def microbatched(
                 once.update((i, outside(o)) for i, o in enumerate(out) if not batched[i])
             finally:
                 stack.pop()
-                _counts().pop()
             return [o for o, b in zip(out, batched, strict=True) if b]
 
         in_axes = [0 if r else None for r in rows]
@@ -115,14 +113,6 @@ def as_microbatches(stacked: Any) -> Any:
     return batching.BatchTracer(_stack()[-1], stacked, 0)
 
 
-def microbatch_index() -> Any | None:
-    """The index of the microbatch the step sees, as the step being traced on microbatches
-    sees it (each microbatch's own); None when no step is."""
-    if not _stack():
-        return None
-    return as_microbatches(jnp.arange(_counts()[-1], dtype=jnp.uint32))
-
-
 def tracing_microbatches() -> bool:
     """Whether a step is being traced on microbatches (`microbatched`) in this thread."""
     return bool(_stack())
@@ -132,12 +122,6 @@ def _stack() -> list[Any]:
     if not hasattr(_traces, "stack"):
         _traces.stack = []
     return _traces.stack
-
-
-def _counts() -> list[int]:  # each trace's microbatch count, as `_stack`
-    if not hasattr(_traces, "counts"):
-        _traces.counts = []
-    return _traces.counts
 
 
 def combined(value: Any, rows_per_microbatch: int, mean: bool) -> Any:

@@ -88,23 +88,29 @@ def depending(jaxpr: jex.Jaxpr, eqns: list, inputs: Sequence[bool], values: list
 
 
 def head_parts(
-    jaxpr: jex.Jaxpr, before: list, head: list, carry_out: list, kept: list
+    jaxpr: jex.Jaxpr, head: list, carry_out: list, kept: list
 ) -> tuple[Callable[..., list], tuple[bool, ...], Callable[..., list]]:
     """What follows the layers (the equations `head`, reading the layers' output
     `carry_out` and the values `kept` from before them), split in two: `after(*carry_out,
-    *kept)`, the outputs of `jaxpr` the layers reach (the loss first, always); which
-    outputs they do not reach (`apart`); and those computed from `jaxpr`'s inputs by the
-    equations they need (of `before` and `head`). The stage program runs only the first:
-    an output apart from the layers is the same for every stage and tick."""
+    *kept)`, the outputs of `jaxpr` the layers' activations reach (the loss first,
+    always); which outputs they do not reach (`apart`); and a function of `jaxpr`'s inputs
+    computing those alone: `jaxpr` without what they do not need (JAX's own dead-code
+    elimination, which keeps of the layer scan only what per-layer state they read, an RNG
+    count). The stage program runs only the first."""
     reached = reached_from(set(carry_out), head)
     apart = tuple(
         k > 0 and not (isinstance(v, jex.Var) and v in reached) for k, v in enumerate(jaxpr.outvars)
     )
     with_layers = [v for v, a in zip(jaxpr.outvars, apart, strict=True) if not a]
-    without = [v for v, a in zip(jaxpr.outvars, apart, strict=True) if a]
     after = function_of(jaxpr, _needed(head, with_layers), [*carry_out, *kept], with_layers)
-    alone = function_of(jaxpr, _needed(before + head, without), jaxpr.invars, without)
-    return after, apart, alone
+    from jax._src.interpreters import partial_eval as pe
+
+    alone, used = pe.dce_jaxpr(jaxpr, list(apart))
+
+    def outputs_apart(*inputs: Any) -> list:
+        return evaluate(alone, (), [x for x, u in zip(inputs, used, strict=True) if u])
+
+    return after, apart, outputs_apart
 
 
 def reached_from(start: set, eqns: list) -> set:

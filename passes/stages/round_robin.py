@@ -24,6 +24,9 @@ def round_robin(stack: Any, stages: int, axis: str) -> Any:
     """This device's chunks in the stack's order (`stack`: [V, ...], global chunks dV ..
     dV+V-1 of device d on `axis`), as it runs them: [V, ...], chunk v the global chunk
     v*S + d. Inside a program manual over `axis`."""
+    if jnp.issubdtype(stack.dtype, jax.dtypes.prng_key):  # each layer's stream keys, as data
+        moved = round_robin(jax.random.key_data(stack), stages, axis)
+        return jax.random.wrap_key_data(moved, impl=jax.random.key_impl(stack))
     sends, places = (jnp.asarray(t) for t in _tables(stages, stack.shape[0]))
     device = lax.axis_index(axis)
     out = jnp.zeros_like(stack)

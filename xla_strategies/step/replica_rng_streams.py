@@ -1,5 +1,4 @@
-"""flax NNX random streams draw per replica and per microbatch: each one's dropout mask
-differs.
+"""flax NNX random streams draw per replica: each replica's dropout mask differs.
 
 An `nnx.Rngs` stream is state (`RngKey`, `RngCount`) that every replica holds mirrored, so
 without help every replica would fold the same key with the same count and draw the same
@@ -8,10 +7,9 @@ replica id is folded into the key of every stream in its arguments, so replica r
 from `fold_in(key, r)` with the shared count, and the key is put back afterwards, in the
 arguments and in any variable the step returns, so the state stays mirrored and advances
 as under `nnx.jit` (the count goes up by the number of draws). On one replica nothing is
-folded, and a step draws exactly what `nnx.jit` draws. A step traced on microbatches
-(pipeline stages) folds each microbatch's index in too, so its microbatches' masks differ
-as the rows of one batch's do. This is the NNX twin of the Keras trainer's seed offset
-(`keras/trainer.py`).
+folded, and a step draws exactly what `nnx.jit` draws. (With pipeline stages, each
+microbatch's draws in the loss fold in its index too: `stages.microbatch_draws`.) This is
+the NNX twin of the Keras trainer's seed offset (`keras/trainer.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from xla_strategies.core.context import ReplicaContext
-from xla_strategies.passes.bridge.microbatches import microbatch_index
 
 
 @contextlib.contextmanager
@@ -34,18 +31,14 @@ def drawn_per_replica(args: tuple, kwargs: dict, context: ReplicaContext) -> Ite
     call the yielded `restore(result)` after the step, before its outputs are read."""
     nnx = sys.modules.get("flax.nnx")
     keys = _stream_keys((args, kwargs), nnx) if nnx is not None else []
-    folds = [] if context.num_replicas_in_sync == 1 else [context.replica_id_in_sync_group]
-    microbatch = microbatch_index()
-    if microbatch is not None:
-        folds.append(microbatch)
-    if not keys or not folds:
+    if not keys or context.num_replicas_in_sync == 1:
         yield lambda result: None
         return
+    replica = context.replica_id_in_sync_group
     original: dict[int, Any] = {}  # id(folded key) -> the key before the step
     for variable in keys:
-        key = folded = variable.get_value()
-        for index in folds:
-            folded = _fold_in(folded, index)
+        key = variable.get_value()
+        folded = _fold_in(key, replica)
         original[id(folded)] = key
         variable.set_value(folded)
 
