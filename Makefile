@@ -100,6 +100,7 @@ bench-corpus: $(STAMP) $(CORPUS_STAMP) $(MAXTEXT_STAMP)
 	$(BIN)/python -m benchmarks.gpu_aot --models gpt2-medium-plain hf-gpt2-medium
 	JAX_PLATFORMS=cpu $(MAXTEXT_VENV)/bin/python -m benchmarks.tpu_aot \
 		--models maxtext-llama2-7b --topologies v5e-256 v5p-512 --variants a d
+	JAX_PLATFORMS=cpu $(MAXTEXT_VENV)/bin/python -m benchmarks.maxtext_stages
 	mkdir -p benchmarks/results/hlo && for t in v5e-256 v5p-512; do JAX_PLATFORMS=cpu \
 		$(MAXTEXT_VENV)/bin/python benchmarks/maxtext_aot.py \
 		benchmarks/results/hlo/maxtext-llama2-7b-$$t.hlo.txt --topology $$t; done

@@ -38,14 +38,15 @@ MAXTEXT = {
 
 
 @cache
-def _config(model_name: str, seq_len: int) -> Any:
+def _config(model_name: str, seq_len: int, *overrides: str) -> Any:
+    """MaxText's config of `model_name` (`overrides`: more of its `key=value` settings)."""
     from maxtext.configs import pyconfig
     from maxtext.trainers.pre_train import train_compile
 
     base = train_compile.__file__.rsplit("/trainers/", 1)[0] + "/configs/base.yml"
     argv = ["maxtext", base, f"model_name={model_name}", f"max_target_length={seq_len}",
             "per_device_batch_size=1", "attention=dot_product", "run_name=xla_strategies",
-            "enable_checkpointing=false", "dropout_rate=0.0"]  # fmt: skip
+            "enable_checkpointing=false", "dropout_rate=0.0", *overrides]  # fmt: skip
     return pyconfig.initialize(argv)
 
 
