@@ -155,13 +155,21 @@ def test_a_head_that_draws_dropout_trains_in_stages_each_microbatch_drawing_its_
     _assert_each_microbatch_drew_its_own(strategy, errors)
 
 
-class _DropoutBlock(_NnxBlock):
-    def __init__(self, rngs: nnx.Rngs):
-        super().__init__(rngs)
-        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+def _block_then(layer):
+    """`_NnxBlock` with its output run through one more layer, `layer(rngs)`: `.then`."""
 
-    def __call__(self, x):
-        return self.dropout(super().__call__(x))
+    class Block(_NnxBlock):
+        def __init__(self, rngs: nnx.Rngs):
+            super().__init__(rngs)
+            self.then = layer(rngs)
+
+        def __call__(self, x):
+            return self.then(super().__call__(x))
+
+    return Block
+
+
+_DropoutBlock = _block_then(lambda rngs: nnx.Dropout(0.5, rngs=rngs))
 
 
 def test_layers_that_draw_dropout_train_in_stages_their_streams_advanced_as_nnx_jit_does():
@@ -176,7 +184,7 @@ def test_layers_that_draw_dropout_train_in_stages_their_streams_advanced_as_nnx_
 
     strategy = xs.MirroredStrategy(pipeline_stages=2)
     model, want, errors = _trained_on_repeated_rows(strategy, objects)
-    stream, want_stream = model.blocks.dropout.rngs, want.blocks.dropout.rngs
+    stream, want_stream = model.blocks.then.rngs, want.blocks.then.rngs
     np.testing.assert_array_equal(stream.count[...], want_stream.count[...])
     np.testing.assert_array_equal(stream.count[...], [3, 3, 3, 3])
     _assert_each_microbatch_drew_its_own(strategy, errors)
@@ -202,7 +210,7 @@ def test_the_layers_draws_are_the_same_whatever_the_schedule():
 
     want = trained()
     got = trained(schedule="interleaved-1f1b", virtual_stages=2, shard_parameters=True)
-    np.testing.assert_array_equal(got.blocks.dropout.rngs.count[...], [3, 3, 3, 3])
+    np.testing.assert_array_equal(got.blocks.then.rngs.count[...], [3, 3, 3, 3])
     for g, w in zip(
         jax.tree.leaves(nnx.state(got, nnx.Param)),
         jax.tree.leaves(nnx.state(want, nnx.Param)),
@@ -211,13 +219,7 @@ def test_the_layers_draws_are_the_same_whatever_the_schedule():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-class _BatchNormBlock(_NnxBlock):
-    def __init__(self, rngs: nnx.Rngs):
-        super().__init__(rngs)
-        self.norm = nnx.BatchNorm(16, rngs=rngs)
-
-    def __call__(self, x):
-        return self.norm(super().__call__(x))
+_BatchNormBlock = _block_then(lambda rngs: nnx.BatchNorm(16, rngs=rngs))
 
 
 def test_batchnorm_inside_the_pipelined_layers_is_refused_by_name():
