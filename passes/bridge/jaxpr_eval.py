@@ -35,7 +35,7 @@ from xla_strategies.core.patching import set_in_this_thread
 from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.replay import equation_context, recompute_inputs
 from xla_strategies.passes.bridge.trace_hooks import vma
-from xla_strategies.passes.stages.microbatch_draws import random_bits
+from xla_strategies.passes.stages.microbatch_draws import for_the_microbatch
 
 #: call equations run inline
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -238,5 +238,6 @@ _RULES: dict[str, Callable[[jex.JaxprEqn, list[Any]], list[Any]]] = {
     "checkpoint": _remat,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
-    "random_bits": random_bits,
+    # a pipelined loss draws anew for each microbatch (`stages.microbatch_draws`)
+    "random_bits": lambda eqn, invals: _bound(eqn, [for_the_microbatch(invals[0])]),
 }

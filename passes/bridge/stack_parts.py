@@ -43,7 +43,7 @@ class LayerStack:
     kept_inputs: tuple[int | None, ...] = ()
     #: per output of the function (the loss first), whether the layers do not reach it:
     #: the model state flax NNX's gradients return beside the loss, a dropout stream's
-    #: advanced count. `after` returns the others; `apart(*inputs)` these, in order
+    #: advanced count. `after` returns the others; `outputs_apart(*inputs)` these, in order
     apart: tuple[bool, ...] = ()
     outputs_apart: Callable[..., list] = lambda *inputs: []
 

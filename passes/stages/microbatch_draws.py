@@ -33,11 +33,11 @@ def drawing_for(microbatch: Any) -> Iterator[None]:
         _drawing.index = before
 
 
-def random_bits(eqn: Any, invals: list[Any]) -> list[Any]:
-    """`random_bits` of its key folded with the microbatch being drawn for, if any."""
-    (keys,) = invals
+def for_the_microbatch(keys: Any) -> Any:
+    """`keys` (what a `random_bits` draws from) folded with the microbatch being drawn
+    for, if any; else as they are."""
     index = getattr(_drawing, "index", None)
-    if index is not None:
-        flat = keys.reshape(-1)
-        keys = jax.vmap(lambda key: jax.random.fold_in(key, index))(flat).reshape(keys.shape)
-    return [eqn.primitive.bind(keys, **eqn.params)]
+    if index is None:
+        return keys
+    flat = keys.reshape(-1)
+    return jax.vmap(lambda key: jax.random.fold_in(key, index))(flat).reshape(keys.shape)
