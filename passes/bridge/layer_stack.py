@@ -160,11 +160,11 @@ def _refuse_per_layer_outputs(jaxpr: jex.Jaxpr, at: int, used_after: set) -> Non
     stages (`stack_parts.head_parts`), where no output the activations reach reads it."""
     scan = jaxpr.eqns[at]
     num_consts, num_carry = jax_compat.scan_counts(scan.params)
-    used = [v in used_after for v in scan.outvars[num_carry:]]
+    ys = scan.outvars[num_carry:]
+    used = [v in used_after for v in ys]
     if not any(used):
         return
     after = jaxpr.eqns[at + 1 :]
-    ys = scan.outvars[num_carry:]
     from_ys = reached_from({v for v, u in zip(ys, used, strict=True) if u}, after)
     if jaxpr.outvars[0] in from_ys:
         raise NothingToPipeline(
