@@ -130,11 +130,13 @@ class PerWorkerValues:
 
 
 # A worker that fails this many closures in a row without running one is given up on.
-MAX_FAILURES_IN_A_ROW = 5
+MAX_FAILURES_IN_A_ROW = 7
 # After a failure, how long a worker's dispatcher first waits for Ray to restart the worker
 # before it hands the worker a closure again; doubled after each failure in a row (1 + 2 +
-# 4 + 8 s before the fifth). Retried at once, a worker Ray takes a few seconds to restart
-# (a loaded machine) failed five closures within a second and was given up for good.
+# ... + 32 s, about a minute, before the seventh). Retried at once, a worker Ray takes a
+# few seconds to restart (a loaded machine) failed five closures within a second and was
+# given up for good; with 15 s of waits, one restarted beside a busy test suite was given
+# up too, and never used again.
 RESTART_WAIT_SECONDS = 1.0
 
 
