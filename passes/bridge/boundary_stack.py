@@ -97,9 +97,9 @@ def split_at_boundaries(
         depends,
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
         (None,) * len(rows_in),  # stacked here: no input is a stack
+        apart,
+        outputs_apart,
         kept_inputs=input_indices(jaxpr, kept),
-        apart=apart,
-        outputs_apart=outputs_apart,
     )
 
 

@@ -145,10 +145,10 @@ def _split_at(jaxpr: jex.Jaxpr, consts: Sequence[Any], at: int) -> LayerStack:
         depends,
         tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars),
         input_indices(jaxpr, scan.invars[num_consts + num_carry :]),
-        tuple(read_as(inner, v) for v in inner.invars[num_consts + num_carry :]),
-        input_indices(jaxpr, kept),
         apart,
         outputs_apart,
+        tuple(read_as(inner, v) for v in inner.invars[num_consts + num_carry :]),
+        input_indices(jaxpr, kept),
     )
 
 

@@ -195,8 +195,7 @@ def pipelined_vjp(
     # each replica's copy, once per microbatch
     loss = as_microbatches(losses)
     staged, apart = iter(aux), iter(stack.outputs_apart(*inputs))
-    flags = stack.apart[1:] or (False,) * len(aux)
-    aux = [next(apart) if a else as_microbatches(next(staged)) for a in flags]
+    aux = [next(apart) if a else as_microbatches(next(staged)) for a in stack.apart[1:]]
 
     def pullback(ct: Any) -> tuple[Any, ...]:
         # `jax.grad`'s seed, one on every microbatch: the gradient is of all of them, the

@@ -36,22 +36,21 @@ class LayerStack:
     depends: Callable[[Sequence[bool]], tuple[list, list, list, list]]
     outputs: tuple[jax.ShapeDtypeStruct, ...]  # the function's (the loss first)
     xs_inputs: tuple[int | None, ...]  # per scanned input, the input it is, if one
+    #: per output of the function (the loss first), whether the layers do not reach it:
+    #: the model state flax NNX's gradients return beside the loss, a dropout stream's
+    #: advanced count. `after` returns the others; `outputs_apart(*inputs)` these, in order
+    apart: tuple[bool, ...]
+    outputs_apart: Callable[..., list]
     #: per scanned input, the narrower float type a layer reads it as, if it only ever
     #: reads it as one (`cast_reads.read_as`); empty: none known
     xs_read_as: tuple[Any, ...] = ()
     #: per value the head reads from before the layers (`kept`), the input it is, if one
     kept_inputs: tuple[int | None, ...] = ()
-    #: per output of the function (the loss first), whether the layers do not reach it:
-    #: the model state flax NNX's gradients return beside the loss, a dropout stream's
-    #: advanced count. `after` returns the others; `outputs_apart(*inputs)` these, in order
-    apart: tuple[bool, ...] = ()
-    outputs_apart: Callable[..., list] = lambda *inputs: []
 
     @property
     def staged_aux(self) -> list[jax.ShapeDtypeStruct]:
         """The auxiliary outputs the layers reach, which `after` returns after the loss."""
-        apart = self.apart or (False,) * len(self.outputs)
-        return [o for o, a in zip(self.outputs[1:], apart[1:], strict=True) if not a]
+        return [o for o, a in zip(self.outputs[1:], self.apart[1:], strict=True) if not a]
 
 
 #: equations whose output is their input's value, laid out another way (flax's own
