@@ -9,7 +9,8 @@ them, and the pipelined gradient (`pipelined_gradients`) finds each such value's
 microbatches stacked (`stacked_microbatches`), and returns the gradient of them all,
 unbatched. What the step returns is the step's again: a value that does not depend on
 the batch (the new parameters) as it is; one that does (a metric computed outside the
-gradient) combined over the microbatches, as the replicas combine theirs.
+gradient) combined over the microbatches. A compiled step with stages uses only the
+gradients traced here: it runs the step again on the whole batch (`gradient_replay`).
 """
 
 from __future__ import annotations

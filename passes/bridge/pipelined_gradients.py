@@ -14,7 +14,9 @@ reduced across replicas as in a step without stages.
 
 The step sees its microbatch's loss and auxiliary outputs; the gradient is of them all,
 combined as the replicas' are (their mean, or with `ReduceOp.SUM` their sum), so a loss
-that is a mean over its rows gives the gradient of the whole batch's mean.
+that is a mean over its rows gives the gradient of the whole batch's mean. Each gradient
+is recorded (`gradient_replay.Taken`), and the step is then run on its whole batch with
+the gradients recorded (`pipelined_then_replayed`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xla_strategies.core.patching import patched, set_in_this_thread
+from xla_strategies.passes.bridge.gradient_replay import Replay, Taken
 from xla_strategies.passes.bridge.layer_stack import split
 from xla_strategies.passes.bridge.microbatches import (
     around_the_microbatches,
@@ -97,6 +100,8 @@ class Pipelined:
 
     gradients: int = 0
     stacked: list[Any] = dataclasses.field(default_factory=list)
+    taken: list[Taken] = dataclasses.field(default_factory=list)  # each gradient's values
+    replay: Replay | None = None  # while the step runs on its whole batch (`gradient_replay`)
 
 
 @contextlib.contextmanager
@@ -122,17 +127,46 @@ def pipelining_gradients(plan: StagePlan | None) -> Iterator[Pipelined]:
 _pipelining = threading.local()  # this thread's [plan, record, inside], while it pipelines
 
 
+def pipelined_then_replayed(
+    on_microbatches: Callable[[], Any],
+    on_the_batch: Callable[[], Any],
+    rows_per_microbatch: int,
+    mean: bool,
+) -> Any:
+    """`on_microbatches()` (the step traced on microbatches, where its gradients are
+    pipelined), then what `on_the_batch()` (the step on the whole batch) returns, its
+    gradients those the microbatches took, in order (`gradient_replay`)."""
+    record = _pipelining.state[1]
+    start = len(record.taken)
+    on_microbatches()
+    record.replay = Replay(record.taken[start:], rows_per_microbatch, mean)
+    try:
+        result = on_the_batch()
+        record.replay.check_all_given()
+        return result
+    finally:
+        record.replay = None
+
+
 def _pipelining_the_threads_gradients(original: Callable[..., Any]) -> Callable[..., Any]:
     def vjp(fun: Callable[..., Any], *primals: Any, has_aux: bool = False, **kw: Any) -> Any:
         state = getattr(_pipelining, "state", None)
         # a gradient the pipelined loss itself takes is JAX's
-        if state is None or state[2] or not tracing_microbatches():
+        if state is None or state[2]:
+            return original(fun, *primals, has_aux=has_aux, **kw)
+        if state[1].replay is not None:  # the step on its whole batch
+            state[2] = True  # its loss, run again there, takes JAX's gradients
+            try:
+                return state[1].replay.next(fun, primals, has_aux)
+            finally:
+                state[2] = False
+        if not tracing_microbatches():
             return original(fun, *primals, has_aux=has_aux, **kw)
         plan, record, _ = state
         record.gradients += 1
         state[2] = True
         try:
-            return pipelined_vjp(plan, fun, primals, has_aux, record.stacked)
+            return pipelined_vjp(plan, fun, primals, has_aux, record.stacked, record.taken)
         finally:
             state[2] = False
 
@@ -145,12 +179,13 @@ def pipelined_vjp(
     primals: tuple,
     has_aux: bool,
     stacked: list[Any] | None = None,
+    taken: list[Taken] | None = None,
 ) -> tuple[Any, ...]:
     """`jax.vjp(fun, *primals, has_aux=has_aux)` of a scalar loss, pipelined by `plan`,
     traced on microbatches: the values it reads that depend on the batch, as arguments or
     from its closure, are one microbatch's, and their microbatches are found stacked
     (`stacked_microbatches`). The inputs the layer scan takes as its stacked weights are
-    appended to `stacked`."""
+    appended to `stacked`; what it gives the step, to `taken` (`gradient_replay.Taken`)."""
     flat, in_tree = jax.tree.flatten(tuple(primals))
     trees: dict[str, Any] = {}
 
@@ -196,6 +231,15 @@ def pipelined_vjp(
     loss = as_microbatches(losses)
     staged, apart = iter(aux), iter(stack.outputs_apart(*inputs))
     aux = [next(apart) if a else as_microbatches(next(staged)) for a in stack.apart[1:]]
+    given = Taken(
+        outside(loss),
+        [outside(a) for a in aux],
+        [stacked_microbatches(a) is not None for a in aux],
+        trees["aux"],
+        in_tree,
+    )
+    if taken is not None:
+        taken.append(given)
 
     def pullback(ct: Any) -> tuple[Any, ...]:
         # `jax.grad`'s seed, one on every microbatch: the gradient is of all of them, the
@@ -219,6 +263,7 @@ def pipelined_vjp(
                 g if g is not None else _zero_cotangent(x)
                 for g, x in zip(full, values[len(stack.closed_over) :], strict=True)
             ]
+        given.cotangents = cts
         return tuple(jax.tree.unflatten(in_tree, cts))
 
     aux_tree = jax.tree.unflatten(trees["aux"], aux)

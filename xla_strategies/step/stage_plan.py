@@ -14,7 +14,11 @@ from typing import Any
 from xla_strategies.core.layout import STAGE_AXIS, Layout
 from xla_strategies.core.reduce_op import ReduceOp
 from xla_strategies.passes.bridge.microbatches import microbatched
-from xla_strategies.passes.bridge.pipelined_gradients import Pipelined, StagePlan
+from xla_strategies.passes.bridge.pipelined_gradients import (
+    Pipelined,
+    StagePlan,
+    pipelined_then_replayed,
+)
 from xla_strategies.passes.bridge.stage_blocks import split_over_the_model_axis
 from xla_strategies.passes.pipeline import PassPipeline, with_pass
 from xla_strategies.passes.stages.schedules import INTERLEAVED_SCHEDULES
@@ -127,17 +131,22 @@ def on_microbatches(
 ) -> Callable[..., list[Any]]:
     """`step` (flat arrays in and out) traced on the plan's microbatches of its batch
     arguments (`microbatches.microbatched`), the pipelined gradient told which dimension
-    the model axis splits each argument on; itself without a plan. What it returns that
-    depends on the batch is combined as the replicas combine theirs: a mean, or with
-    `ReduceOp.SUM` a sum."""
+    the model axis splits each argument on, then on the whole batch with the gradients
+    the microbatches took (`gradient_replay`); itself without a plan. The loss is the
+    microbatches' mean, or with `ReduceOp.SUM` their sum."""
     if plan is None:
         return step
     rows = [spec.layout is Layout.SPLIT for spec in specs]
-    run = microbatched(step, rows, plan.microbatches, gradient_reduction is not ReduceOp.SUM)
+    mean = gradient_reduction is not ReduceOp.SUM
+    run = microbatched(step, rows, plan.microbatches, mean)
     model_dims = [getattr(spec, "model_dim", None) for spec in specs]
 
     def traced(*flat: Any) -> list[Any]:
+        split = [x for x, r in zip(flat, rows, strict=True) if r]
+        per_microbatch = split[0].shape[0] // plan.microbatches if split else 0
         with split_over_the_model_axis(flat, model_dims):
-            return run(*flat)
+            return pipelined_then_replayed(
+                lambda: run(*flat), lambda: step(*flat), per_microbatch, mean
+            )
 
     return traced

@@ -1,0 +1,116 @@
+"""The step around a pipelined gradient, run on the whole batch.
+
+A step with stages is traced on microbatches (`microbatches.microbatched`), where its
+gradients are pipelined (`pipelined_gradients`). Its other outputs, traced there, would be
+each microbatch's, and no one rule combines them into the batch's: a mean is right for a
+mean, but a sum over the batch's rows came back M times smaller, a maximum as the mean of
+the microbatches' maxima, a standard deviation as the mean of theirs. So the step is traced
+a second time, on the replica's whole batch, as `jax.jit` runs it: each gradient it takes
+there is the one the microbatches pipelined (`Taken`, in the order it took them), not
+computed again, and everything else (metrics over the batch, the update) is computed as
+written. What the microbatches computed besides the gradients is dead code, which capture
+removes.
+
+The loss comes back as the microbatches' mean (with `ReduceOp.SUM` their sum), its
+gradient as that of all of them; an auxiliary output with the microbatch's rows first (the
+logits) as the batch's rows, in order, and any other that depends on the batch as the
+microbatches' mean (sum: integers, `ReduceOp.SUM`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from xla_strategies.passes.bridge.microbatches import combined
+
+
+@dataclass
+class Taken:
+    """One gradient the step took on microbatches, as values of the program around them:
+    each microbatch's loss (`[M]`), each auxiliary output's leaf (stacked `[M, ...]` where
+    `batched`, else its one value), and the cotangent of each flat primal, once the
+    pullback has run."""
+
+    losses: Any
+    aux: list[Any]
+    batched: list[bool]
+    aux_tree: Any
+    in_tree: Any
+    cotangents: list[Any] | None = None
+
+
+@dataclass
+class Replay:
+    """The gradients to give back, in order, while the step runs on the whole batch."""
+
+    taken: list[Taken]
+    rows_per_microbatch: int
+    mean: bool
+    given: int = 0
+
+    def next(self, fun: Callable[..., Any], primals: tuple, has_aux: bool) -> tuple[Any, ...]:
+        """What `jax.vjp(fun, *primals, has_aux=has_aux)` gives the step on the whole
+        batch: the next gradient the microbatches took."""
+        if self.given >= len(self.taken):
+            raise ValueError(
+                f"the step takes more gradients on its whole batch than the {len(self.taken)} "
+                "it took on one microbatch: a step with stages must take the same gradients "
+                "whatever its batch's size"
+            )
+        taken = self.taken[self.given]
+        self.given += 1
+        return _replayed(taken, fun, primals, has_aux, self.rows_per_microbatch, self.mean)
+
+    def check_all_given(self) -> None:
+        if self.given != len(self.taken):
+            raise ValueError(
+                f"the step took {len(self.taken)} gradients on one microbatch and {self.given} "
+                "on its whole batch: a step with stages must take the same gradients whatever "
+                "its batch's size"
+            )
+
+
+def _replayed(
+    taken: Taken, fun: Callable[..., Any], primals: tuple, has_aux: bool, rows: int, mean: bool
+) -> tuple[Any, ...]:
+    flat, in_tree = jax.tree.flatten(tuple(primals))
+    if in_tree != taken.in_tree:
+        raise ValueError(
+            "the step differentiates other arguments on its whole batch than on one "
+            f"microbatch: {in_tree} against {taken.in_tree}"
+        )
+    loss = combined(taken.losses, rows, mean)
+    batched = taken.batched
+    aux = [combined(a, rows, mean) if b else a for a, b in zip(taken.aux, batched, strict=True)]
+    if not all(batched):
+        # an output that does not depend on the batch (the state flax NNX's gradients
+        # return: a stream's key, folded per replica in this trace) is this trace's own;
+        # the rest of the function is dead code here
+        again = jax.tree.leaves(fun(*primals)[1])
+        aux = [a if b else x for a, b, x in zip(aux, batched, again, strict=True)]
+
+    def pullback(ct: Any) -> tuple[Any, ...]:
+        del ct  # the seed the microbatches' pullback took: the gradient of them all
+        if taken.cotangents is None:
+            raise ValueError("the step called a gradient's pullback on its whole batch only")
+        cts = [_as_primal(c, p) for c, p in zip(taken.cotangents, flat, strict=True)]
+        return tuple(jax.tree.unflatten(in_tree, cts))
+
+    aux_tree = jax.tree.unflatten(taken.aux_tree, aux)
+    return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
+
+
+def _as_primal(cotangent: Any, primal: Any) -> Any:
+    """A cotangent of the microbatches as the gradient of the whole batch's `primal`: a
+    batch argument's, stacked `[M, rows, ...]`, as the batch's rows."""
+    shape = np.shape(primal)
+    if np.shape(cotangent) == shape:
+        return cotangent
+    if getattr(cotangent, "dtype", None) == jax.dtypes.float0:
+        return np.zeros(shape, jax.dtypes.float0)
+    return cotangent.reshape(shape)

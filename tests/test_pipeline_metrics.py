@@ -1,0 +1,65 @@
+"""What a step with stages computes besides its gradient is computed on each replica's
+whole batch, as without stages: a sum, a maximum, a standard deviation over the batch, a
+metric of the loss's per-example auxiliary output. (Computed on microbatches and averaged,
+a sum came back M times smaller and a maximum as the mean of the microbatches' maxima.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pipeline_stages import TX, _plain_batches, _plain_params
+
+import xla_strategies as xs
+
+
+def _loss_and_errors(params, x, y):
+    """`_plain_loss`, with each example's error as its auxiliary output."""
+    h = jnp.tanh(x * params["embed"])
+
+    def layer(h, w):
+        return jnp.tanh(h @ w["w"] + w["b"]), None
+
+    h, _ = jax.lax.scan(layer, h, {"w": params["w"], "b": params["b"]})
+    errors = jnp.mean((h @ params["head"] - y) ** 2, axis=1)
+    return errors.mean(), errors
+
+
+def _metrics(strategy, **options):
+    """One adam step's loss, metrics and new parameters, per replica."""
+
+    @strategy.compile(**options)
+    def step(params, opt_state, x, y):
+        (loss, errors), grads = jax.value_and_grad(_loss_and_errors, has_aux=True)(params, x, y)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        metrics = {
+            "loss": loss,
+            "sum": jnp.sum(y),
+            "max": jnp.max(x),
+            "std": jnp.std(x),
+            "positive": jnp.sum(x > 0),
+            "worst": jnp.max(errors),
+            "errors": errors,
+        }
+        return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, metrics
+
+    params = _plain_params()
+    with strategy.scope():
+        state = strategy.replicate(params), strategy.replicate(TX.init(params))
+    ((x, y),) = strategy.experimental_distribute_dataset(_plain_batches()[:1])
+    new_params, _, metrics = step(*state, x, y)
+    return jax.tree.map(np.asarray, metrics), jax.tree.map(np.asarray, new_params)
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_metrics_over_the_batch_are_the_whole_batchs_as_without_stages(microbatches):
+    """4 replicas of 2 stages against 4 replicas without stages, the same rows each."""
+    staged = xs.MirroredStrategy(pipeline_stages=2)
+    want, want_params = _metrics(xs.MirroredStrategy(jax.devices()[:4]))
+    got, got_params = _metrics(staged, microbatches=microbatches)
+    assert staged.num_replicas_in_sync == 4
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=2e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(got["positive"], want["positive"])
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got_params, want_params
+    )
