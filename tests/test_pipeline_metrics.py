@@ -63,3 +63,22 @@ def test_metrics_over_the_batch_are_the_whole_batchs_as_without_stages(microbatc
     jax.tree.map(
         lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got_params, want_params
     )
+
+
+def test_a_step_that_takes_other_gradients_on_its_whole_batch_is_an_error_naming_it():
+    """The step runs twice, on a microbatch and on the whole batch: a gradient only the
+    whole batch takes has no pipelined counterpart."""
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+
+    @strategy.compile(microbatches=4)
+    def step(params, x, y):
+        loss, grads = jax.value_and_grad(_loss_and_errors, has_aux=True)(params, x, y)
+        if x.shape[0] > 2:  # a replica's 8 rows, not a microbatch's 2
+            grads = jax.grad(lambda p: _loss_and_errors(p, x, y)[0])(params)
+        return loss, grads
+
+    with strategy.scope():
+        params = strategy.replicate(_plain_params())
+    ((x, y),) = strategy.experimental_distribute_dataset(_plain_batches()[:1])
+    with pytest.raises(ValueError, match="more gradients on its whole batch than the 1"):
+        step(params, x, y)
