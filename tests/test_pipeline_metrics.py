@@ -1,7 +1,8 @@
 """What a step with stages computes besides its gradient is computed on each replica's
 whole batch, as without stages: a sum, a maximum, a standard deviation over the batch, a
-metric of the loss's per-example auxiliary output. (Computed on microbatches and averaged,
-a sum came back M times smaller and a maximum as the mean of the microbatches' maxima.)"""
+metric of the loss's per-example auxiliary output; and a sum, a maximum or a minimum the
+loss returns of its rows is the batch's. (Computed on microbatches and averaged, a sum
+came back M times smaller and a maximum as the mean of the microbatches' maxima.)"""
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ def _loss_and_errors(params, x, y):
 
     h, _ = jax.lax.scan(layer, h, {"w": params["w"], "b": params["b"]})
     errors = jnp.mean((h @ params["head"] - y) ** 2, axis=1)
-    return errors.mean(), errors
+    statistics = {"sum": jnp.sum(errors), "max": jnp.max(errors), "min": jnp.min(errors)}
+    return errors.mean(), (errors, statistics)
 
 
 def _metrics(strategy, **options):
@@ -29,7 +31,9 @@ def _metrics(strategy, **options):
 
     @strategy.compile(**options)
     def step(params, opt_state, x, y):
-        (loss, errors), grads = jax.value_and_grad(_loss_and_errors, has_aux=True)(params, x, y)
+        (loss, (errors, statistics)), grads = jax.value_and_grad(_loss_and_errors, has_aux=True)(
+            params, x, y
+        )
         updates, opt_state = TX.update(grads, opt_state, params)
         metrics = {
             "loss": loss,
@@ -39,6 +43,7 @@ def _metrics(strategy, **options):
             "positive": jnp.sum(x > 0),
             "worst": jnp.max(errors),
             "errors": errors,
+            **{f"loss's {name}": value for name, value in statistics.items()},
         }
         return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, metrics
 

@@ -13,8 +13,9 @@ removes.
 
 The loss comes back as the microbatches' mean (with `ReduceOp.SUM` their sum), its
 gradient as that of all of them; an auxiliary output with the microbatch's rows first (the
-logits) as the batch's rows, in order, and any other that depends on the batch as the
-microbatches' mean (sum: integers, `ReduceOp.SUM`).
+logits) as the batch's rows, in order; a statistic of the microbatch's rows (a sum, a
+maximum, a mean) by the same reduction of the microbatches' (`output_reductions`); any
+other that depends on the batch as the microbatches' mean (sum: integers, `ReduceOp.SUM`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Taken:
     batched: list[bool]
     aux_tree: Any
     in_tree: Any
+    #: per auxiliary leaf, the reduction of its microbatch's rows that made it, if known
+    #: (`output_reductions`): the microbatches' values combine by it
+    reductions: tuple[str | None, ...]
     cotangents: list[Any] | None = None
 
 
@@ -86,7 +90,10 @@ def _replayed(
         )
     loss = combined(taken.losses, rows, mean)
     batched = taken.batched
-    aux = [combined(a, rows, mean) if b else a for a, b in zip(taken.aux, batched, strict=True)]
+    aux = [
+        combined(a, rows, mean, r) if b else a
+        for a, b, r in zip(taken.aux, batched, taken.reductions, strict=True)
+    ]
     if not all(batched):
         # an output that does not depend on the batch (the state flax NNX's gradients
         # return: a stream's key, folded per replica in this trace) is this trace's own;

@@ -10,6 +10,7 @@ loss) stay whole. Nothing here changes how the user wrote the model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from xla_strategies.passes.bridge import jax_compat
 from xla_strategies.passes.bridge.boundary_stack import split_at_boundaries
 from xla_strategies.passes.bridge.cast_reads import read_as
 from xla_strategies.passes.bridge.jaxpr_eval import CALLS, evaluate
+from xla_strategies.passes.bridge.output_reductions import reductions
 from xla_strategies.passes.bridge.pipeline_boundary import boundary_p
 from xla_strategies.passes.bridge.stack_parts import (
     LayerStack,
@@ -54,8 +56,9 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
     # what the function reads from its closure becomes its first inputs
     jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
     marks = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is boundary_p]
+    made_by = {"reductions": reductions(jaxpr)}
     if marks:
-        return split_at_boundaries(jaxpr, consts, marks, divisor)
+        return dataclasses.replace(split_at_boundaries(jaxpr, consts, marks, divisor), **made_by)
     scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
     usable = [i for i in scans if _is_layer_stack(jaxpr.eqns[i], divisor)]
     if not usable:
@@ -67,7 +70,7 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
             + (f"; the scans found have lengths {found}" if found else "; there is none")
         )
     at = max(usable, key=lambda i: _xs_bytes(jaxpr.eqns[i]))
-    return _split_at(jaxpr, consts, at)
+    return dataclasses.replace(_split_at(jaxpr, consts, at), **made_by)
 
 
 def _refuse_collectives(jaxpr: jex.Jaxpr) -> None:

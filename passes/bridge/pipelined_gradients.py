@@ -237,6 +237,7 @@ def pipelined_vjp(
         [stacked_microbatches(a) is not None for a in aux],
         trees["aux"],
         in_tree,
+        stack.reductions[1:],
     )
     if taken is not None:
         taken.append(given)

@@ -46,6 +46,9 @@ class LayerStack:
     xs_read_as: tuple[Any, ...] = ()
     #: per value the head reads from before the layers (`kept`), the input it is, if one
     kept_inputs: tuple[int | None, ...] = ()
+    #: per output, the reduction of its rows that made it (`output_reductions`); empty:
+    #: none known
+    reductions: tuple[str | None, ...] = ()
 
     @property
     def staged_aux(self) -> list[jax.ShapeDtypeStruct]:
