@@ -155,3 +155,52 @@ def test_the_flax_nnx_tutorials_metrics_count_every_example_with_stages():
     for name, value in want[2].compute().items():
         np.testing.assert_allclose(np.asarray(got[2].compute()[name]), value, rtol=1e-5)
     _assert_mirrored_and_equal(nnx.state(got[0], nnx.Param), nnx.state(want[0], nnx.Param))
+
+
+_SEEDS = {
+    "a loss scale": lambda loss: jnp.asarray(64.0, loss.dtype),  # the same on every replica
+    "ones like the loss": lambda loss: 8.0 * jnp.ones_like(loss),  # typed per replica
+    "each replica's own": lambda loss: jax.lax.stop_gradient(1.0 / loss),
+}
+
+
+def _sgd_seeded_by(seed_of, strategy, **options):
+    """Two SGD steps whose gradient is `jax.vjp`'s pullback seeded by `seed_of(loss)`."""
+
+    @strategy.compile(**options)
+    def step(params, x, y):
+        loss, pullback = jax.vjp(lambda p: _loss_and_errors(p, x, y)[0], params)
+        (grads,) = pullback(seed_of(loss))
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), loss
+
+    with strategy.scope():
+        params = strategy.replicate(_plain_params())
+    for x, y in strategy.experimental_distribute_dataset(_plain_batches()[:2]):
+        params, _ = step(params, x, y)
+    return params
+
+
+@pytest.mark.parametrize("seed", ["a loss scale", "ones like the loss"])
+def test_a_pullbacks_seed_scales_the_gradient_with_stages(seed):
+    """A step that seeds `jax.vjp`'s pullback itself gets the seed's multiple of the
+    gradient, with stages as on one device (with stages, a `jax.vjp` step was refused as
+    taking no gradient, and a seed that is not a Python number failed to trace on every
+    strategy: JAX refused its type against the per-replica loss)."""
+    got = _sgd_seeded_by(_SEEDS[seed], xs.MirroredStrategy(pipeline_stages=2), microbatches=4)
+    want = _sgd_seeded_by(_SEEDS[seed], xs.OneDeviceStrategy())
+    unseeded = _sgd_seeded_by(lambda loss: 1.0, xs.OneDeviceStrategy())
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), want, unseeded)
+    assert max(jax.tree.leaves(moved)) > 1e-3  # the seed changes the update
+    _assert_mirrored_and_equal(got, want)
+    _assert_mirrored_and_equal(_sgd_seeded_by(_SEEDS[seed], xs.MirroredStrategy()), want)
+
+
+def test_a_seed_that_differs_across_replicas_makes_the_gradient_nan_with_stages():
+    """The stages sum the replicas' gradients before the seed is known, so a seed computed
+    from each replica's own loss cannot scale each one's: the update is NaN, not silently
+    another; without stages it is each replica's own."""
+    seeded = _SEEDS["each replica's own"]
+    got = _sgd_seeded_by(seeded, xs.MirroredStrategy(pipeline_stages=2), microbatches=4)
+    assert all(np.isnan(np.asarray(leaf)).all() for leaf in jax.tree.leaves(got))
+    plain = _sgd_seeded_by(seeded, xs.MirroredStrategy())
+    assert not any(np.isnan(np.asarray(leaf)).any() for leaf in jax.tree.leaves(plain))

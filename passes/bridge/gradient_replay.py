@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from xla_strategies.passes.bridge.microbatches import combined
+from xla_strategies.passes.bridge.trace_hooks import vma
 
 
 @dataclass
@@ -102,14 +104,35 @@ def _replayed(
         aux = [a if b else x for a, b, x in zip(aux, batched, again, strict=True)]
 
     def pullback(ct: Any) -> tuple[Any, ...]:
-        del ct  # the seed the microbatches' pullback took: the gradient of them all
         if taken.cotangents is None:
             raise ValueError("the step called a gradient's pullback on its whole batch only")
-        cts = [_as_primal(c, p) for c, p in zip(taken.cotangents, flat, strict=True)]
+        seed = _replicas_seed(ct)
+        cts = [_seeded(_as_primal(c, p), seed) for c, p in zip(taken.cotangents, flat, strict=True)]
         return tuple(jax.tree.unflatten(in_tree, cts))
 
     aux_tree = jax.tree.unflatten(taken.aux_tree, aux)
     return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
+
+
+def _replicas_seed(ct: Any) -> Any:
+    """The seed the step gave the loss's pullback (`jax.grad`'s 1, a loss scale), the same
+    on every replica. The microbatches' gradients, taken with seed 1, were summed across
+    the replicas inside the stages, so the seed multiplies the sum: exact when every
+    replica seeds alike. Where replicas seed differently (a seed computed from each one's
+    loss) there is no replica's own gradient left to scale: the gradient is NaN, not
+    silently another. JAX's own seeds are constants, and the reductions here fold away."""
+    (seed,) = jax.tree.leaves(ct)
+    axes = tuple(sorted(vma(seed)))
+    if not axes:
+        return seed
+    highest, lowest = jax.lax.pmax(seed, axes), jax.lax.pmin(seed, axes)
+    return jnp.where(highest == lowest, highest, jnp.nan)
+
+
+def _seeded(gradient: Any, seed: Any) -> Any:
+    if getattr(gradient, "dtype", None) == jax.dtypes.float0:
+        return gradient
+    return gradient * jnp.asarray(seed, gradient.dtype)
 
 
 def _as_primal(cotangent: Any, primal: Any) -> Any:

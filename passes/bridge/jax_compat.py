@@ -52,11 +52,17 @@ def vjp_bwd_view(
     JAX 0.12 added a `want_logs` argument after `out_primal_avals`; when it is set the
     result is `(gradients, logs)` rather than the gradients alone."""
     names = list(inspect.signature(bwd).parameters)
-    out_avals, out_ct = args[names.index("out_primal_avals")], args[-1]
+    out_avals, out_ct = vjp_bwd_out_avals(bwd, args), args[-1]
     if "want_logs" in names and args[names.index("want_logs")]:
         grads, logs = result
         return out_avals, out_ct, grads, lambda marked: (marked, logs)
     return out_avals, out_ct, result, lambda marked: marked
+
+
+def vjp_bwd_out_avals(bwd: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """The primal output avals among the arguments of one call of `_vjp3_bwd` (`bwd`);
+    its last argument is the output cotangent, on every tested JAX."""
+    return args[list(inspect.signature(bwd).parameters).index("out_primal_avals")]
 
 
 def bwd_with_logs(flatten_bwd_rest: tuple[Any, ...]) -> bool:

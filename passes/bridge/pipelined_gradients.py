@@ -107,7 +107,7 @@ class Pipelined:
 @contextlib.contextmanager
 def pipelining_gradients(plan: StagePlan | None) -> Iterator[Pipelined]:
     """While a step is traced on microbatches (`microbatches.microbatched`), gradients
-    taken with `jax.grad`/`jax.value_and_grad` in this thread are pipelined by `plan`;
+    taken with `jax.grad`/`jax.value_and_grad`/`jax.vjp` in this thread are pipelined by `plan`;
     yields what was (`Pipelined`). Does nothing for `plan=None`. Other threads' traces
     (the planner's, which capture several configurations at once) keep their own plans."""
     record = Pipelined()
@@ -120,6 +120,8 @@ def pipelining_gradients(plan: StagePlan | None) -> Iterator[Pipelined]:
     with (
         set_in_this_thread(_pipelining, "state", [plan, record, False]),
         patched(api, "vjp", _pipelining_the_threads_gradients),
+        # a step's own `jax.vjp` (`jax.grad` calls the module's)
+        patched(jax, "vjp", _pipelining_the_threads_gradients),
     ):
         yield record
 

@@ -89,9 +89,10 @@ def marking_gradient_scales() -> Any:
 
     def marking(original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any) -> Any:
-            result = original(*args)
             if not getattr(_capturing, "depth", 0):
-                return result
+                return original(*args)
+            args = (*args[:-1], _typed_like_outputs(args[-1], original, args))
+            result = original(*args)
             out_avals, out_ct, grads, rebuild = jax_compat.vjp_bwd_view(original, args, result)
             # the cotangent takes the output's type (a Python 1.0 seed becomes per-replica)
             seed_axes = set().union(
@@ -108,6 +109,36 @@ def marking_gradient_scales() -> Any:
             yield
     finally:
         _capturing.depth -= 1
+
+
+def _typed_like_outputs(out_ct: Any, bwd: Callable[..., Any], args: tuple) -> Any:
+    """The seed a pullback is called with, each array varying over the replica axes its
+    output does: a seed the same on every replica (a loss scale, `jnp.asarray(64.0)`) of a
+    per-replica loss, which JAX refuses by type, seeds each replica's loss, as JAX casts
+    a Python 1.0 itself."""
+    leaves, tree = jax.tree.flatten(out_ct)
+    avals = jax.tree.leaves(jax_compat.vjp_bwd_out_avals(bwd, args))
+    if len(leaves) != len(avals):  # symbolic zeros among them: JAX checks their types
+        return out_ct
+    typed = [
+        varying_over(_as_array(c, a.dtype), varying_axes(a)) if _is_value(c) else c
+        for c, a in zip(leaves, avals, strict=True)
+    ]
+    return jax.tree.unflatten(tree, typed)
+
+
+def _is_value(x: Any) -> bool:
+    """A seed that can vary: a number or an array of one (not float0, an integer's)."""
+    if isinstance(x, int | float):
+        return True
+    if not isinstance(x, jax.Array | jax.core.Tracer | np.ndarray | np.generic):
+        return False
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+
+
+def _as_array(x: Any, dtype: Any) -> Any:
+    """A Python number as an array of its output's dtype, as JAX takes it (weakly typed)."""
+    return jax.numpy.asarray(x, dtype) if isinstance(x, int | float) else x
 
 
 def vma(x: Any) -> set[str]:
