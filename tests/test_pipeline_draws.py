@@ -1,11 +1,13 @@
 """Random draws in a pipelined loss. The stages run the loss once per microbatch, where
 the user wrote it for the whole batch: each microbatch draws its own dropout masks (the
 embedding's, the layers', the head's), and a layer's backward recomputes the mask its
-forward drew, so the gradient is the drawn loss's."""
+forward drew, so the gradient is the drawn loss's. A draw the step makes outside the loss
+is the whole batch's, as under `jax.jit`, and the loss reads its microbatch's rows of it."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_pipeline_metrics import _loss_and_errors
 from test_pipeline_stages import _plain_params
 
 import xla_strategies as xs
@@ -84,3 +86,44 @@ def test_the_gradient_is_the_drawn_losss_by_central_differences():
             for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction), strict=True)
         )
         np.testing.assert_allclose((up - down) / (2 * eps), along, rtol=1e-6)
+
+
+def _augmented_step(strategy, **options):
+    """A step that augments its batch with noise drawn outside the loss, which the loss
+    reads from its closure."""
+
+    @strategy.compile(**options)
+    def step(params, key, x, y):
+        noisy = x + 0.3 * jax.random.normal(key, x.shape)
+
+        def loss_fn(params):
+            return _loss_and_errors(params, noisy, y)
+
+        (loss, errors), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, errors, grads
+
+    return step
+
+
+def test_an_augmentation_drawn_outside_the_loss_is_the_whole_batchs_draw():
+    """Noise the step draws for its whole batch before the loss reads it: each microbatch
+    reads its rows of the one draw `jax.jit` makes (each read the same draw of a
+    microbatch's shape, the noise of one microbatch repeated M times)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(32, 16)).astype(np.float32)
+    batch = [(x, np.sin(x[:, :3]))]
+    runs = {}
+    for name, strategy, options in [
+        ("stages", xs.MirroredStrategy(jax.devices()[:2], pipeline_stages=2), {"microbatches": 4}),
+        ("one device", xs.OneDeviceStrategy(), {}),
+    ]:
+        step = _augmented_step(strategy, **options)
+        with strategy.scope():
+            params = strategy.replicate(_plain_params())
+        (args,) = strategy.experimental_distribute_dataset(batch)
+        runs[name] = jax.tree.map(np.asarray, step(params, jax.random.key(5), *args))
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6),
+        runs["stages"],
+        runs["one device"],
+    )

@@ -21,6 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import batching
+
+from xla_strategies.core.patching import patched, set_in_this_thread
 
 _traces = threading.local()  # the vmap traces of the steps being traced, innermost last
 
@@ -62,14 +66,68 @@ def microbatched(
             return [o for o, b in zip(out, batched, strict=True) if b]
 
         in_axes = [0 if r else None for r in rows]
-        outs = iter(jax.vmap(body, in_axes=in_axes, out_axes=0)(*split))
         per_microbatch = next((x.shape[1] for x, r in zip(split, rows, strict=True) if r), 0)
+        with (
+            set_in_this_thread(_draws, "rows", (per_microbatch, microbatches)),
+            patched(batching.BatchTrace, "process_primitive", _drawing_the_whole_batch),
+        ):
+            outs = iter(jax.vmap(body, in_axes=in_axes, out_axes=0)(*split))
         return [
             combined(next(outs), per_microbatch, mean) if b else once[i]
             for i, b in enumerate(batched)
         ]
 
     return run
+
+
+_draws = threading.local()  # (rows per microbatch, microbatches) of this thread's step
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _drawing_the_whole_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The microbatches' vmap, where a step draws outside its gradient for a microbatch's
+    rows first from a key that does not depend on the batch (noise that augments the
+    batch): each microbatch draws its rows of the draw for the whole batch. That is the
+    draw `jax.jit` makes, and the one the step makes again on its whole batch
+    (`gradient_replay`); drawn as written, every microbatch read the same noise. A draw
+    inside a call (`jax.random.normal` is one) runs with the call inline."""
+
+    def process_primitive(self: Any, p: Any, tracers: Any, params: dict, /) -> Any:
+        rows = getattr(_draws, "rows", None)
+        if not (_stack() and self is _stack()[-1] and rows):
+            return original(self, p, tracers, params)
+        if p.name == "random_bits" and _whole_batchs(params["shape"], tracers[0], rows):
+            return _rows_of_the_whole_draw(p, tracers[0], params, *rows)
+        if p.name in _CALLS and _draws_rows(params["jaxpr"].jaxpr, rows[0]):
+            closed = params["jaxpr"]
+            with core.set_current_trace(self):  # binding took it
+                return core.eval_jaxpr(closed.jaxpr, closed.consts, *tracers)
+        return original(self, p, tracers, params)
+
+    return process_primitive
+
+
+def _whole_batchs(shape: tuple[int, ...], keys: Any, rows: tuple[int, int]) -> bool:
+    return bool(shape) and shape[0] == rows[0] and stacked_microbatches(keys) is None
+
+
+def _draws_rows(jaxpr: Any, rows: int) -> bool:
+    """Whether a call draws for `rows` rows first, in it or in the calls it makes."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "random_bits" and eqn.params["shape"][:1] == (rows,):
+            return True
+        if eqn.primitive.name in _CALLS and _draws_rows(eqn.params["jaxpr"].jaxpr, rows):
+            return True
+    return False
+
+
+def _rows_of_the_whole_draw(p: Any, keys: Any, params: dict, rows: int, microbatches: int):
+    with around_the_microbatches():
+        keys = outside(keys)
+        shape = params["shape"]
+        bits = p.bind(keys, **{**params, "shape": (rows * microbatches, *shape[1:])})
+        bits = bits.reshape(*keys.shape, microbatches, rows, *shape[1:])
+        return as_microbatches(jnp.moveaxis(bits, keys.ndim, 0))
 
 
 def stacked_microbatches(x: Any) -> Any | None:
