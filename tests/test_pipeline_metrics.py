@@ -204,3 +204,28 @@ def test_a_seed_that_differs_across_replicas_makes_the_gradient_nan_with_stages(
     assert all(np.isnan(np.asarray(leaf)).all() for leaf in jax.tree.leaves(got))
     plain = _sgd_seeded_by(seeded, xs.MirroredStrategy())
     assert not any(np.isnan(np.asarray(leaf)).any() for leaf in jax.tree.leaves(plain))
+
+
+def test_an_auxiliary_output_no_rule_combines_is_named_in_a_warning():
+    """A standard deviation of the loss's rows has no rule that gives the batch's from
+    the microbatches': the step says which output comes back as their mean (it came back
+    so silently); the outputs a rule combines are not named."""
+
+    def loss_fn(params, x, y):
+        loss, (errors, statistics) = _loss_and_errors(params, x, y)
+        return loss, {"spread": jnp.std(errors), "worst": statistics["max"], "each": errors}
+
+    strategy = xs.MirroredStrategy(pipeline_stages=2)
+
+    @strategy.compile(microbatches=4)
+    def step(params, x, y):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y)
+        return loss, aux, grads
+
+    with strategy.scope():
+        params = strategy.replicate(_plain_params())
+    ((x, y),) = strategy.experimental_distribute_dataset(_plain_batches()[:1])
+    with pytest.warns(UserWarning, match=r"output \['spread'\] comes back as") as caught:
+        step(params, x, y)
+    named = [str(w.message) for w in caught if "auxiliary output" in str(w.message)]
+    assert len(named) == 1 and "worst" not in named[0] and "each" not in named[0]

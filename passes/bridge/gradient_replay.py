@@ -20,6 +20,7 @@ other that depends on the batch as the microbatches' mean (sum: integers, `Reduc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_strategies.passes.bridge.microbatches import combined
+from xla_strategies.passes.bridge.microbatches import combined, per_example
 from xla_strategies.passes.bridge.trace_hooks import vma
 
 
@@ -92,6 +93,7 @@ def _replayed(
         )
     loss = combined(taken.losses, rows, mean)
     batched = taken.batched
+    _warn_of_guessed_combinations(taken, rows)
     aux = [
         combined(a, rows, mean, r) if b else a
         for a, b, r in zip(taken.aux, batched, taken.reductions, strict=True)
@@ -112,6 +114,31 @@ def _replayed(
 
     aux_tree = jax.tree.unflatten(taken.aux_tree, aux)
     return (loss, pullback, aux_tree) if has_aux else (loss, pullback)
+
+
+def _warn_of_guessed_combinations(taken: Taken, rows: int) -> None:
+    """Say which auxiliary outputs come back as the microbatches' mean (or sum) for want
+    of a rule that gives the batch's: neither one row per example nor a statistic of the
+    rows `output_reductions` reads (a standard deviation, a ratio of two sums)."""
+    paths = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(taken.aux_tree, range(len(taken.aux)))
+    )[0]
+    guessed = [
+        jax.tree_util.keystr(path)
+        for (path, _), value, batched, by in zip(
+            paths, taken.aux, taken.batched, taken.reductions, strict=True
+        )
+        if batched and by is None and not per_example(value, rows)
+    ]
+    if guessed:
+        warnings.warn(
+            f"with pipeline stages, the loss's auxiliary output{'s' * (len(guessed) > 1)} "
+            f"{', '.join(guessed)} come{'s' * (len(guessed) == 1)} back as the "
+            "microbatches' mean (integers: their sum), which is not the whole batch's: "
+            "neither one row per example nor a sum, maximum, minimum or mean of the rows; "
+            "return its parts (sums) and combine them after the gradient",
+            stacklevel=2,
+        )
 
 
 def _replicas_seed(ct: Any) -> Any:

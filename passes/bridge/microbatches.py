@@ -186,12 +186,17 @@ def _stack() -> list[Any]:
 _BY = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "mean": jnp.mean}
 
 
+def per_example(value: Any, rows_per_microbatch: int) -> bool:
+    """Whether a value of every microbatch ([M, ...]) has each microbatch's rows first."""
+    return value.ndim >= 2 and value.shape[1] == rows_per_microbatch
+
+
 def combined(value: Any, rows_per_microbatch: int, mean: bool, by: str | None = None) -> Any:
     """A value of every microbatch ([M, ...]) as the batch's: one row per example where it
     has the microbatch's rows first; else by the reduction `by` that made each (`"sum"`,
     `"max"`, `"min"`, `"mean"`) where known; else their mean (`mean=False`: sum; integers
     sum)."""
-    if value.ndim >= 2 and value.shape[1] == rows_per_microbatch:
+    if per_example(value, rows_per_microbatch):
         return value.reshape(-1, *value.shape[2:])
     if by is not None:
         return _BY[by](value, axis=0).astype(value.dtype)
