@@ -39,7 +39,7 @@ def _compiled(schedule, microbatches, width=64, rows=128, layers=4, outputs=1, *
 
 def test_stages_pass_activations_and_one_f_one_b_holds_fewer_than_gpipe():
     """GPipe keeps all 8 microbatches' layer inputs (2 layers a stage), 1F1B at most 2
-    microbatches' (one per stage): the stash each loop of ticks carries. (XLA's total of
+    microbatches' (one per stage), paired 1F1B 3: the stash each loop of ticks carries. (XLA's total of
     temporaries also holds each microbatch's output for the head's gradients, which
     JAX 0.10.2's heap lays beside the stash: there 1F1B's total exceeds GPipe's.)"""
     one_f_one_b, gpipe = _compiled("1f1b", 8), _compiled("gpipe", 8)
@@ -47,6 +47,9 @@ def test_stages_pass_activations_and_one_f_one_b_holds_fewer_than_gpipe():
     stash = lambda slots: f"f32[{slots},2,16,64]"  # noqa: E731  slots, layers, rows, width
     assert all(stash(2) in t for t in _tick_loops(one_f_one_b.as_text()))
     assert all(stash(8) in t for t in _tick_loops(gpipe.as_text()))
+    # paired 1F1B: 2S-1, its first stage's forwards ahead of the gradient coming back
+    paired = _tick_loops(_compiled("1f1b-paired", 8).as_text())
+    assert paired and all(stash(3) in t for t in paired)
 
 
 def test_keeping_only_each_stage_input_holds_a_chunk_depth_less():

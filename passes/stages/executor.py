@@ -122,8 +122,11 @@ def run(
     the same for every microbatch. Gradients are of the microbatches' losses summed, each
     weighted by `program.seed`."""
     stage = lax.axis_index(axis)
-    table = _tables(schedule)
-    tables = {k: jnp.asarray(v) for k, v in table.items()}
+    # a tick's actions: one lane, or a paired schedule's forward then backward
+    lane_kinds = [(FORWARD,), (BACKWARD, WEIGHT)] if schedule.paired else [tuple(_KINDS)]
+    lane_tables = [_tables(schedule, kinds) for kinds in lane_kinds]
+    lanes = [{k: jnp.asarray(v) for k, v in t.items()} for t in lane_tables]
+    arrive = {k: jnp.asarray(v) for k, v in _arrivals(schedule).items()}
     m_count, stages = schedule.microbatches, schedule.stages
     last = schedule.virtual_stages * stages - 1
     x0 = jax.tree.map(lambda a: a[0], inputs)
@@ -152,18 +155,35 @@ def run(
     forward_perm = [(d, (d + 1) % stages) for d in range(stages if ring else stages - 1)]
     backward_perm = [(d, (d - 1) % stages) for d in range(1 if not ring else 0, stages)]
 
-    runs = _runs(table["kind"])
+    runs = _runs([t["kind"] for t in lane_tables])
     # where every forward runs before any backward (GPipe, looped BFS), the head runs once
     # between the two, not in the forwards' ticks: there it made every stage wait, each
     # tick, for what the last stage runs in M of them
-    head_between = len(runs) == 2 and _KINDS[FORWARD] not in runs[1][2]
+    head_between = len(runs) == 2 and all(_KINDS[FORWARD] not in k for k in runs[1][2])
     head_in_ticks = None if head_between else (head_rows, head_shared)
 
-    def tick(t: Any, state: dict, kinds: tuple[int, ...]) -> dict:
-        row = {k: v[t, stage] for k, v in tables.items()}
+    def tick(t: Any, state: dict, kinds: tuple[tuple[int, ...], ...]) -> dict:
         state = dict(state)
-        state["F"] = put(state["F"], row["arrive_f"], state["recv_f"])
-        state["B"] = put(state["B"], row["arrive_b"], state["recv_b"])
+        state["F"] = put(state["F"], arrive["arrive_f"][t, stage], state["recv_f"])
+        state["B"] = put(state["B"], arrive["arrive_b"][t, stage], state["recv_b"])
+        send_f = send_b = zeros(x0)
+        for lane, lane_run_kinds in zip(lanes, kinds, strict=True):
+            if lane_run_kinds:
+                state, f, b = action(
+                    state, {k: v[t, stage] for k, v in lane.items()}, lane_run_kinds
+                )
+                send_f = f if _KINDS[FORWARD] in lane_run_kinds else send_f
+                send_b = b if _KINDS[BACKWARD] in lane_run_kinds else send_b
+        present = {k for lane_run_kinds in kinds for k in lane_run_kinds}
+        # a run sends only the ways its actions send: a run of forwards sent zeros back
+        # too, as long a permute as the activations', over the same link (for
+        # Llama-3.1-405B's looped BFS, 8.5 of its 41.6 GB over DCN a step)
+        state["recv_f"] = _sent(send_f, _KINDS[FORWARD] in present, axis, forward_perm)
+        state["recv_b"] = _sent(send_b, _KINDS[BACKWARD] in present, axis, backward_perm)
+        return state
+
+    def action(state: dict, row: dict, kinds: tuple[int, ...]) -> tuple[dict, Any, Any]:
+        """One lane's action in a tick: the state, and what it sends on and back."""
         g = row["chunk"] * stages + stage
         where = _Where(row, g == 0, g == last)
         actions = [
@@ -181,13 +201,7 @@ def run(
         # only the kinds this run of ticks holds are branches, so a conditional's costliest
         # branch (what the step estimate charges a tick) is one some stage runs in it
         branch = jnp.asarray(_branch_of(kinds))[row["kind"]]
-        state, send_f, send_b = lax.switch(branch, [actions[k] for k in (0, *kinds)], state)
-        # a run sends only the ways its actions send: a run of forwards sent zeros back
-        # too, as long a permute as the activations', over the same link (for
-        # Llama-3.1-405B's looped BFS, 8.5 of its 41.6 GB over DCN a step)
-        state["recv_f"] = _sent(send_f, _KINDS[FORWARD] in kinds, axis, forward_perm)
-        state["recv_b"] = _sent(send_b, _KINDS[BACKWARD] in kinds, axis, backward_perm)
-        return state
+        return lax.switch(branch, [actions[k] for k in (0, *kinds)], state)
 
     total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
     for i, (start, stop, kinds) in enumerate(runs):
@@ -336,17 +350,22 @@ def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
     return grads.state, zero, zero
 
 
-def _runs(kinds: np.ndarray) -> list[tuple[int, int, tuple[int, ...]]]:
-    """The ticks in runs, each a loop of its own: the warm-up, where no stage runs more
-    than a forward, then the rest; each run with the action kinds its ticks hold. In one
-    SPMD program a tick lasts as long as its slowest stage's action, and a backward is the
-    slowest: one loop with every kind a branch was priced as a backward every tick, GPipe's
-    forwards too (1.5x its lockstep time at S=4, M=8)."""
-    warm = [bool(set(row) <= {0, _KINDS[FORWARD]}) for row in kinds.tolist()]
+def _runs(lanes: list[np.ndarray]) -> list[tuple[int, int, tuple[tuple[int, ...], ...]]]:
+    """The ticks in runs, each a loop of its own, with the action kinds each lane's ticks
+    hold in it. One lane: the warm-up, where no stage runs more than a forward, then the
+    rest. In one SPMD program a tick lasts as long as its slowest stage's action, and a
+    backward is the slowest: one loop with every kind a branch was priced as a backward
+    every tick, GPipe's forwards too (1.5x its lockstep time at S=4, M=8). Paired lanes:
+    a run wherever the lanes that run change (forwards alone, pairs, backwards alone), so
+    no tick is priced for a lane idle in it."""
+    if len(lanes) == 1:
+        marks = [bool(set(row) <= {0, _KINDS[FORWARD]}) for row in lanes[0].tolist()]
+    else:
+        marks = list(zip(*(lane.any(axis=1).tolist() for lane in lanes), strict=True))
     runs, start = [], 0
-    for t in range(1, len(warm) + 1):
-        if t == len(warm) or warm[t] != warm[start]:
-            present = sorted(set(kinds[start:t].ravel().tolist()) - {0})
+    for t in range(1, len(marks) + 1):
+        if t == len(marks) or marks[t] != marks[start]:
+            present = [tuple(sorted(set(k[start:t].ravel().tolist()) - {0})) for k in lanes]
             runs.append((start, t, tuple(present)))
             start = t
     return runs
@@ -360,22 +379,30 @@ def _branch_of(kinds: tuple[int, ...]) -> np.ndarray:
     return branch
 
 
-def _tables(schedule: Schedule) -> dict[str, np.ndarray]:
-    """The schedule as int32 tables indexed [tick, stage]."""
+def _tables(schedule: Schedule, kinds: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The schedule's actions of `kinds` as int32 tables indexed [tick, stage]."""
     shape = (schedule.ticks, schedule.stages)
     tables = {
         k: np.zeros(shape, np.int32) for k in ("kind", "micro", "chunk", "in_slot", "stash_slot")
     }
-    tables["arrive_f"] = np.full(shape, -1, np.int32)
-    tables["arrive_b"] = np.full(shape, -1, np.int32)
     for d, steps in enumerate(schedule.steps):
         for step in steps:
+            if step.action.kind not in kinds:
+                continue
             t = step.tick
             tables["kind"][t, d] = _KINDS[step.action.kind]
             tables["micro"][t, d] = step.action.microbatch
             tables["chunk"][t, d] = step.action.chunk
             tables["in_slot"][t, d] = step.input_slot
             tables["stash_slot"][t, d] = step.stash_slot
+    return tables
+
+
+def _arrivals(schedule: Schedule) -> dict[str, np.ndarray]:
+    """The slot each tick's arriving activation and gradient go in, [tick, stage]; -1
+    where none arrives."""
+    shape = (schedule.ticks, schedule.stages)
+    tables = {"arrive_f": np.full(shape, -1, np.int32), "arrive_b": np.full(shape, -1, np.int32)}
     for (t, d, kind), slot in schedule.arrivals.items():
         tables["arrive_f" if kind == FORWARD else "arrive_b"][t, d] = slot
     return tables

@@ -9,9 +9,10 @@
 
 Each cell is a stage's action in a tick: `F3` the forward of microbatch 3, `B3` its
 backward (with zero-bubble schedules, its input gradient), `W3` its weight gradient, `.`
-idle (the bubble); interleaved chunks add their chunk, `F3c1`. The trace is the Chrome
-trace event format (`chrome://tracing`, Perfetto): one row per stage, one event per
-action, a tick a millisecond.
+idle (the bubble); interleaved chunks add their chunk, `F3c1`; a paired tick's two
+actions are joined, `F3+B1`. The trace is the Chrome trace event format
+(`chrome://tracing`, Perfetto): one row per stage, one event per action, a tick a
+millisecond (half of it for each of a paired tick's actions).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from xla_strategies.passes.stages.schedules import Schedule
 
 def picture(table: Schedule) -> str:
     """The schedule as text: a header line, then a row of cells per stage."""
-    cells = [["."] * table.ticks for _ in range(table.stages)]
+    labels: list[list[list[str]]] = [[[] for _ in range(table.ticks)] for _ in table.steps]
     for stage, steps in enumerate(table.steps):
         for step in steps:
-            cells[stage][step.tick] = _label(step.action, table.virtual_stages)
+            labels[stage][step.tick].append(_label(step.action, table.virtual_stages))
+    cells = [["+".join(cell) or "." for cell in row] for row in labels]
     width = max(len(c) for row in cells for c in row)
     head = (
         f"{table.name}: {table.stages} stages, {table.microbatches} microbatches"
@@ -51,8 +53,9 @@ def trace(table: Schedule) -> str:
         events.append(
             {"ph": "M", "name": "process_name", "pid": stage, "args": {"name": f"stage {stage}"}}
         )
-        for step in steps:
+        for step, after in zip(steps, (None, *steps), strict=False):
             action = step.action
+            second = after is not None and after.tick == step.tick  # a paired tick's backward
             events.append(
                 {
                     "name": _label(action, table.virtual_stages),
@@ -60,8 +63,8 @@ def trace(table: Schedule) -> str:
                     "ph": "X",
                     "pid": stage,
                     "tid": 0,
-                    "ts": step.tick * 1000,
-                    "dur": 1000,
+                    "ts": step.tick * 1000 + (500 if second else 0),
+                    "dur": 500 if table.paired else 1000,
                     "args": {"microbatch": action.microbatch, "chunk": action.chunk},
                 }
             )

@@ -20,6 +20,7 @@ ring of devices V times.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,11 @@ FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {}
 #: the schedules whose stages each hold `virtual_stages` chunks of layers
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs")
+#: the schedules whose ticks each run a forward and a backward on a stage (`simulate`)
+PAIRED_SCHEDULES = ("1f1b-paired",)
+#: an action's time in a forward's, for a paired schedule's bubble (a backward computes
+#: the input and weight gradients: twice a forward)
+_COST = {"F": 1, "B": 2, "W": 1}
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,22 @@ class Schedule:
     steps: tuple[tuple[Step, ...], ...]
     arrivals: dict[tuple[int, int, str], int]
     slots: dict[str, int]
+    #: whether a tick runs a forward and then a backward on a stage (`simulate`)
+    paired: bool = False
 
     @property
     def bubble(self) -> float:
-        """The fraction of device-ticks that are idle."""
-        busy = sum(len(s) for s in self.steps)
-        return 1 - busy / (self.ticks * self.stages)
+        """The fraction of device-ticks that are idle; of a paired schedule, of its time,
+        a tick lasting its stages' longest pair (a backward twice a forward)."""
+        if not self.paired:
+            busy = sum(len(s) for s in self.steps)
+            return 1 - busy / (self.ticks * self.stages)
+        per_tick = [[0] * self.ticks for _ in self.steps]
+        for d, steps in enumerate(self.steps):
+            for step in steps:
+                per_tick[d][step.tick] += _COST[step.action.kind]
+        time = sum(max(column) for column in zip(*per_tick, strict=True))
+        return 1 - sum(map(sum, per_tick)) / (time * self.stages)
 
     @property
     def theoretical_bubble(self) -> float:
@@ -105,6 +121,23 @@ def one_f_one_b(stages: int, microbatches: int, virtual_stages: int = 1) -> list
     one backward, so it keeps at most S-d microbatches alive instead of M."""
     _check(stages, microbatches, virtual_stages, "1f1b", virtual=False)
     return [_warm_steady_cool(stages - 1 - d, microbatches, 1, stages, d) for d in range(stages)]
+
+
+def one_f_one_b_paired(
+    stages: int, microbatches: int, virtual_stages: int = 1
+) -> list[list[Action]]:
+    """1F1B in ticks that each run a forward and then a backward on a stage (of two
+    microbatches; the last stage's of the same one), where 1F1B runs one action a tick.
+    In one SPMD program a tick lasts as long as its slowest stage's action, so 1F1B's
+    ticks, where one stage runs a forward beside another's backward, each last a
+    backward: a paired tick lasts a forward and a backward, and the schedule GPipe's
+    time and bubble. Stage d runs 2(S-1-d) forwards before its first backward (the
+    gradient takes as long to come back as the activations to go), so the first stage
+    keeps 2S-1 microbatches' layer inputs (1F1B: S; GPipe: M)."""
+    _check(stages, microbatches, virtual_stages, "1f1b-paired", virtual=False)
+    return [
+        _warm_steady_cool(2 * (stages - 1 - d), microbatches, 1, stages, d) for d in range(stages)
+    ]
 
 
 def interleaved_one_f_one_b(
@@ -212,6 +245,7 @@ SCHEDULES.update(
     {
         "gpipe": gpipe,
         "1f1b": one_f_one_b,
+        "1f1b-paired": one_f_one_b_paired,
         "interleaved-1f1b": interleaved_one_f_one_b,
         "looped-bfs": looped_bfs,
         "zero-bubble-h1": zero_bubble_h1,
@@ -224,7 +258,7 @@ def schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1)
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is not one of {sorted(SCHEDULES)}")
     lists = SCHEDULES[name](stages, microbatches, virtual_stages)
-    return simulate(lists, name, stages, microbatches, virtual_stages)
+    return simulate(lists, name, stages, microbatches, virtual_stages, name in PAIRED_SCHEDULES)
 
 
 def simulate(
@@ -233,9 +267,12 @@ def simulate(
     stages: int | None = None,
     microbatches: int | None = None,
     virtual_stages: int = 1,
+    paired: bool = False,
 ) -> Schedule:
     """Run each device's `lists[d]` in lockstep ticks: an action starts once what it needs
-    finished in an earlier tick. Raises if the lists deadlock or are incomplete."""
+    finished in an earlier tick. `paired`: a device also starts the action after it in
+    the same tick where the two are a forward and a backward, the forward run first (so
+    the backward may need it). Raises if the lists deadlock or are incomplete."""
     stages = len(lists) if stages is None else stages
     microbatches = (
         1 + max(a.microbatch for actions in lists for a in actions)
@@ -249,20 +286,38 @@ def simulate(
     while any(len(p) < len(a) for p, a in zip(placed, lists, strict=True)):
         started = []
         for d, actions in enumerate(lists):
-            if len(placed[d]) < len(actions):
-                action = actions[len(placed[d])]
-                if all(done.get(need, tick) < tick for need in _needs(action, d, stages, last)):
-                    started.append((d, action))
+            upcoming = actions[len(placed[d]) : len(placed[d]) + (2 if paired else 1)]
+            needs = lambda a: _needs(a, d, stages, last)  # noqa: E731, B023
+            if upcoming and _ready(needs(upcoming[0]), done, tick):
+                started.append((d, upcoming[0]))
+                if (
+                    len(upcoming) == 2
+                    and {upcoming[0].kind, upcoming[1].kind} == {FORWARD, BACKWARD}
+                    and _ready(needs(upcoming[1]), done, tick, _key(upcoming[0], d, stages))
+                ):
+                    started.append((d, upcoming[1]))
         if not started and tick > max(done.values(), default=0) + 1:
             raise ValueError(f"schedule {name!r} deadlocks at tick {tick}")
         for d, action in started:
             placed[d].append((action, tick))
-            done[(action.kind, action.microbatch, action.chunk * stages + d)] = tick
+            done[_key(action, d, stages)] = tick
         tick += 1
     _check_complete(
         done, name, microbatches, last, any(a.kind == WEIGHT for row in lists for a in row)
     )
-    return _with_slots(placed, name, stages, microbatches, virtual_stages, tick)
+    table = _with_slots(placed, name, stages, microbatches, virtual_stages, tick)
+    return dataclasses.replace(table, paired=paired)
+
+
+def _ready(needs: list, done: dict, tick: int, this_tick: tuple | None = None) -> bool:
+    """Whether what an action needs finished before `tick`, or is `this_tick`: the
+    forward a paired tick runs first."""
+    return all(done.get(need, tick) < tick or need == this_tick for need in needs)
+
+
+def _key(action: Action, device: int, stages: int) -> tuple[str, int, int]:
+    """What `done` knows an action by: its kind, microbatch and global stage."""
+    return (action.kind, action.microbatch, action.chunk * stages + device)
 
 
 def _needs(action: Action, device: int, stages: int, last: int) -> list[tuple[str, int, int]]:

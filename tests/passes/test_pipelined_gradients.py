@@ -67,6 +67,7 @@ def _pipelined(plan, params, x, y):
         ("gpipe", 2, 4, 1),
         ("1f1b", 2, 8, 1),
         ("1f1b", 4, 8, 1),
+        ("1f1b-paired", 4, 8, 1),
         ("interleaved-1f1b", 2, 4, 2),
         ("looped-bfs", 2, 4, 2),
         ("zero-bubble-h1", 4, 4, 1),

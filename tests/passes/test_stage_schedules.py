@@ -11,7 +11,7 @@ CASES = [(s, m) for s in (2, 4) for m in (4, 8)]
 INTERLEAVED = ("interleaved-1f1b", "looped-bfs")
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", *INTERLEAVED])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b-paired", *INTERLEAVED])
 @pytest.mark.parametrize("stages, microbatches", CASES)
 def test_the_bubble_is_the_schedules_theory(name, stages, microbatches):
     virtual = 2 if name in INTERLEAVED else 1
@@ -28,6 +28,9 @@ def test_the_bubble_is_the_schedules_theory(name, stages, microbatches):
 def test_one_f_one_b_keeps_at_most_s_microbatches_alive_where_gpipe_keeps_m(stages, microbatches):
     assert schedule("gpipe", stages, microbatches).kept_alive() == microbatches
     assert schedule("1f1b", stages, microbatches).kept_alive() == min(stages, microbatches)
+    paired = schedule("1f1b-paired", stages, microbatches)
+    assert paired.kept_alive() == min(2 * stages - 1, microbatches)
+    assert paired.ticks == microbatches + 2 * stages - 2  # GPipe's: 2 (M+S-1)
 
 
 def test_zero_bubble_fills_part_of_one_f_one_b_bubble_in_its_memory():
@@ -46,15 +49,18 @@ def test_every_action_runs_once_after_what_it_needs(name):
     when = {}
     for device, steps in enumerate(table.steps):
         ticks = [s.tick for s in steps]
-        assert ticks == sorted(set(ticks))  # one action a tick, in list order
+        assert ticks == sorted(ticks)  # in list order
+        for tick in set(ticks):  # one action a tick; paired, a forward and a backward
+            kinds = sorted(s.action.kind for s in steps if s.tick == tick)
+            assert len(kinds) == 1 or (table.paired and kinds == ["B", "F"]), kinds
         for s in steps:
             when[(s.action.kind, s.action.microbatch, s.action.chunk * 4 + device)] = s.tick
     last = virtual * 4 - 1
     for (kind, m, g), tick in when.items():
         if kind == "F" and g > 0:
             assert when[("F", m, g - 1)] < tick
-        if kind == "B":
-            assert when[("F", m, g)] < tick
+        if kind == "B":  # paired: the forward first in the same tick
+            assert when[("F", m, g)] < tick or (table.paired and when[("F", m, g)] == tick)
             if g < last:
                 assert when[("B", m, g + 1)] < tick
 

@@ -18,8 +18,9 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
   `REMAT_POLICIES`, which keep more for the backward pass and compute less again
   (`compile(remat_policy=...)`; a pipelined step takes none yet);
 - on the best configuration found with stages (the one of least memory where none fits),
-  at its batch: the schedules beside 1F1B, zero-bubble H1 and interleaved 1F1B and looped
-  BFS with the virtual stages that divide a stage's layers (`virtual_stage_counts`).
+  at its batch: the schedules beside 1F1B, paired 1F1B, zero-bubble H1, and interleaved
+  1F1B and looped BFS with the virtual stages that divide a stage's layers
+  (`virtual_stage_counts`).
 
 Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
 (labelled with what the estimate was fitted to) and items per second per chip (the batch
@@ -69,7 +70,7 @@ MODEL_AXES = (1, 2, 4, 8)
 #: only their inputs), on the best configuration found: more kept, less computed again
 REMAT_POLICIES = ("dots_with_no_batch_dims_saveable", "dots_saveable", "everything_saveable")
 #: what the best configuration with stages is tried with beside 1F1B, the default
-SCHEDULES_TRIED = ("zero-bubble-h1", "interleaved-1f1b", "looped-bfs")
+SCHEDULES_TRIED = ("1f1b-paired", "zero-bubble-h1", "interleaved-1f1b", "looped-bfs")
 #: how many counts of virtual stages an interleaved schedule is tried with at most
 VIRTUAL_STAGES_TRIED = 4
 STAGES = (1, 2, 4)

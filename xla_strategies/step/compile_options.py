@@ -55,8 +55,8 @@ class CompileOptions:
             `shard_weight_updates=True`), unless XLA_STRATEGIES_SELECT_BY_COMPILING=0.
         microbatches: on a strategy with `pipeline_stages`, the microbatches each
             replica's batch is split into for the pipeline (default: the stages).
-        schedule: the pipeline's schedule: "1f1b" (the default), "gpipe",
-            "interleaved-1f1b", "looped-bfs" or "zero-bubble-h1".
+        schedule: the pipeline's schedule: "1f1b" (the default), "1f1b-paired",
+            "gpipe", "interleaved-1f1b", "looped-bfs" or "zero-bubble-h1".
         virtual_stages: chunks of layers per stage for "interleaved-1f1b" and
             "looped-bfs" (default 2).
         stage_keeps: what each stage's forward keeps of a microbatch for its backward:
