@@ -56,8 +56,9 @@ def _assert_held_in_blocks_and_equal(got, want, stacked, devices=8):
         ),
         pytest.param(4, {"microbatches": 4, "schedule": "zero-bubble-h1"}, marks=pytest.mark.slow),
         pytest.param(2, {"microbatches": 4, "stage_keeps": "stage-inputs"}, marks=pytest.mark.slow),
+        pytest.param(2, {"microbatches": 4, "schedule": "1f1b-paired"}, marks=pytest.mark.slow),
     ],
-    ids=["gpipe-S2", "1f1b-S4-M8", "interleaved", "zero-bubble", "stage-inputs"],
+    ids=["gpipe-S2", "1f1b-S4-M8", "interleaved", "zero-bubble", "stage-inputs", "paired"],
 )
 def test_each_schedule_with_sharded_parameters_trains_as_one_device_does(stages, options):
     params, batches = _plain_params(), _plain_batches()
