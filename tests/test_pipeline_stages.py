@@ -125,6 +125,7 @@ def _stage_split(tree):
         (2, {"microbatches": 8}),  # 1F1B, the default
         (4, {"microbatches": 4, "schedule": "1f1b"}),
         (4, {"microbatches": 8, "schedule": "1f1b-paired"}),
+        (2, {"microbatches": 4, "schedule": "interleaved-1f1b-paired", "virtual_stages": 2}),
         (2, {"microbatches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2}),
         (2, {"microbatches": 2, "schedule": "looped-bfs", "virtual_stages": 4}),
         (4, {"microbatches": 4, "schedule": "zero-bubble-h1"}),
@@ -136,6 +137,7 @@ def _stage_split(tree):
         "1f1b-S2-M8",
         "1f1b-S4-M4",
         "1f1b-paired-S4-M8",
+        "interleaved-paired",
         "interleaved",
         "looped-bfs",
         "zero-bubble",

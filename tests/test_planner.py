@@ -208,6 +208,7 @@ def test_schedules_are_tried_on_the_best_configuration_with_stages(tmp_path, mon
         ("1f1b-paired", 0),
         ("zero-bubble-h1", 0),
         *(("interleaved-1f1b", v) for v in (2, 4, 8)),
+        *(("interleaved-1f1b-paired", v) for v in (2, 4, 8)),
         *(("looped-bfs", v) for v in (2, 4, 8)),
     ]
     others = [r for r in staged if r.schedule != "1f1b"]

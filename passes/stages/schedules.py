@@ -29,9 +29,9 @@ FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 #: virtual_stages) giving every device's list of actions
 SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {}
 #: the schedules whose stages each hold `virtual_stages` chunks of layers
-INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "looped-bfs")
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-1f1b-paired", "looped-bfs")
 #: the schedules whose ticks each run a forward and a backward on a stage (`simulate`)
-PAIRED_SCHEDULES = ("1f1b-paired",)
+PAIRED_SCHEDULES = ("1f1b-paired", "interleaved-1f1b-paired")
 #: an action's time in a forward's, for a paired schedule's bubble (a backward computes
 #: the input and weight gradients: twice a forward)
 _COST = {"F": 1, "B": 2, "W": 1}
@@ -130,8 +130,9 @@ def one_f_one_b_paired(
     microbatches; the last stage's of the same one), where 1F1B runs one action a tick.
     In one SPMD program a tick lasts as long as its slowest stage's action, so 1F1B's
     ticks, where one stage runs a forward beside another's backward, each last a
-    backward: a paired tick lasts a forward and a backward, and the schedule GPipe's
-    time and bubble. Stage d runs 2(S-1-d) forwards before its first backward (the
+    backward: a paired tick lasts a forward and a backward, and the schedule has GPipe's
+    bubble (its time where the head, which the last stage runs in its ticks, is light).
+    Stage d runs 2(S-1-d) forwards before its first backward (the
     gradient takes as long to come back as the activations to go), so the first stage
     keeps 2S-1 microbatches' layer inputs (1F1B: S; GPipe: M)."""
     _check(stages, microbatches, virtual_stages, "1f1b-paired", virtual=False)
@@ -145,7 +146,19 @@ def interleaved_one_f_one_b(
 ) -> list[list[Action]]:
     """Megatron's interleaved 1F1B: V chunks per device, microbatches in groups of S, so
     the bubble is V times smaller than 1F1B's."""
-    _check(stages, microbatches, virtual_stages, "interleaved-1f1b", virtual=True)
+    return _interleaved(stages, microbatches, virtual_stages, "interleaved-1f1b")
+
+
+def interleaved_one_f_one_b_paired(
+    stages: int, microbatches: int, virtual_stages: int = 2
+) -> list[list[Action]]:
+    """Interleaved 1F1B in paired ticks (`one_f_one_b_paired`): its warm-up already lets
+    the gradient come back, so it keeps interleaved 1F1B's memory, in GPipe's time."""
+    return _interleaved(stages, microbatches, virtual_stages, "interleaved-1f1b-paired")
+
+
+def _interleaved(stages: int, microbatches: int, virtual_stages: int, name: str) -> list:
+    _check(stages, microbatches, virtual_stages, name, virtual=True)
     return [
         _warm_steady_cool(
             (virtual_stages - 1) * stages + 2 * (stages - 1 - d),
@@ -247,6 +260,7 @@ SCHEDULES.update(
         "1f1b": one_f_one_b,
         "1f1b-paired": one_f_one_b_paired,
         "interleaved-1f1b": interleaved_one_f_one_b,
+        "interleaved-1f1b-paired": interleaved_one_f_one_b_paired,
         "looped-bfs": looped_bfs,
         "zero-bubble-h1": zero_bubble_h1,
     }

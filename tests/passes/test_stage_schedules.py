@@ -8,7 +8,7 @@ from xla_strategies.passes.stages.schedules import SCHEDULES, schedule
 CASES = [(s, m) for s in (2, 4) for m in (4, 8)]
 
 
-INTERLEAVED = ("interleaved-1f1b", "looped-bfs")
+INTERLEAVED = ("interleaved-1f1b", "interleaved-1f1b-paired", "looped-bfs")
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "1f1b-paired", *INTERLEAVED])
@@ -31,6 +31,11 @@ def test_one_f_one_b_keeps_at_most_s_microbatches_alive_where_gpipe_keeps_m(stag
     paired = schedule("1f1b-paired", stages, microbatches)
     assert paired.kept_alive() == min(2 * stages - 1, microbatches)
     assert paired.ticks == microbatches + 2 * stages - 2  # GPipe's: 2 (M+S-1)
+    # interleaved, paired in the memory it keeps unpaired
+    interleaved = schedule("interleaved-1f1b", stages, microbatches, 2)
+    assert schedule("interleaved-1f1b-paired", stages, microbatches, 2).kept_alive() == (
+        interleaved.kept_alive()
+    )
 
 
 def test_zero_bubble_fills_part_of_one_f_one_b_bubble_in_its_memory():

@@ -19,8 +19,8 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
   (`compile(remat_policy=...)`; a pipelined step takes none yet);
 - on the best configuration found with stages (the one of least memory where none fits),
   at its batch: the schedules beside 1F1B, paired 1F1B, zero-bubble H1, and interleaved
-  1F1B and looped BFS with the virtual stages that divide a stage's layers
-  (`virtual_stage_counts`).
+  1F1B (in ticks of one action and paired) and looped BFS with the virtual stages that
+  divide a stage's layers (`virtual_stage_counts`).
 
 Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
 (labelled with what the estimate was fitted to) and items per second per chip (the batch
@@ -70,7 +70,13 @@ MODEL_AXES = (1, 2, 4, 8)
 #: only their inputs), on the best configuration found: more kept, less computed again
 REMAT_POLICIES = ("dots_with_no_batch_dims_saveable", "dots_saveable", "everything_saveable")
 #: what the best configuration with stages is tried with beside 1F1B, the default
-SCHEDULES_TRIED = ("1f1b-paired", "zero-bubble-h1", "interleaved-1f1b", "looped-bfs")
+SCHEDULES_TRIED = (
+    "1f1b-paired",
+    "zero-bubble-h1",
+    "interleaved-1f1b",
+    "interleaved-1f1b-paired",
+    "looped-bfs",
+)
 #: how many counts of virtual stages an interleaved schedule is tried with at most
 VIRTUAL_STAGES_TRIED = 4
 STAGES = (1, 2, 4)

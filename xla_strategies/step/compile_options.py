@@ -56,8 +56,9 @@ class CompileOptions:
         microbatches: on a strategy with `pipeline_stages`, the microbatches each
             replica's batch is split into for the pipeline (default: the stages).
         schedule: the pipeline's schedule: "1f1b" (the default), "1f1b-paired",
-            "gpipe", "interleaved-1f1b", "looped-bfs" or "zero-bubble-h1".
-        virtual_stages: chunks of layers per stage for "interleaved-1f1b" and
+            "gpipe", "interleaved-1f1b", "interleaved-1f1b-paired", "looped-bfs" or
+            "zero-bubble-h1".
+        virtual_stages: chunks of layers per stage for the interleaved schedules and
             "looped-bfs" (default 2).
         stage_keeps: what each stage's forward keeps of a microbatch for its backward:
             "layer-inputs" (the default: each layer's input, as JAX's gradient of a scan
