@@ -29,6 +29,7 @@ SMALL = ("override_model_config=true", "base_num_decoder_layers=4", "base_emb_di
 SEQ, ROWS, STEPS = 16, 16, 3
 SCHEDULES = {
     "1f1b": {},
+    "1f1b-paired": {"schedule": "1f1b-paired"},
     "gpipe, shard_parameters": {"schedule": "gpipe", "shard_parameters": True},
     "interleaved-1f1b V=2, shard_parameters": {
         "schedule": "interleaved-1f1b", "virtual_stages": 2, "shard_parameters": True},
