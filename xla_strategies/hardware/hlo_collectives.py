@@ -70,6 +70,7 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
     times = executions(comps, entry)
     everyone = participants(hlo_text)
     found: list[Collective] = []
+    continued: list[int] = []  # steps of a collective started in another computation
     for name, ops in comps.items():
         if not times.get(name):
             continue
@@ -127,7 +128,61 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
             )
             if "collective-start" in op_name:
                 in_flight.append(len(found) - 1)
-    return found
+            elif opcode == "fusion" and _continues(rest, comps):
+                continued.append(len(found) - 1)
+    return _merged_into_their_starts(found, continued)
+
+
+def _continues(rest: str, comps: dict[str, list[Op]]) -> bool:
+    """Whether a fusion that wraps a collective is a step of one in flight: libtpu runs an
+    async collective in steps, each passing the collective's operand on to the next (its
+    fused computation returns that parameter as it took it). A collective of its own
+    returns its result, not its operand."""
+    for callee in CALLEE.findall(rest):
+        ops = comps.get(callee, [])
+        operands = {
+            o
+            for _, _, opcode, r in ops
+            if collective_kind(opcode)
+            for o in OPERAND.findall(operand_text(r))
+        }
+        root = ops[-1] if ops else None
+        if root is not None and root[2] == "tuple":
+            if operands & set(OPERAND.findall(operand_text(root[3]))):
+                return True
+    return False
+
+
+def _merged_into_their_starts(found: list[Collective], continued: list[int]) -> list[Collective]:
+    """`found` with each step of a collective started in another computation (libtpu
+    starts a gradient's all-reduce before a loop and advances it in the loop's body, once
+    per trip: one all-reduce, which was counted once per trip) merged into its start:
+    the compute fused with its steps, as often as they run, is what hides it. A step whose
+    start is not found stays a collective of its own (counted, not lost)."""
+    merged, gone = list(found), set()
+    for i in continued:
+        step = found[i]
+        start = next(
+            (
+                j
+                for j, c in enumerate(found)
+                if "collective-start" in c.name
+                and c.computation != step.computation
+                and (c.kind, c.nbytes) == (step.kind, step.nbytes)
+            ),
+            None,
+        )
+        if start is None:
+            continue
+        runs = step.times / max(merged[start].times, 1)
+        merged[start] = dataclasses.replace(
+            merged[start],
+            overlapped_ops=merged[start].overlapped_ops + round(step.overlapped_ops * runs),
+            overlapped_cycles=merged[start].overlapped_cycles
+            + round(step.overlapped_cycles * runs),
+        )
+        gone.add(i)
+    return [c for i, c in enumerate(merged) if i not in gone]
 
 
 def _across_slices(
