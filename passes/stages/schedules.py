@@ -130,9 +130,8 @@ def one_f_one_b_paired(
     microbatches; the last stage's of the same one), where 1F1B runs one action a tick.
     In one SPMD program a tick lasts as long as its slowest stage's action, so 1F1B's
     ticks, where one stage runs a forward beside another's backward, each last a
-    backward: a paired tick lasts a forward and a backward, and the schedule has GPipe's
-    bubble (its time where the head, which the last stage runs in its ticks, is light).
-    Stage d runs 2(S-1-d) forwards before its first backward (the
+    backward: a paired tick lasts a forward and a backward, and the schedule GPipe's
+    time and bubble. Stage d runs 2(S-1-d) forwards before its first backward (the
     gradient takes as long to come back as the activations to go), so the first stage
     keeps 2S-1 microbatches' layer inputs (1F1B: S; GPipe: M)."""
     _check(stages, microbatches, virtual_stages, "1f1b-paired", virtual=False)
