@@ -31,6 +31,7 @@ import numpy as np
 
 from xla_strategies.passes.bridge.microbatches import combined, per_example
 from xla_strategies.passes.bridge.trace_hooks import vma
+from xla_strategies.passes.stages.slots import zero_cotangent
 
 
 @dataclass
@@ -169,5 +170,5 @@ def _as_primal(cotangent: Any, primal: Any) -> Any:
     if np.shape(cotangent) == shape:
         return cotangent
     if getattr(cotangent, "dtype", None) == jax.dtypes.float0:
-        return np.zeros(shape, jax.dtypes.float0)
+        return zero_cotangent(primal)
     return cotangent.reshape(shape)

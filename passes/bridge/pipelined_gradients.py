@@ -30,7 +30,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from xla_strategies.core.patching import patched, set_in_this_thread
 from xla_strategies.passes.bridge.gradient_replay import Replay, Taken
@@ -61,7 +60,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
 from xla_strategies.passes.stages import executor
 from xla_strategies.passes.stages.microbatch_draws import drawing_for
 from xla_strategies.passes.stages.schedules import Schedule, schedule
-from xla_strategies.passes.stages.slots import is_float
+from xla_strategies.passes.stages.slots import is_float, zero_cotangent
 
 STAGE_AXIS = "stage"
 
@@ -263,7 +262,7 @@ def pipelined_vjp(
             grads = iter(before_pullback(summed))
             full = [next(grads) if w else None for w in wanted][len(stack.closed_over) :]
             cts = [
-                g if g is not None else _zero_cotangent(x)
+                g if g is not None else zero_cotangent(x)
                 for g, x in zip(full, values[len(stack.closed_over) :], strict=True)
             ]
         given.cotangents = cts
@@ -344,16 +343,10 @@ def _summed_like(primal: Any, cotangent: Any, stage_split: bool = False) -> Any:
     stack's, which the passes keep out of buckets), float0 for a value that has no
     gradient."""
     if cotangent is None:
-        return _zero_cotangent(primal)
+        return zero_cotangent(primal)
     extra = tuple(sorted(vma(cotangent) - set(varying_axes(jax.typeof(primal)))))
     if extra:
         scope = f"{AUTODIFF_SCOPE}/{STAGE_SPLIT_SCOPE}" if stage_split else AUTODIFF_SCOPE
         with jax.named_scope(scope):
             cotangent = jax.lax.psum(cotangent, extra)
     return cotangent.astype(primal.dtype)
-
-
-def _zero_cotangent(x: Any) -> Any:
-    if is_float(x):
-        return jnp.zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)

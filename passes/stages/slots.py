@@ -8,11 +8,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
 def is_float(a: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+def zero_cotangent(x: Any) -> Any:
+    """The gradient of `x` that is nothing: zeros like it, or float0 for a value that has
+    no gradient (an integer)."""
+    if is_float(x):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def float_zeros(tree: Any) -> Any:
