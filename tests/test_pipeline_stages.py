@@ -122,7 +122,7 @@ def _stage_split(tree):
     "stages, options",
     [
         (2, {"microbatches": 4, "schedule": "gpipe"}),
-        (2, {"microbatches": 8}),  # 1F1B, the default
+        (2, {"microbatches": 8}),  # paired 1F1B, the default
         (4, {"microbatches": 4, "schedule": "1f1b"}),
         (4, {"microbatches": 8, "schedule": "1f1b-paired"}),
         (2, {"microbatches": 4, "schedule": "interleaved-1f1b-paired", "virtual_stages": 2}),
@@ -134,7 +134,7 @@ def _stage_split(tree):
     ],
     ids=[
         "gpipe",
-        "1f1b-S2-M8",
+        "default-S2-M8",
         "1f1b-S4-M4",
         "1f1b-paired-S4-M8",
         "interleaved-paired",
@@ -278,7 +278,7 @@ def test_stages_across_tpu_slices_pass_activations_over_dcn():
     strategy = xs.TPUStrategy("2xv5e-16", compile_only=True, pipeline_stages=2)
     assert strategy.num_replicas_in_sync == 16
 
-    @strategy.compile(microbatches=4)
+    @strategy.compile(microbatches=4, schedule="1f1b")
     def grads(params, x, y):
         return jax.grad(_plain_loss)(params, x, y)
 
@@ -317,8 +317,9 @@ def test_the_dump_draws_the_schedule(tmp_path, monkeypatch):
     batch = next(iter(strategy.experimental_distribute_dataset(_plain_batches())))
     grads(strategy.replicate(_plain_params()), *batch)
     drawn = (tmp_path / "pipelined" / "schedule.txt").read_text().splitlines()
-    assert drawn[0] == "1f1b: 2 stages, 4 microbatches, 10 ticks, bubble 20.0 % (theory 20.0 %)"
-    assert drawn[2].split()[2:] == ["F0", "F1", ".", "B0", "F2", "B1", "F3", "B2", ".", "B3"]
+    head = "1f1b-paired: 2 stages, 4 microbatches, 6 ticks, bubble 20.0 % (theory 20.0 %)"
+    assert drawn[0] == head  # the default schedule
+    assert drawn[2].split()[2:] == ["F0", "F1", "F2+B0", "F3+B1", "B2", "B3"]
     events = json.loads((tmp_path / "pipelined" / "schedule.trace.json").read_text())
     assert sum(e["ph"] == "X" for e in events["traceEvents"]) == 2 * 2 * 4
 

@@ -48,7 +48,7 @@ def _assert_held_in_blocks_and_equal(got, want, stacked, devices=8):
     "stages, options",
     [
         (2, {"microbatches": 4, "schedule": "gpipe"}),
-        (4, {"microbatches": 8}),  # 1F1B, the default
+        (4, {"microbatches": 8, "schedule": "1f1b"}),
         pytest.param(
             2,
             {"microbatches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2},
@@ -56,7 +56,7 @@ def _assert_held_in_blocks_and_equal(got, want, stacked, devices=8):
         ),
         pytest.param(4, {"microbatches": 4, "schedule": "zero-bubble-h1"}, marks=pytest.mark.slow),
         pytest.param(2, {"microbatches": 4, "stage_keeps": "stage-inputs"}, marks=pytest.mark.slow),
-        pytest.param(2, {"microbatches": 4, "schedule": "1f1b-paired"}, marks=pytest.mark.slow),
+        pytest.param(2, {"microbatches": 4}, marks=pytest.mark.slow),  # paired 1F1B, the default
     ],
     ids=["gpipe-S2", "1f1b-S4-M8", "interleaved", "zero-bubble", "stage-inputs", "paired"],
 )

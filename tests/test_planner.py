@@ -153,7 +153,7 @@ def test_stages_across_slices_are_planned_where_replicated_state_does_not_fit(
     assert by["parameter sharding", 2].memory_bytes < by["replicated", 2].memory_bytes / 2
     staged = by["replicated", 2]
     assert staged.microbatches == 4  # 16 rows over 4 replicas: 4 a replica, at most 8
-    assert staged.schedule == "1f1b"
+    assert staged.schedule == "1f1b-paired"  # the default
     assert "stages" in found.table().splitlines()[1]
 
 
@@ -202,16 +202,18 @@ def test_schedules_are_tried_on_the_best_configuration_with_stages(tmp_path, mon
     found = _plan_checkpointed_layers("2xv5e-4", 512, stages=(1, 2))
     assert {row.stages for row in found.rows if row.remat_policy} == {1}
     staged = [row for row in found.rows if row.stages == 2]
-    first = max((r for r in staged if r.schedule == "1f1b"), key=lambda r: r.items_per_s_per_chip)
-    tried = [(r.schedule, r.virtual_stages) for r in staged if r.schedule != "1f1b"]
+    first = max(
+        (r for r in staged if r.schedule == "1f1b-paired"), key=lambda r: r.items_per_s_per_chip
+    )
+    tried = [(r.schedule, r.virtual_stages) for r in staged if r.schedule != "1f1b-paired"]
     assert tried == [
-        ("1f1b-paired", 0),
+        ("1f1b", 0),
         ("zero-bubble-h1", 0),
         *(("interleaved-1f1b", v) for v in (2, 4, 8)),
         *(("interleaved-1f1b-paired", v) for v in (2, 4, 8)),
         *(("looped-bfs", v) for v in (2, 4, 8)),
     ]
-    others = [r for r in staged if r.schedule != "1f1b"]
+    others = [r for r in staged if r.schedule != "1f1b-paired"]
     assert all(r.fits and r.sharding == first.sharding for r in others), found.table()
     # each a program of its own: the chunks' count changes the step
     assert len({r.step_s for r in others if r.schedule == "looped-bfs"}) == 3
@@ -253,7 +255,7 @@ def test_a_row_is_named_by_everything_that_configures_it():
     row = Row("parameter sharding", 1, 2, True, 2**30, 1.0, 2.0, remat_policy="dots_saveable")
     assert row.describe() == "parameter sharding, remat dots_saveable, 1 per replica, 2 per chip"
     staged = Row("replicated", 2, 4, True, 2**30, 1.0, 4.0, stages=2, microbatches=4)
-    assert staged.describe() == "replicated, 2 stages 1f1b, 2 per replica, 4 per chip"
+    assert staged.describe() == "replicated, 2 stages 1f1b-paired, 2 per replica, 4 per chip"
     looped = Row("replicated", 1, 4, True, 2**30, 1.0, 4.0, stages=2, microbatches=4,
                  schedule="looped-bfs", virtual_stages=4)  # fmt: skip
     assert looped.describe() == "replicated, 2 stages looped-bfs V=4, 1 per replica, 4 per chip"

@@ -59,7 +59,7 @@ from xla_strategies.passes.bridge.trace_hooks import (
 )
 from xla_strategies.passes.stages import executor
 from xla_strategies.passes.stages.microbatch_draws import drawing_for
-from xla_strategies.passes.stages.schedules import Schedule, schedule
+from xla_strategies.passes.stages.schedules import DEFAULT_SCHEDULE, Schedule, schedule
 from xla_strategies.passes.stages.slots import is_float, zero_cotangent
 
 STAGE_AXIS = "stage"
@@ -73,7 +73,7 @@ class StagePlan:
 
     stages: int
     microbatches: int
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     axis: str = STAGE_AXIS
     seed: float = 0.0  # each microbatch loss's weight: 1/M (a mean) unless given

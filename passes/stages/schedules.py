@@ -32,6 +32,10 @@ SCHEDULES: dict[str, Callable[..., list[list[Action]]]] = {}
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-1f1b-paired", "looped-bfs")
 #: the schedules whose ticks each run a forward and a backward on a stage (`simulate`)
 PAIRED_SCHEDULES = ("1f1b-paired", "interleaved-1f1b-paired")
+#: the schedule a step with stages runs unless it names one: 1F1B in paired ticks, as fast
+#: as GPipe by the estimate and in less memory than 1F1B in one-action ticks on the models
+#: compiled (GPT-2 medium on 2xv5e-256, Llama-2-7B on 2xv5e-16: `docs/pipelines.md`)
+DEFAULT_SCHEDULE = "1f1b-paired"
 #: an action's time in a forward's, for a paired schedule's bubble (a backward computes
 #: the input and weight gradients: twice a forward)
 _COST = {"F": 1, "B": 2, "W": 1}

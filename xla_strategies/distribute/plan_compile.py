@@ -24,7 +24,7 @@ from xla_strategies.hardware.memory_at_peak import (
     memory_at_peak,
 )
 from xla_strategies.passes.ir.text import print_graph
-from xla_strategies.passes.stages.schedules import INTERLEAVED_SCHEDULES
+from xla_strategies.passes.stages.schedules import DEFAULT_SCHEDULE, INTERLEAVED_SCHEDULES
 from xla_strategies.step import verdict_cache
 from xla_strategies.step.compile_options import CompileOptions
 from xla_strategies.step.verdict_cache import fingerprint
@@ -103,10 +103,10 @@ def batch_per_chip(strategy: Strategy, args: tuple[Any, ...]) -> int:
 def row_of(job: Job, per_chip: int) -> Row:
     """The row `job` fills in at `per_chip` items a chip, before it is compiled."""
     stages = job.variant.pipeline_stages
+    schedule = (job.schedule or DEFAULT_SCHEDULE) if stages > 1 else ""
     return Row(
         job.sharding, job.model, per_chip, False, None, None, None, stages=stages,
-        remat_policy=job.remat_policy, schedule=(job.schedule or "1f1b") if stages > 1 else "",
-        virtual_stages=job.virtual_stages,
+        remat_policy=job.remat_policy, schedule=schedule, virtual_stages=job.virtual_stages,
     )  # fmt: skip
 
 

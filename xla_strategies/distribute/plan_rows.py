@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xla_strategies.hardware.memory_at_peak import HEAP_GAPS
+from xla_strategies.passes.stages.schedules import DEFAULT_SCHEDULE
 
 #: the state's sharding, as compile options (each forced: the default pipeline's own
 #: choice between them is what the plan checks)
@@ -46,7 +47,7 @@ class Row:
     note: str = ""
     stages: int = 1
     microbatches: int = 0  # with stages: the pipeline's microbatches
-    schedule: str = ""  # with stages: the pipeline's schedule ("": the default, 1F1B)
+    schedule: str = ""  # with stages: the pipeline's schedule ("": the default)
     virtual_stages: int = 0  # with an interleaved schedule: chunks of layers per stage
     remat_policy: str = ""  # the policy its remat blocks were given; "": as written
     #: what holds the memory at XLA's peak (`hardware.memory_at_peak`), fitting or not:
@@ -72,7 +73,7 @@ class Row:
         if self.stages == 1:
             return ""
         chunks = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.stages} stages {self.schedule or '1f1b'}{chunks}"
+        return f"{self.stages} stages {self.schedule or DEFAULT_SCHEDULE}{chunks}"
 
     def options(self) -> dict[str, Any]:
         """The compile options that configure it (`row_options`)."""

@@ -9,8 +9,8 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
   (`Strategy.with_logical_devices_per_replica`) and it divides the topology's fastest axis;
 - pipeline stages across 2 or 4 slices, where the strategy can cut its slices so
   (`Strategy.with_pipeline_stages`): the state replicated within each stage or its
-  parameters sharded over the stage's replicas, 1F1B over as many microbatches as divide
-  a replica's rows, at most 4 per stage;
+  parameters sharded over the stage's replicas, paired 1F1B (the default schedule) over
+  as many microbatches as divide a replica's rows, at most 4 per stage;
 - the per-chip batch: the one given, then doubled while it fits (every batch argument,
   the ones split over the replicas, grows together);
 - on the best configuration found without stages, where the step has remat blocks
@@ -18,9 +18,9 @@ The candidates, each compiled deviceless (`compile_only`) for the same topology:
   `REMAT_POLICIES`, which keep more for the backward pass and compute less again
   (`compile(remat_policy=...)`; a pipelined step takes none yet);
 - on the best configuration found with stages (the one of least memory where none fits),
-  at its batch: the schedules beside 1F1B, paired 1F1B, zero-bubble H1, and interleaved
-  1F1B (in ticks of one action and paired) and looped BFS with the virtual stages that
-  divide a stage's layers (`virtual_stage_counts`).
+  at its batch: the other schedules, 1F1B in ticks of one action, zero-bubble H1, and
+  interleaved 1F1B (in ticks of one action and paired) and looped BFS with the virtual
+  stages that divide a stage's layers (`virtual_stage_counts`).
 
 Each row gives memory per chip (XLA's memory analysis), whether it fits, the estimated step
 (labelled with what the estimate was fitted to) and items per second per chip (the batch
@@ -69,9 +69,9 @@ MODEL_AXES = (1, 2, 4, 8)
 #: what a step's remat blocks without a policy are tried with, beside as written (keeping
 #: only their inputs), on the best configuration found: more kept, less computed again
 REMAT_POLICIES = ("dots_with_no_batch_dims_saveable", "dots_saveable", "everything_saveable")
-#: what the best configuration with stages is tried with beside 1F1B, the default
+#: what the best configuration with stages is tried with beside the default, paired 1F1B
 SCHEDULES_TRIED = (
-    "1f1b-paired",
+    "1f1b",
     "zero-bubble-h1",
     "interleaved-1f1b",
     "interleaved-1f1b-paired",
@@ -106,7 +106,7 @@ def plan(
     `strategy.split_sharding()`) in every candidate configuration; see the module.
     `timeline_to`: where the recommended configuration's timeline goes (`write_timeline`);
     `workers`: how many configurations compile at once; `schedules`: the ones tried beside
-    1F1B on the best configuration with stages."""
+    the default on the best configuration with stages."""
     found = _search(strategy, step, args, budget, log, model_axes, batch_doublings, stages,
                     remat_policies, workers, schedules)  # fmt: skip
     if timeline_to is not None and write_timeline(strategy, step, args, found, timeline_to):

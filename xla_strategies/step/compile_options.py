@@ -55,7 +55,7 @@ class CompileOptions:
             `shard_weight_updates=True`), unless XLA_STRATEGIES_SELECT_BY_COMPILING=0.
         microbatches: on a strategy with `pipeline_stages`, the microbatches each
             replica's batch is split into for the pipeline (default: the stages).
-        schedule: the pipeline's schedule: "1f1b" (the default), "1f1b-paired",
+        schedule: the pipeline's schedule: "1f1b-paired" (the default), "1f1b",
             "gpipe", "interleaved-1f1b", "interleaved-1f1b-paired", "looped-bfs" or
             "zero-bubble-h1".
         virtual_stages: chunks of layers per stage for the interleaved schedules and

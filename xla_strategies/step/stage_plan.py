@@ -21,7 +21,7 @@ from xla_strategies.passes.bridge.pipelined_gradients import (
 )
 from xla_strategies.passes.bridge.stage_blocks import split_over_the_model_axis
 from xla_strategies.passes.pipeline import PassPipeline, with_pass
-from xla_strategies.passes.stages.schedules import INTERLEAVED_SCHEDULES
+from xla_strategies.passes.stages.schedules import DEFAULT_SCHEDULE, INTERLEAVED_SCHEDULES
 from xla_strategies.passes.transforms.shard_parameters import ShardParameters
 from xla_strategies.passes.transforms.shard_weight_updates import ShardWeightUpdates
 from xla_strategies.step.compile_options import CompileOptions
@@ -45,7 +45,7 @@ def stage_plan(
                 f"and {type(strategy).__name__} has none: give it pipeline_stages > 1"
             )
         return None
-    schedule = options.schedule or "1f1b"
+    schedule = options.schedule or DEFAULT_SCHEDULE
     interleaved = schedule in INTERLEAVED_SCHEDULES
     microbatches = stages if options.microbatches is None else options.microbatches
     # microbatch losses combine as the replicas' do: a mean, or a sum under ReduceOp.SUM
