@@ -1,25 +1,26 @@
 """The SPMD loop that runs a pipeline schedule: one program, a tick per iteration.
 
 Run inside a program manual over the stage axis. In each tick every stage looks up its
-action in the schedule's table by (tick, its stage index) and runs it under `lax.switch`:
-idle, the forward of one microbatch through its chunk of layers, that microbatch's
-backward (each layer recomputed from the input the forward kept of it), or for
-zero-bubble schedules the input and weight gradients as two actions. A chunk runs one
-layer at a time, each layer's weights read in place from the stage's stack and its
-gradient added in place into the stage's: a chunk's gradient taken out of the stack and
-added back whole was a copy of the chunk each tick (a dynamic slice XLA does not fuse into
-the layer loop; for two 1024-wide f32 layers on v5e, 20 us a tick, now 10). At the end of the
-tick each stage sends its forward's output to the next stage and its backward's input
-gradient to the previous one with collective-permutes (a run of ticks without backwards
-sends nothing back, and one without forwards nothing on). XLA's TPU compiler moves them to
-the top of the next tick and waits for them there, before the tick's conditional: a
-value read two ticks later (sent during the next tick's compute) was tried, and the
-compiler still waited before the conditional. Values wait in slot buffers whose sizes
-the schedule computed, so 1F1B's program holds S microbatches' layer inputs where GPipe's
-holds M. Keeping only the chunk's input (`keeps="stage-inputs"`, the step's
-`stage_keeps`) holds a chunk's depth times less, and the backward runs the chunk's forward
-again to find them: a fifth more compute, and with parameters in blocks a third more layer
-gathers.
+action in the schedule's table by (tick, its stage index) and runs it under
+`lax.switch`: idle, the forward of one microbatch through its chunk of layers, that
+microbatch's backward (each layer recomputed from the input the forward kept of it), or
+for zero-bubble schedules the input and weight gradients as two actions. A paired
+schedule's tick runs two lanes, each its own switch: a forward (or idle), then a
+backward (or idle). A chunk runs one layer at a time, each layer's weights read in place
+from the stage's stack and its gradient added in place into the stage's: a chunk's
+gradient taken out of the stack and added back whole was a copy of the chunk each tick
+(a dynamic slice XLA does not fuse into the layer loop; for two 1024-wide f32 layers on
+v5e, 20 us a tick, now 10). At the end of the tick each stage sends its forward's output
+to the next stage and its backward's input gradient to the previous one with
+collective-permutes (a run of ticks without backwards sends nothing back, and one
+without forwards nothing on). XLA's TPU compiler moves them to the top of the next tick
+and waits for them there, before the tick's conditional: a value read two ticks later
+(sent during the next tick's compute) was tried, and the compiler still waited before
+the conditional. Values wait in slot buffers whose sizes the schedule computed, so
+1F1B's program holds S microbatches' layer inputs where GPipe's holds M. Keeping only
+the chunk's input (`keeps="stage-inputs"`, the step's `stage_keeps`) holds a chunk's
+depth times less, and the backward runs the chunk's forward again to find them: a fifth
+more compute, and with parameters in blocks a third more layer gathers.
 
 The last stage runs the head (what follows the layers, up to the loss) of each
 microbatch in its forward and seeds the backward with the head's gradient (where every
@@ -38,7 +39,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from xla_strategies.passes.stages.chunk import (
@@ -56,11 +56,9 @@ from xla_strategies.passes.stages.heads import (
     seeds_where_read,
 )
 from xla_strategies.passes.stages.microbatch_draws import drawing_for
-from xla_strategies.passes.stages.schedules import BACKWARD, FORWARD, WEIGHT, Schedule
+from xla_strategies.passes.stages.schedule_table import BACKWARD, FORWARD, WEIGHT, Schedule
 from xla_strategies.passes.stages.slots import add_at, float_zeros, get, put
-
-_KINDS = {FORWARD: 1, BACKWARD: 2, WEIGHT: 3}
-
+from xla_strategies.passes.stages.tick_tables import KINDS, arrivals, branch_of, runs_of, tables
 
 #: what a stage's forward can keep of a microbatch for its backward (`StageProgram.keeps`)
 KEEPS = ("layer-inputs", "stage-inputs")
@@ -123,10 +121,10 @@ def run(
     weighted by `program.seed`."""
     stage = lax.axis_index(axis)
     # a tick's actions: one lane, or a paired schedule's forward then backward
-    lane_kinds = [(FORWARD,), (BACKWARD, WEIGHT)] if schedule.paired else [tuple(_KINDS)]
-    lane_tables = [_tables(schedule, kinds) for kinds in lane_kinds]
+    lane_kinds = [(FORWARD,), (BACKWARD, WEIGHT)] if schedule.paired else [tuple(KINDS)]
+    lane_tables = [tables(schedule, kinds) for kinds in lane_kinds]
     lanes = [{k: jnp.asarray(v) for k, v in t.items()} for t in lane_tables]
-    arrive = {k: jnp.asarray(v) for k, v in _arrivals(schedule).items()}
+    arrive = {k: jnp.asarray(v) for k, v in arrivals(schedule).items()}
     m_count, stages = schedule.microbatches, schedule.stages
     last = schedule.virtual_stages * stages - 1
     x0 = jax.tree.map(lambda a: a[0], inputs)
@@ -155,11 +153,11 @@ def run(
     forward_perm = [(d, (d + 1) % stages) for d in range(stages if ring else stages - 1)]
     backward_perm = [(d, (d - 1) % stages) for d in range(1 if not ring else 0, stages)]
 
-    runs = _runs([t["kind"] for t in lane_tables])
+    runs = runs_of([t["kind"] for t in lane_tables])
     # where every forward runs before any backward (GPipe, looped BFS), the head runs once
     # between the two, not in the forwards' ticks: there it made every stage wait, each
     # tick, for what the last stage runs in M of them
-    head_between = len(runs) == 2 and all(_KINDS[FORWARD] not in k for k in runs[1][2])
+    head_between = len(runs) == 2 and all(KINDS[FORWARD] not in k for k in runs[1][2])
     head_in_ticks = None if head_between else (head_rows, head_shared)
 
     def tick(t: Any, state: dict, kinds: tuple[tuple[int, ...], ...]) -> dict:
@@ -172,14 +170,14 @@ def run(
                 state, f, b = action(
                     state, {k: v[t, stage] for k, v in lane.items()}, lane_run_kinds
                 )
-                send_f = f if _KINDS[FORWARD] in lane_run_kinds else send_f
-                send_b = b if _KINDS[BACKWARD] in lane_run_kinds else send_b
+                send_f = f if KINDS[FORWARD] in lane_run_kinds else send_f
+                send_b = b if KINDS[BACKWARD] in lane_run_kinds else send_b
         present = {k for lane_run_kinds in kinds for k in lane_run_kinds}
         # a run sends only the ways its actions send: a run of forwards sent zeros back
         # too, as long a permute as the activations', over the same link (for
         # Llama-3.1-405B's looped BFS, 8.5 of its 41.6 GB over DCN a step)
-        state["recv_f"] = _sent(send_f, _KINDS[FORWARD] in present, axis, forward_perm)
-        state["recv_b"] = _sent(send_b, _KINDS[BACKWARD] in present, axis, backward_perm)
+        state["recv_f"] = _sent(send_f, KINDS[FORWARD] in present, axis, forward_perm)
+        state["recv_b"] = _sent(send_b, KINDS[BACKWARD] in present, axis, backward_perm)
         return state
 
     def action(state: dict, row: dict, kinds: tuple[int, ...]) -> tuple[dict, Any, Any]:
@@ -200,7 +198,7 @@ def run(
             )
         # only the kinds this run of ticks holds are branches, so a conditional's costliest
         # branch (what the step estimate charges a tick) is one some stage runs in it
-        branch = jnp.asarray(_branch_of(kinds))[row["kind"]]
+        branch = jnp.asarray(branch_of(kinds))[row["kind"]]
         return lax.switch(branch, [actions[k] for k in (0, *kinds)], state)
 
     total = lambda tree: jax.tree.map(lambda v: lax.psum(v, axis), tree)  # noqa: E731
@@ -348,61 +346,3 @@ def _weight_grad(s, where, program, weights, layer_rows, layer_shared):
     grads = chunk_backward(program, weights, chunk, layer_inputs, dy, rows, layer_shared, s, True)
     zero = jax.tree.map(jnp.zeros_like, layer_inputs(0))
     return grads.state, zero, zero
-
-
-def _runs(lanes: list[np.ndarray]) -> list[tuple[int, int, tuple[tuple[int, ...], ...]]]:
-    """The ticks in runs, each a loop of its own, with the action kinds each lane's ticks
-    hold in it. One lane: the warm-up, where no stage runs more than a forward, then the
-    rest. In one SPMD program a tick lasts as long as its slowest stage's action, and a
-    backward is the slowest: one loop with every kind a branch was priced as a backward
-    every tick, GPipe's forwards too (1.5x its lockstep time at S=4, M=8). Paired lanes:
-    a run wherever the lanes that run change (forwards alone, pairs, backwards alone), so
-    no tick is priced for a lane idle in it."""
-    if len(lanes) == 1:
-        marks = [bool(set(row) <= {0, _KINDS[FORWARD]}) for row in lanes[0].tolist()]
-    else:
-        marks = list(zip(*(lane.any(axis=1).tolist() for lane in lanes), strict=True))
-    runs, start = [], 0
-    for t in range(1, len(marks) + 1):
-        if t == len(marks) or marks[t] != marks[start]:
-            present = [tuple(sorted(set(k[start:t].ravel().tolist()) - {0})) for k in lanes]
-            runs.append((start, t, tuple(present)))
-            start = t
-    return runs
-
-
-def _branch_of(kinds: tuple[int, ...]) -> np.ndarray:
-    """Each action kind's branch in a run holding `kinds` (idle is branch 0)."""
-    branch = np.zeros(max(_KINDS.values()) + 1, np.int32)
-    for i, kind in enumerate(kinds):
-        branch[kind] = i + 1
-    return branch
-
-
-def _tables(schedule: Schedule, kinds: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The schedule's actions of `kinds` as int32 tables indexed [tick, stage]."""
-    shape = (schedule.ticks, schedule.stages)
-    tables = {
-        k: np.zeros(shape, np.int32) for k in ("kind", "micro", "chunk", "in_slot", "stash_slot")
-    }
-    for d, steps in enumerate(schedule.steps):
-        for step in steps:
-            if step.action.kind not in kinds:
-                continue
-            t = step.tick
-            tables["kind"][t, d] = _KINDS[step.action.kind]
-            tables["micro"][t, d] = step.action.microbatch
-            tables["chunk"][t, d] = step.action.chunk
-            tables["in_slot"][t, d] = step.input_slot
-            tables["stash_slot"][t, d] = step.stash_slot
-    return tables
-
-
-def _arrivals(schedule: Schedule) -> dict[str, np.ndarray]:
-    """The slot each tick's arriving activation and gradient go in, [tick, stage]; -1
-    where none arrives."""
-    shape = (schedule.ticks, schedule.stages)
-    tables = {"arrive_f": np.full(shape, -1, np.int32), "arrive_b": np.full(shape, -1, np.int32)}
-    for (t, d, kind), slot in schedule.arrivals.items():
-        tables["arrive_f" if kind == FORWARD else "arrive_b"][t, d] = slot
-    return tables
