@@ -121,7 +121,7 @@ def _draws_rows(jaxpr: Any, rows: int) -> bool:
     return False
 
 
-def _rows_of_the_whole_draw(p: Any, keys: Any, params: dict, rows: int, microbatches: int):
+def _rows_of_the_whole_draw(p: Any, keys: Any, params: dict, rows: int, microbatches: int) -> Any:
     with around_the_microbatches():
         keys = outside(keys)
         shape = params["shape"]

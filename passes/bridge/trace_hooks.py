@@ -121,19 +121,20 @@ def _typed_like_outputs(out_ct: Any, bwd: Callable[..., Any], args: tuple) -> An
     if len(leaves) != len(avals):  # symbolic zeros among them: JAX checks their types
         return out_ct
     typed = [
-        varying_over(_as_array(c, a.dtype), varying_axes(a)) if _is_value(c) else c
+        varying_over(_as_array(c, a.dtype), varying_axes(a)) if _is_value(c, a) else c
         for c, a in zip(leaves, avals, strict=True)
     ]
     return jax.tree.unflatten(tree, typed)
 
 
-def _is_value(x: Any) -> bool:
-    """A seed that can vary: a number or an array of one (not float0, an integer's)."""
-    if isinstance(x, int | float):
-        return True
-    if not isinstance(x, jax.Array | jax.core.Tracer | np.ndarray | np.generic):
+def _is_value(x: Any, aval: Any) -> bool:
+    """A seed that can vary: a number or an array of one, of an inexact output (an
+    integer's seed is float0)."""
+    numbers = int | float | jax.Array | jax.core.Tracer | np.ndarray | np.generic
+    inexact = lambda dtype: jax.numpy.issubdtype(dtype, jax.numpy.inexact)  # noqa: E731
+    if not isinstance(x, numbers) or not inexact(aval.dtype):
         return False
-    return jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+    return isinstance(x, int | float) or inexact(x.dtype)
 
 
 def _as_array(x: Any, dtype: Any) -> Any:
