@@ -56,10 +56,10 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
     # what the function reads from its closure becomes its first inputs
     jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
     marks = [i for i, e in enumerate(jaxpr.eqns) if e.primitive is boundary_p]
-    found = reductions(jaxpr)
+    reduced_by = reductions(jaxpr)
     if marks:
         return dataclasses.replace(
-            split_at_boundaries(jaxpr, consts, marks, divisor), reductions=found
+            split_at_boundaries(jaxpr, consts, marks, divisor), reductions=reduced_by
         )
     scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
     usable = [i for i in scans if _is_layer_stack(jaxpr.eqns[i], divisor)]
@@ -72,7 +72,7 @@ def split(fun: Callable[..., Any], args: Sequence[Any], divisor: int) -> LayerSt
             + (f"; the scans found have lengths {found}" if found else "; there is none")
         )
     at = max(usable, key=lambda i: _xs_bytes(jaxpr.eqns[i]))
-    return dataclasses.replace(_split_at(jaxpr, consts, at), reductions=found)
+    return dataclasses.replace(_split_at(jaxpr, consts, at), reductions=reduced_by)
 
 
 def _refuse_collectives(jaxpr: jex.Jaxpr) -> None:
