@@ -239,13 +239,13 @@ def simulate(
         started = []
         for d, actions in enumerate(lists):
             upcoming = actions[len(placed[d]) : len(placed[d]) + (2 if paired else 1)]
-            needs = lambda a: _needs(a, d, stages, last)  # noqa: E731, B023
-            if upcoming and _ready(needs(upcoming[0]), done, tick):
+            if upcoming and _ready(_needs(upcoming[0], d, stages, last), done, tick):
                 started.append((d, upcoming[0]))
+                first = _key(upcoming[0], d, stages)
                 if (
                     len(upcoming) == 2
                     and {upcoming[0].kind, upcoming[1].kind} == {FORWARD, BACKWARD}
-                    and _ready(needs(upcoming[1]), done, tick, _key(upcoming[0], d, stages))
+                    and _ready(_needs(upcoming[1], d, stages, last), done, tick, first)
                 ):
                     started.append((d, upcoming[1]))
         if not started and tick > max(done.values(), default=0) + 1:
