@@ -53,9 +53,9 @@ def trace(table: Schedule) -> str:
         events.append(
             {"ph": "M", "name": "process_name", "pid": stage, "args": {"name": f"stage {stage}"}}
         )
-        for step, after in zip(steps, (None, *steps), strict=False):
+        for step, before in zip(steps, (None, *steps), strict=False):
             action = step.action
-            second = after is not None and after.tick == step.tick  # a paired tick's backward
+            second = before is not None and before.tick == step.tick  # a paired tick's backward
             events.append(
                 {
                     "name": _label(action, table.virtual_stages),
