@@ -66,7 +66,7 @@ def microbatched(
             return [o for o, b in zip(out, batched, strict=True) if b]
 
         in_axes = [0 if r else None for r in rows]
-        per_microbatch = next((x.shape[1] for x, r in zip(split, rows, strict=True) if r), 0)
+        per_microbatch = rows_per_microbatch(flat, rows, microbatches)
         with (
             set_in_this_thread(_draws, "rows", (per_microbatch, microbatches)),
             patched(batching.BatchTrace, "process_primitive", _drawing_the_whole_batch),
@@ -78,6 +78,12 @@ def microbatched(
         ]
 
     return run
+
+
+def rows_per_microbatch(flat: Sequence[Any], rows: Sequence[bool], microbatches: int) -> int:
+    """How many of its rows each microbatch of a batch argument (flagged in `rows`) holds;
+    0 where none is one."""
+    return next((jnp.shape(x)[0] // microbatches for x, r in zip(flat, rows, strict=True) if r), 0)
 
 
 _draws = threading.local()  # (rows per microbatch, microbatches) of this thread's step

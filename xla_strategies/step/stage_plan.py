@@ -13,7 +13,7 @@ from typing import Any
 
 from xla_strategies.core.layout import STAGE_AXIS, Layout
 from xla_strategies.core.reduce_op import ReduceOp
-from xla_strategies.passes.bridge.microbatches import microbatched
+from xla_strategies.passes.bridge.microbatches import microbatched, rows_per_microbatch
 from xla_strategies.passes.bridge.pipelined_gradients import (
     Pipelined,
     StagePlan,
@@ -142,8 +142,7 @@ def on_microbatches(
     model_dims = [getattr(spec, "model_dim", None) for spec in specs]
 
     def traced(*flat: Any) -> list[Any]:
-        split = [x for x, r in zip(flat, rows, strict=True) if r]
-        per_microbatch = split[0].shape[0] // plan.microbatches if split else 0
+        per_microbatch = rows_per_microbatch(flat, rows, plan.microbatches)
         with split_over_the_model_axis(flat, model_dims):
             return pipelined_then_replayed(
                 lambda: run(*flat), lambda: step(*flat), per_microbatch, mean
