@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -155,19 +156,19 @@ def _pipelining_the_threads_gradients(original: Callable[..., Any]) -> Callable[
         # a gradient the pipelined loss itself takes is JAX's
         if state is None or state[2]:
             return original(fun, *primals, has_aux=has_aux, **kw)
-        if state[1].replay is not None:  # the step on its whole batch
-            state[2] = True  # its loss, run again there, takes JAX's gradients
-            try:
-                return state[1].replay.next(fun, primals, has_aux)
-            finally:
-                state[2] = False
-        if not tracing_microbatches():
-            return original(fun, *primals, has_aux=has_aux, **kw)
         plan, record, _ = state
-        record.gradients += 1
-        state[2] = True
+        if record.replay is not None:  # the step on its whole batch
+            given = functools.partial(record.replay.next, fun, primals, has_aux)
+        elif tracing_microbatches():
+            record.gradients += 1
+            given = functools.partial(
+                pipelined_vjp, plan, fun, primals, has_aux, record.stacked, record.taken
+            )
+        else:
+            return original(fun, *primals, has_aux=has_aux, **kw)
+        state[2] = True  # the loss, run in there, takes JAX's own gradients
         try:
-            return pipelined_vjp(plan, fun, primals, has_aux, record.stacked, record.taken)
+            return given()
         finally:
             state[2] = False
 
