@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import xla_strategies as xs
+from xla_strategies.hardware.compiled_report import hlo_report
 from xla_strategies.hardware.hlo import (
     COLLECTIVES,
     computations,
@@ -20,7 +21,9 @@ from xla_strategies.hardware.hlo import (
 from xla_strategies.hardware.hlo_collectives import collectives
 from xla_strategies.hardware.hlo_flops import hlo_flops
 from xla_strategies.hardware.hlo_loops import executions
-from xla_strategies.hardware.hlo_roofline import hbm_bytes
+from xla_strategies.hardware.hlo_roofline import hbm_bytes, instruction_seconds
+from xla_strategies.hardware.hlo_timeline import hlo_timeline
+from xla_strategies.hardware.topology import Topology
 
 _ASYNC = """HloModule m, num_partitions=8
 
@@ -62,6 +65,22 @@ def test_an_all_reduce_start_is_read_by_its_result_not_its_operands_too():
         "((bf16[1024]{0}), bf16[1024]{0}) all-reduce-start", "bf16[1024]{0} all-reduce-start"
     )
     assert collectives(tpu)[0].nbytes == 2 * 1024  # libtpu's spelling: the result alone
+
+
+def test_without_cycle_estimates_the_compute_before_a_done_hides_its_collective():
+    """XLA:GPU writes no cycle estimates: the report hides an asynchronous collective
+    behind the roofline of the compute scheduled before its done, as the timeline draws
+    it, where it once counted all of it as exposed."""
+    topology = Topology.from_name("dgx-h100")
+    comps, _ = computations(_ASYNC)
+    types = {op[0]: op[1] for op in comps["main"]}
+    (fusion,) = [op for op in comps["main"] if op[2] == "fusion-start"]
+    beside = instruction_seconds(fusion, comps, types, topology)
+    estimate = hlo_report(_ASYNC, topology).estimate
+    assert 0 < beside < estimate["communication_s"]
+    assert estimate["exposed_s"] == pytest.approx(estimate["communication_s"] - beside)
+    waited = hlo_timeline(_ASYNC, topology)["metadata"]["waited_s"]
+    assert estimate["exposed_s"] == pytest.approx(waited)
 
 
 def test_a_fusion_start_runs_its_computation_once_and_writes_in_place():

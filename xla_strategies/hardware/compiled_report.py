@@ -26,7 +26,11 @@ from xla_strategies.hardware.calibration import Calibration, uncalibrated
 from xla_strategies.hardware.hlo import HloReadError
 from xla_strategies.hardware.hlo_collectives import Collective, collectives, total_cycles
 from xla_strategies.hardware.hlo_flops import hlo_flops, matmul_seconds, opaque_kernel_calls
-from xla_strategies.hardware.hlo_roofline import roofline_seconds, roofline_step
+from xla_strategies.hardware.hlo_roofline import (
+    overlapped_seconds,
+    roofline_seconds,
+    roofline_step,
+)
 from xla_strategies.passes.cost import model as cost_model
 
 if TYPE_CHECKING:
@@ -191,9 +195,10 @@ def step_estimate(
     matmul flops at each element type's peak alone (`matmul_s`, always given; it counts
     what remat computes again, so it is not the model's flops of MFU); communication from
     the topology's cost model per collective XLA kept; exposed communication from XLA's
-    schedule (an asynchronous collective hides behind the share of the compute, by XLA's
-    cycle estimates, scheduled between its start and done). None where the topology does
-    not know a rate.
+    schedule (an asynchronous collective hides behind the compute scheduled between its
+    start and done: its share of the step's compute by XLA's cycle estimates, or where the
+    program has none, as XLA:GPU's, that compute's roofline seconds read from `hlo_text`).
+    None where the topology does not know a rate.
 
     With the program's `hlo_text`, a conditional (a pipeline's tick) adds the branch whose
     compute and exposed communication together are the longest: every stage runs one
@@ -211,6 +216,9 @@ def step_estimate(
         }
     # the share of the compute beside an asynchronous collective that measured steps hide
     hides = (topology.calibration or Calibration()).hidden_fraction
+    overlapped = {}
+    if not cycles and hlo_text is not None and compute is not None:
+        overlapped = overlapped_seconds(hlo_text, report.collectives, topology)
     per_run: dict[str, Counter[str]] = {}  # each computation's collectives, one run of it
     communication = exposed = 0.0
     for c in report.collectives:
@@ -218,6 +226,8 @@ def step_estimate(
         hidden = 0.0
         if c.asynchronous and compute is not None and cycles:
             hidden = compute * c.overlapped_cycles / cycles * hides
+        elif c.asynchronous:
+            hidden = overlapped.get((c.computation, c.name), 0.0) * hides
         run = per_run.setdefault(c.computation, Counter())
         run["communication"] += seconds
         run["exposed"] += max(0.0, seconds - hidden)

@@ -103,7 +103,7 @@ def collectives(hlo_text: str, devices_per_replica: int = 1) -> list[Collective]
                 asynchronous, cycles = True, _cycles(rest)
             else:
                 asynchronous = opcode.endswith("-start")
-                between = _between(ops, position, op_name) if asynchronous else []
+                between = scheduled_between(ops, position, op_name) if asynchronous else []
                 cycles = sum(_cycles(r) for *_, r in between)
             config = rest if _EMITTER.search(rest) else inner_rest
             found.append(
@@ -191,7 +191,7 @@ def _across_slices(
     """The cross-slice collective whose `recv` is `ops[position]`: asynchronous from the
     transfer's start to its `recv-done`, its result the `recv`'s first element."""
     op_name, types, _, rest = ops[position]
-    between = _between(ops, position, op_name)
+    between = scheduled_between(ops, position, op_name)
     result = ARRAY_TYPE.search(types)
     return Collective(
         kind=across[0],
@@ -258,7 +258,7 @@ def _collective(
     return None
 
 
-def _between(ops: list[Op], start: int, start_name: str) -> list[Op]:
+def scheduled_between(ops: list[Op], start: int, start_name: str) -> list[Op]:
     """The compute instructions scheduled after `start` and before the done that reads it."""
     between = []
     for op in ops[start + 1 :]:

@@ -38,10 +38,12 @@ from xla_strategies.hardware.hlo import (
     operand_text,
     started_result,
 )
+from xla_strategies.hardware.hlo_collectives import scheduled_between
 from xla_strategies.hardware.hlo_flops import declared_cost, instruction_flops, matmul_seconds
 from xla_strategies.hardware.hlo_loops import step_total
 
 if TYPE_CHECKING:
+    from xla_strategies.hardware.hlo_collectives import Collective
     from xla_strategies.hardware.topology import Topology
 
 #: Instructions that move no data through HBM of their own, or whose traffic is priced
@@ -119,6 +121,31 @@ def roofline_step(
 
     step = step_total(comps, entry, own, rank=rank)
     return max(step["serial"], step["moved"] / bandwidth), step
+
+
+def overlapped_seconds(
+    hlo_text: str, found: list[Collective], topology: Topology
+) -> dict[tuple[str, str], float]:
+    """Each asynchronous collective's compute scheduled between its start and its done, in
+    roofline seconds, by (computation, start's name): what may hide it where the program
+    carries no cycle estimates of XLA's (XLA:GPU writes none). A loop or call scheduled
+    there counts nothing (its body is not read here): a lower bound on the overlap. Empty
+    where the topology knows no peak or bandwidth."""
+    if not topology.memory_bandwidth or not topology.peak_flops:
+        return {}
+    comps, _ = computations(hlo_text)
+    seconds: dict[tuple[str, str], float] = {}
+    for c in found:
+        ops = comps.get(c.computation, [])
+        types = {op[0]: op[1] for op in ops}
+        position = next((i for i, op in enumerate(ops) if op[0] == c.name), None)
+        if not c.asynchronous or position is None or ops[position][2] in FUSIONS:
+            continue
+        between = scheduled_between(ops, position, c.name)
+        seconds[c.computation, c.name] = sum(
+            instruction_seconds(op, comps, types, topology) for op in between
+        )
+    return seconds
 
 
 def instruction_seconds(
