@@ -15,8 +15,8 @@ So the importer marks the nodes of each outermost call with its `CallSite`
 gradient's scale, a loop whose body a pass may rewrite, a sharding) is left inlined.
 
 Not for GPUs (`calls_kept`): XLA's GPU compiler fuses less across the calls, and the
-plain-JAX GPT-2 medium's step on a DGX H100 node reads 4.6 % longer with them (138.98
-against 132.91 ms, the same memory). Nor where the `inline-nested-calls` pass unmarked
+plain-JAX GPT-2 medium's step on a DGX H100 node reads 4.7 % longer with them (135.83
+against 129.76 ms, the same memory). Nor where the `inline-nested-calls` pass unmarked
 the sites (`inline_calls`): a step compiled for a topology tries that by compiling it.
 """
 
