@@ -216,7 +216,7 @@ def step_estimate(
         }
     # the share of the compute beside an asynchronous collective that measured steps hide
     hides = (topology.calibration or Calibration()).hidden_fraction
-    overlapped = {}
+    overlapped: dict[tuple[str, str], float] = {}
     if not cycles and hlo_text is not None and compute is not None:
         overlapped = overlapped_seconds(hlo_text, report.collectives, topology)
     per_run: dict[str, Counter[str]] = {}  # each computation's collectives, one run of it
