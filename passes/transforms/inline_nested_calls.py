@@ -12,8 +12,8 @@ and v5p-512, libtpu 0.0.50):
 | plain-JAX Llama-2-7B, parameters sharded, v5e-256 | 4.52 / 4.31 | 875.81 / 874.98 |
 
 and on GPUs the plain-JAX GPT-2 medium's step on a DGX H100 node reads 4.7 % longer with
-the calls (135.83 against 129.76 ms, the same memory; read 2026-12-01). So `mode=auto` inlines them for
-GPUs only, and a step compiled for a known topology tries `mode=on` by compiling it
+the calls (135.83 against 129.76 ms, the same memory; read 2026-12-01). So `mode=auto`
+inlines them for GPUs only, and a step compiled for a known topology tries `mode=on` by compiling it
 (`select_by_compiling`), keeping it where XLA's compile says it is better.
 
 The IR's text is the same before and after: what changes is the mark each node of a call

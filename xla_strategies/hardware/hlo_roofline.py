@@ -135,16 +135,16 @@ def overlapped_seconds(
         return {}
     comps, _ = computations(hlo_text)
     seconds: dict[tuple[str, str], float] = {}
-    for c in found:
-        ops = comps.get(c.computation, [])
+    started = {(c.computation, c.name) for c in found if c.asynchronous}
+    for name in {computation for computation, _ in started}:
+        ops = comps.get(name, [])
         types = {op[0]: op[1] for op in ops}
-        position = next((i for i, op in enumerate(ops) if op[0] == c.name), None)
-        if not c.asynchronous or position is None or ops[position][2] in FUSIONS:
-            continue
-        between = scheduled_between(ops, position, c.name)
-        seconds[c.computation, c.name] = sum(
-            instruction_seconds(op, comps, types, topology) for op in between
-        )
+        for position, (op_name, _, opcode, _) in enumerate(ops):
+            if (name, op_name) in started and opcode not in FUSIONS:  # a fused one: no wait
+                between = scheduled_between(ops, position, op_name)
+                seconds[name, op_name] = sum(
+                    instruction_seconds(op, comps, types, topology) for op in between
+                )
     return seconds
 
 
